@@ -1,0 +1,82 @@
+# One Makefile: CI, hooks and people all call these targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+CACHE := .cache
+KAFKA_LIBS := $(CACHE)/kafka/libs
+SPARK_JARS := $(CACHE)/spark/jars
+STAMP_PY := $(VENV)/.installed
+STAMP_KAFKA := $(KAFKA_LIBS)/.fetched
+STAMP_SPARK := $(SPARK_JARS)/.fetched
+STAMP_APT := $(CACHE)/.apt
+
+.PHONY: setup run test test-unit test-integration bench lint fmt up down report clean
+
+setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
+
+$(STAMP_PY): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev,spark,faust]'
+	touch $@
+
+$(STAMP_KAFKA): infra/kafka/pom.xml
+	mkdir -p $(KAFKA_LIBS)
+	mvn -q -B -f infra/kafka/pom.xml dependency:copy-dependencies \
+	    -DincludeScope=runtime -DoutputDirectory=$(abspath $(KAFKA_LIBS))
+	touch $@
+
+$(STAMP_SPARK): infra/spark/pom.xml
+	mkdir -p $(SPARK_JARS)
+	mvn -q -B -f infra/spark/pom.xml dependency:copy-dependencies \
+	    -DincludeScope=runtime -DoutputDirectory=$(abspath $(SPARK_JARS))
+	touch $@
+
+# Debian packages the local stack runs: redis-server (locks, timers), prometheus (panel checks), kcat (protocol example).
+$(STAMP_APT):
+	mkdir -p $(CACHE)
+	@missing=""; for b in redis-server:redis-server prometheus:prometheus kcat:kcat; do \
+	    command -v $${b%%:*} >/dev/null || missing="$$missing $${b##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	fi
+	touch $@
+
+run: setup
+	$(PY) -m ksb.demo
+
+test: setup $(STAMP_SPARK)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: $(STAMP_PY)
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+test-integration: setup
+	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench
+
+lint: $(STAMP_PY)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+fmt: $(STAMP_PY)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+# Start / stop only the embedded stack (Kafka + Redis) in the background, state under var/.
+up: setup
+	$(PY) -m ksb.localstack up
+
+down:
+	$(PY) -m ksb.localstack down
+
+report: setup $(STAMP_SPARK)
+	$(PY) -m ksb.report
+
+clean:
+	rm -rf var $(CACHE)

@@ -1,0 +1,1 @@
+"""KSB services: each is `python -m services.<name>`, a thin shell around ksb logic."""

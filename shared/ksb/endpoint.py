@@ -1,0 +1,129 @@
+"""Conversation endpoints and their state machine, named as Service Broker names them.
+
+The transitions are pure functions over an `Endpoint` so the dispatcher's rules are unit-tested without
+Kafka; the dispatcher persists each changed endpoint to the compacted endpoints topic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from ksb.errors import ConversationError
+
+__all__ = [
+    "Endpoint",
+    "State",
+    "after_end",
+    "after_peer_ended",
+    "after_peer_error",
+    "after_peer_received_end",
+    "after_receive",
+    "after_send",
+    "check_can_send",
+    "decode_endpoint",
+    "encode_endpoint",
+]
+
+
+class State(str, Enum):
+    STARTED_OUTBOUND = "SO"
+    STARTED_INBOUND = "SI"
+    CONVERSING = "CO"
+    DISCONNECTED_INBOUND = "DI"
+    DISCONNECTED_OUTBOUND = "DO"
+    ERROR = "ER"
+    CLOSED = "CD"
+
+
+_CAN_SEND = {State.STARTED_OUTBOUND, State.STARTED_INBOUND, State.CONVERSING}
+
+
+@dataclass
+class Endpoint:
+    handle: str
+    conversation_id: str
+    is_initiator: bool
+    state: State
+    local_service: str
+    remote_service: str
+    contract: str
+    queue: str
+    group: str
+    priority: int
+    far_handle: str | None
+    created_ms: int
+    updated_ms: int
+    send_seq: int = 0
+    lifetime_deadline_ms: int | None = None
+    timer_deadline_ms: int | None = None
+    outstanding: int = 0
+    error_code: int | None = None
+    error_description: str | None = None
+
+    def copy(self) -> Endpoint:
+        return dataclasses.replace(self)
+
+
+def check_can_send(ep: Endpoint) -> None:
+    if ep.state not in _CAN_SEND:
+        raise ConversationError(
+            f"cannot SEND on conversation {ep.handle}: it is {ep.state.name}",
+            code="conversation_closed",
+        )
+
+
+def after_send(ep: Endpoint) -> State:
+    """The first message makes a started conversation CONVERSING."""
+    check_can_send(ep)
+    return State.CONVERSING
+
+
+def after_receive(ep: Endpoint) -> State:
+    """A target is STARTED_INBOUND until its application has received its first message."""
+    return State.CONVERSING if ep.state is State.STARTED_INBOUND else ep.state
+
+
+def after_end(ep: Endpoint) -> State:
+    """END CONVERSATION: closed if the far side already ended or failed, else waiting for it."""
+    if ep.state is State.CLOSED:
+        raise ConversationError(
+            f"conversation {ep.handle} is already CLOSED", code="conversation_closed"
+        )
+    if ep.state in (State.DISCONNECTED_INBOUND, State.ERROR):
+        return State.CLOSED
+    return State.DISCONNECTED_OUTBOUND
+
+
+def after_peer_ended(ep: Endpoint) -> State:
+    """An EndDialog arrived: if we had ended too, the conversation is over."""
+    if ep.state in (State.DISCONNECTED_OUTBOUND, State.CLOSED):
+        return State.CLOSED
+    return State.DISCONNECTED_INBOUND
+
+
+def after_peer_received_end(ep: Endpoint) -> State:
+    """The far side received our EndDialog or Error: the acknowledgement that closes us."""
+    return State.CLOSED if ep.state is State.DISCONNECTED_OUTBOUND else ep.state
+
+
+def after_peer_error(ep: Endpoint) -> State:
+    return State.CLOSED if ep.state is State.CLOSED else State.ERROR
+
+
+def encode_endpoint(ep: Endpoint) -> bytes:
+    d: dict[str, Any] = dataclasses.asdict(ep)
+    d["state"] = ep.state.name
+    d["v"] = 1
+    return json.dumps({k: v for k, v in d.items() if v is not None}, separators=(",", ":")).encode()
+
+
+def decode_endpoint(raw: bytes) -> Endpoint:
+    d = json.loads(raw)
+    d.pop("v", None)
+    d["state"] = State[d["state"]]
+    fields = {f.name for f in dataclasses.fields(Endpoint)}
+    return Endpoint(**{k: v for k, v in d.items() if k in fields})

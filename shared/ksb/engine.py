@@ -1,0 +1,611 @@
+"""The dispatcher's pure engine: requests in, records out.
+
+The engine owns endpoint state, the set of messages still waiting in queues and the conversation timers.
+It never touches Kafka: the dispatcher feeds it requests and writes the `Outputs` of each request in one
+Kafka transaction together with the consumed offsets, which is what makes delivery exactly-once.
+
+Every request is handled as a small transaction over a staging area, so a request with several actions
+(a multi-conversation SEND, a reader's commit) either applies whole or leaves no trace.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ksb import endpoint as ep_rules
+from ksb.catalog import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, MessageType
+from ksb.endpoint import Endpoint, State
+from ksb.errors import CatalogError, ConversationError, KsbError, ProtocolError, ValidationFailed
+from ksb.protocol import (
+    BeginRequest,
+    CommitOutcome,
+    CommitRequest,
+    EndRequest,
+    ErrorRecord,
+    QueueMessage,
+    Receipt,
+    SendRequest,
+    TimerRequest,
+    encode_body,
+)
+
+__all__ = ["Engine", "Inflight", "Outputs", "QueueWrite", "partition_for"]
+
+_TARGET_NS = uuid.UUID("6b7a1c2e-5f44-4f0e-9a51-0c1b7d1e3a10")
+_VALIDATION_CODE = {"NONE": "N", "EMPTY": "E", "WELL_FORMED_JSON": "J", "SCHEMA": "S"}
+# Error codes placed in Error messages; negative like Service Broker's system errors.
+LIFETIME_EXPIRED = -8489
+VALIDATION_ERROR = -9615
+CONTRACT_REFUSED = -8408
+
+
+def partition_for(group: str, partitions: int) -> int:
+    """A group's messages all live in one partition of its queue topic, in send order."""
+    return zlib.crc32(group.encode()) % partitions
+
+
+@dataclass(frozen=True)
+class QueueWrite:
+    """One record for a queue topic: a message, a receipt (value None), or a commit outcome."""
+
+    queue: str
+    partition: int
+    key: str
+    value: QueueMessage | CommitOutcome | None
+
+
+@dataclass(frozen=True)
+class Inflight:
+    """A message still in a queue: enough to apply its receipt without reading it back."""
+
+    queue: str
+    partition: int
+    group: str
+    handle: str
+    message_type: str
+
+
+@dataclass
+class Outputs:
+    queue: list[QueueWrite] = field(default_factory=list)
+    endpoints: list[Endpoint] = field(default_factory=list)
+    errors: list[ErrorRecord] = field(default_factory=list)
+
+    def extend(self, other: Outputs) -> None:
+        self.queue.extend(other.queue)
+        self.endpoints.extend(other.endpoints)
+        self.errors.extend(other.errors)
+
+
+class _Stage:
+    """Copy-on-write view of the engine's state for one request."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.endpoints: dict[str, Endpoint] = {}
+        self.new_inflight: dict[str, Inflight] = {}
+        self.gone_inflight: set[str] = set()
+        self.out = Outputs()
+
+    def endpoint(self, handle: str) -> Endpoint:
+        if handle in self.endpoints:
+            return self.endpoints[handle]
+        base = self.engine.endpoints.get(handle)
+        if base is None or base.state is State.CLOSED:
+            raise ConversationError(
+                f"unknown or closed conversation handle {handle!r}", code="unknown_conversation"
+            )
+        ep = base.copy()
+        self.endpoints[handle] = ep
+        return ep
+
+    def maybe_endpoint(self, handle: str | None) -> Endpoint | None:
+        if handle is None:
+            return None
+        try:
+            return self.endpoint(handle)
+        except ConversationError:
+            return None
+
+    def put(self, ep: Endpoint) -> None:
+        self.endpoints[ep.handle] = ep
+
+
+class Engine:
+    """Endpoint state, queue membership and timers for one broker instance."""
+
+    def __init__(self, catalog: CatalogView, *, instance: str, max_body_bytes: int) -> None:
+        self.catalog = catalog
+        self.instance = instance
+        self.max_body_bytes = max_body_bytes
+        self.endpoints: dict[str, Endpoint] = {}
+        self.inflight: dict[str, Inflight] = {}
+        self.fences: dict[tuple[str, str], int] = {}
+        self._timers: list[tuple[int, str, str]] = []
+        self._order = 0
+
+    # ------------------------------------------------------------------ rebuild from Kafka
+    def load_endpoint(self, ep: Endpoint) -> None:
+        if ep.state is State.CLOSED:
+            self.endpoints.pop(ep.handle, None)
+            return
+        self.endpoints[ep.handle] = ep
+        self._arm(ep)
+
+    def load_queue_record(self, key: str, value: QueueMessage | None, partition: int) -> None:
+        if value is None:
+            self.inflight.pop(key, None)
+            return
+        if value.status != 1:
+            self.inflight.pop(key, None)
+            return
+        self.inflight[key] = Inflight(
+            value.queue,
+            partition,
+            value.conversation_group_id,
+            value.conversation_handle,
+            value.message_type_name,
+        )
+        self._order = max(self._order, value.queuing_order + 1)
+
+    # ------------------------------------------------------------------ requests
+    def handle(
+        self,
+        request: BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
+        now_ms: int,
+    ) -> Outputs:
+        stage = _Stage(self)
+        try:
+            if isinstance(request, CommitRequest):
+                self._commit(stage, request, now_ms)
+            else:
+                self._action(stage, request, now_ms)
+        except KsbError as exc:
+            return self._refused(request, exc, now_ms)
+        self._merge(stage)
+        return stage.out
+
+    def _refused(
+        self,
+        request: BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
+        exc: KsbError,
+        now_ms: int,
+    ) -> Outputs:
+        out = Outputs()
+        handle = _request_handle(request)
+        out.errors.append(
+            ErrorRecord(request_id=request.request_id, code=exc.code, reason=exc.reason, handle=handle)
+        )
+        if isinstance(request, CommitRequest) and request.receipt is not None:
+            r = request.receipt
+            queue = self.catalog.queues.get(r.queue)
+            partitions = queue.partitions if queue else 1
+            out.queue.append(
+                QueueWrite(
+                    r.queue,
+                    partition_for(r.group, partitions),
+                    f"commit/{request.request_id}",
+                    CommitOutcome(
+                        request_id=request.request_id,
+                        group=r.group,
+                        token=r.token,
+                        applied=False,
+                        reason=f"{exc.code}: {exc.reason}",
+                    ),
+                )
+            )
+        return out
+
+    def _merge(self, stage: _Stage) -> None:
+        for mid in stage.gone_inflight:
+            self.inflight.pop(mid, None)
+        self.inflight.update(stage.new_inflight)
+        for ep in stage.endpoints.values():
+            if ep.state is State.CLOSED:
+                self.endpoints.pop(ep.handle, None)
+            else:
+                self.endpoints[ep.handle] = ep
+                self._arm(ep)
+            stage.out.endpoints.append(ep)
+
+    def _action(
+        self, stage: _Stage, req: BeginRequest | SendRequest | EndRequest | TimerRequest, now: int
+    ) -> None:
+        if isinstance(req, BeginRequest):
+            self._begin(stage, req, now)
+        elif isinstance(req, SendRequest):
+            self._send(stage, req, now)
+        elif isinstance(req, EndRequest):
+            self._end(stage, req, now)
+        else:
+            self._timer(stage, req, now)
+
+    # ------------------------------------------------------------------ BEGIN DIALOG
+    def _begin(self, stage: _Stage, req: BeginRequest, now: int) -> None:
+        if req.handle in self.endpoints or req.handle in stage.endpoints:
+            existing = stage.endpoints.get(req.handle) or self.endpoints[req.handle]
+            if existing.is_initiator and existing.remote_service == req.to_service:
+                return  # a retried BEGIN: the dialog already exists
+            raise ConversationError(f"handle {req.handle!r} is already in use", code="duplicate_handle")
+        cat = self.catalog
+        local = cat.service(req.from_service)
+        contract = cat.contract(req.contract)
+        target = cat.services.get(req.to_service)
+        if target is None:
+            raise CatalogError(
+                f"unknown target service {req.to_service!r} (no local service, no route)",
+                code="unknown_service",
+            )
+        if contract.name not in target.contracts:
+            raise CatalogError(
+                f"service {target.name!r} does not accept contract {contract.name!r}",
+                code="contract_not_accepted",
+            )
+        group = req.conversation_group_id or str(uuid.uuid4())
+        if req.related_conversation is not None:
+            group = stage.endpoint(req.related_conversation).group
+        conversation_id = req.handle
+        level = cat.priorities.level(contract.name, local.name, target.name)
+        lifetime = now + req.lifetime_s * 1000 if req.lifetime_s else None
+        stage.put(
+            Endpoint(
+                handle=req.handle,
+                conversation_id=conversation_id,
+                is_initiator=True,
+                state=State.STARTED_OUTBOUND,
+                local_service=local.name,
+                remote_service=target.name,
+                contract=contract.name,
+                queue=local.queue,
+                group=group,
+                priority=level,
+                far_handle=target_handle(conversation_id),
+                created_ms=now,
+                updated_ms=now,
+                lifetime_deadline_ms=lifetime,
+            )
+        )
+
+    def _ensure_target(self, stage: _Stage, initiator: Endpoint, now: int) -> Endpoint:
+        """The target endpoint comes into being with the first message sent to it."""
+        assert initiator.far_handle is not None
+        existing = stage.endpoints.get(initiator.far_handle) or self.endpoints.get(
+            initiator.far_handle
+        )
+        if existing is not None:
+            return stage.endpoint(existing.handle)
+        service = self.catalog.service(initiator.remote_service)
+        level = self.catalog.priorities.level(
+            initiator.contract, service.name, initiator.local_service
+        )
+        ep = Endpoint(
+            handle=initiator.far_handle,
+            conversation_id=initiator.conversation_id,
+            is_initiator=False,
+            state=State.STARTED_INBOUND,
+            local_service=service.name,
+            remote_service=initiator.local_service,
+            contract=initiator.contract,
+            queue=service.queue,
+            group=str(uuid.uuid4()),
+            priority=level,
+            far_handle=initiator.handle,
+            created_ms=now,
+            updated_ms=now,
+            lifetime_deadline_ms=initiator.lifetime_deadline_ms,
+        )
+        stage.put(ep)
+        return ep
+
+    def _peer(self, stage: _Stage, sender: Endpoint, now: int) -> Endpoint | None:
+        if sender.is_initiator:
+            if sender.far_handle in stage.endpoints or sender.far_handle in self.endpoints:
+                return stage.maybe_endpoint(sender.far_handle)
+            return None
+        return stage.maybe_endpoint(sender.far_handle)
+
+    # ------------------------------------------------------------------ SEND
+    def _send(self, stage: _Stage, req: SendRequest, now: int) -> None:
+        body = req.body_bytes()
+        if len(body) > self.max_body_bytes:
+            raise ConversationError(
+                f"message body is {len(body)} bytes, over the limit of {self.max_body_bytes}",
+                code="body_too_large",
+            )
+        mtype = self.catalog.message_type(req.message_type)
+        senders = [stage.endpoint(h) for h in dict.fromkeys(req.handles)]
+        for sender in senders:
+            ep_rules.check_can_send(sender)
+            contract = self.catalog.contract(sender.contract)
+            if not contract.knows(mtype.name):
+                raise ConversationError(
+                    f"message type {mtype.name!r} is not in contract {contract.name!r}",
+                    code="message_type_not_in_contract",
+                )
+            if not contract.allows(mtype.name, from_initiator=sender.is_initiator):
+                side = "initiator" if sender.is_initiator else "target"
+                raise ConversationError(
+                    f"message type {mtype.name!r} may not be sent by the {side} "
+                    f"in contract {contract.name!r}",
+                    code="message_type_not_allowed",
+                )
+            if sender.lifetime_deadline_ms is not None and now >= sender.lifetime_deadline_ms:
+                raise ConversationError(
+                    f"conversation {sender.handle} has passed its lifetime", code="lifetime_expired"
+                )
+        for sender in senders:
+            self._deliver(stage, sender, mtype, body, now)
+
+    def _deliver(
+        self, stage: _Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
+    ) -> None:
+        receiver = (
+            self._ensure_target(stage, sender, now)
+            if sender.is_initiator
+            else stage.endpoint(sender.far_handle or "")
+        )
+        sender.state = ep_rules.after_send(sender)
+        sender.updated_ms = now
+        try:
+            mtype.validate_body(body)
+        except ValidationFailed as exc:
+            # The receiving side refuses the message and fails the dialog, as a target would.
+            self._fail_dialog(stage, sender, receiver, VALIDATION_ERROR, exc.reason, now)
+            return
+        self._enqueue(stage, receiver, mtype.name, _VALIDATION_CODE[mtype.validation.value], body,
+                      sender.send_seq, now)
+        sender.send_seq += 1
+
+    def _enqueue(
+        self,
+        stage: _Stage,
+        receiver: Endpoint,
+        message_type: str,
+        validation: str,
+        body: bytes,
+        seq: int,
+        now: int,
+    ) -> None:
+        queue = self.catalog.queue(receiver.queue)
+        message_id = str(uuid.uuid4())
+        part = partition_for(receiver.group, queue.partitions)
+        msg = QueueMessage(
+            message_id=message_id,
+            queue=queue.name,
+            priority=receiver.priority,
+            queuing_order=self._next_order(),
+            conversation_group_id=receiver.group,
+            conversation_handle=receiver.handle,
+            conversation_id=receiver.conversation_id,
+            message_sequence_number=seq,
+            service_name=receiver.local_service,
+            service_contract_name=receiver.contract,
+            message_type_name=message_type,
+            validation=validation,
+            enqueued_ms=now,
+            **encode_body(body),
+        )
+        stage.out.queue.append(QueueWrite(queue.name, part, message_id, msg))
+        stage.new_inflight[message_id] = Inflight(
+            queue.name, part, receiver.group, receiver.handle, message_type
+        )
+        receiver.outstanding += 1
+        receiver.updated_ms = now
+
+    def _next_order(self) -> int:
+        self._order += 1
+        return self._order
+
+    def _fail_dialog(
+        self, stage: _Stage, sender: Endpoint, receiver: Endpoint, code: int, reason: str, now: int
+    ) -> None:
+        """The receiver refuses the dialog: an Error goes back to the sender, the receiver closes."""
+        self._enqueue(stage, sender, ERROR, "X", _error_body(code, reason), -1, now)
+        sender.state = ep_rules.after_peer_error(sender)
+        sender.error_code, sender.error_description = code, reason
+        receiver.state = State.CLOSED
+        receiver.updated_ms = now
+        self._drop_queued(stage, receiver)
+
+    # ------------------------------------------------------------------ END CONVERSATION
+    def _end(self, stage: _Stage, req: EndRequest, now: int) -> None:
+        ep = stage.endpoint(req.handle)
+        ep.updated_ms = now
+        if req.cleanup:
+            ep.state = State.CLOSED
+            self._drop_queued(stage, ep)
+            return
+        peer = self._peer(stage, ep, now)
+        new_state = ep_rules.after_end(ep)
+        if peer is not None and peer.state is not State.CLOSED and ep.state not in (
+            State.DISCONNECTED_INBOUND,
+            State.ERROR,
+        ):
+            if req.error_code is not None:
+                desc = req.error_description or ""
+                self._enqueue(stage, peer, ERROR, "X", _error_body(req.error_code, desc), ep.send_seq, now)
+                peer.state = ep_rules.after_peer_error(peer)
+                peer.error_code, peer.error_description = req.error_code, desc
+            else:
+                self._enqueue(stage, peer, END_DIALOG, "E", b"", ep.send_seq, now)
+                peer.state = ep_rules.after_peer_ended(peer)
+            ep.send_seq += 1
+        elif peer is None and ep.is_initiator:
+            new_state = State.CLOSED  # nothing was ever sent: there is no far side to tell
+        ep.state = new_state
+        if ep.state is State.CLOSED:
+            self._drop_queued(stage, ep)
+
+    def _drop_queued(self, stage: _Stage, ep: Endpoint) -> None:
+        """A closed endpoint's unreceived messages leave its queue."""
+        for mid, info in list(self.inflight.items()) + list(stage.new_inflight.items()):
+            if info.handle == ep.handle and mid not in stage.gone_inflight:
+                stage.gone_inflight.add(mid)
+                stage.new_inflight.pop(mid, None)
+                stage.out.queue.append(QueueWrite(info.queue, info.partition, mid, None))
+        ep.outstanding = 0
+
+    # ------------------------------------------------------------------ BEGIN CONVERSATION TIMER
+    def _timer(self, stage: _Stage, req: TimerRequest, now: int) -> None:
+        ep = stage.endpoint(req.handle)
+        if ep.state in (State.CLOSED, State.DISCONNECTED_OUTBOUND):
+            raise ConversationError(
+                f"cannot set a timer on conversation {ep.handle}: it is {ep.state.name}",
+                code="conversation_closed",
+            )
+        ep.timer_deadline_ms = now + round(req.timeout_s * 1000)
+        ep.updated_ms = now
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, stage: _Stage, req: CommitRequest, now: int) -> None:
+        if req.receipt is not None:
+            self._apply_receipt(stage, req.receipt, now)
+        for action in req.actions:
+            self._action(stage, action, now)
+        if req.receipt is not None:
+            r = req.receipt
+            queue = self.catalog.queue(r.queue)
+            stage.out.queue.append(
+                QueueWrite(
+                    r.queue,
+                    partition_for(r.group, queue.partitions),
+                    f"commit/{req.request_id}",
+                    CommitOutcome(request_id=req.request_id, group=r.group, token=r.token, applied=True),
+                )
+            )
+            if r.token:
+                self.fences[(r.queue, r.group)] = r.token
+
+    def _apply_receipt(self, stage: _Stage, r: Receipt, now: int) -> None:
+        fence = self.fences.get((r.queue, r.group), 0)
+        if r.token and r.token < fence:
+            raise ConversationError(
+                f"stale lock token {r.token} for group {r.group} (a newer holder committed {fence})",
+                code="stale_token",
+            )
+        queue = self.catalog.queue(r.queue)
+        for mid in dict.fromkeys(r.message_ids):
+            info = self.inflight.get(mid)
+            if info is None or mid in stage.gone_inflight:
+                raise ConversationError(
+                    f"message {mid} is not waiting in queue {r.queue!r} (already received?)",
+                    code="already_received",
+                )
+            if info.queue != r.queue or info.group != r.group:
+                raise ConversationError(
+                    f"message {mid} is not in group {r.group} of queue {r.queue!r}",
+                    code="wrong_group",
+                )
+            stage.gone_inflight.add(mid)
+            if queue.retention == "ON":
+                stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, None))
+            else:
+                stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, None))
+            receiver = stage.maybe_endpoint(info.handle)
+            if receiver is None:
+                continue
+            receiver.outstanding = max(0, receiver.outstanding - 1)
+            receiver.state = ep_rules.after_receive(receiver)
+            receiver.updated_ms = now
+            if info.message_type in (END_DIALOG, ERROR):
+                peer = stage.maybe_endpoint(receiver.far_handle)
+                if peer is not None:
+                    peer.state = ep_rules.after_peer_received_end(peer)
+                    peer.updated_ms = now
+
+    # ------------------------------------------------------------------ timers
+    def _arm(self, ep: Endpoint) -> None:
+        if ep.timer_deadline_ms is not None:
+            heapq.heappush(self._timers, (ep.timer_deadline_ms, ep.handle, "timer"))
+        if ep.lifetime_deadline_ms is not None and ep.state is not State.ERROR:
+            heapq.heappush(self._timers, (ep.lifetime_deadline_ms, ep.handle, "lifetime"))
+
+    def next_deadline_ms(self) -> int | None:
+        return self._timers[0][0] if self._timers else None
+
+    def tick(self, now_ms: int) -> Outputs:
+        """Fire every due conversation timer and lifetime; stale heap entries are skipped."""
+        out = Outputs()
+        while self._timers and self._timers[0][0] <= now_ms:
+            deadline, handle, kind = heapq.heappop(self._timers)
+            stage = _Stage(self)
+            ep = stage.maybe_endpoint(handle)
+            if ep is None:
+                continue
+            if kind == "timer" and ep.timer_deadline_ms == deadline:
+                ep.timer_deadline_ms = None
+                self._enqueue(stage, ep, DIALOG_TIMER, "E", b"", -1, now_ms)
+            elif kind == "lifetime" and ep.lifetime_deadline_ms == deadline:
+                self._expire(stage, ep, now_ms)
+            else:
+                continue
+            self._merge(stage)
+            out.extend(stage.out)
+        return out
+
+    def _expire(self, stage: _Stage, ep: Endpoint, now: int) -> None:
+        reason = "The conversation's lifetime has expired."
+        sides = [ep]
+        peer = stage.maybe_endpoint(ep.far_handle)
+        if peer is not None and peer.lifetime_deadline_ms == ep.lifetime_deadline_ms:
+            sides.append(peer)
+        for side in sides:
+            side.lifetime_deadline_ms = None
+            if side.state in (State.ERROR, State.CLOSED):
+                continue
+            self._enqueue(stage, side, ERROR, "X", _error_body(LIFETIME_EXPIRED, reason), -1, now)
+            side.state = State.ERROR
+            side.error_code, side.error_description = LIFETIME_EXPIRED, reason
+
+    # ------------------------------------------------------------------ errors for bad records
+    @staticmethod
+    def malformed(exc: ProtocolError, *, topic: str, partition: int, offset: int, raw: bytes | None) -> Outputs:
+        out = Outputs()
+        out.errors.append(
+            ErrorRecord(
+                request_id=None,
+                code=exc.code,
+                reason=exc.reason,
+                source_topic=topic,
+                source_partition=partition,
+                source_offset=offset,
+                raw=(raw or b"")[:512].decode(errors="replace"),
+            )
+        )
+        return out
+
+    def leaked(self, now_ms: int, idle_ms: int) -> Iterable[Endpoint]:
+        for ep in self.endpoints.values():
+            if ep.state in (State.DISCONNECTED_INBOUND, State.DISCONNECTED_OUTBOUND):
+                yield ep
+            elif now_ms - ep.updated_ms > idle_ms:
+                yield ep
+
+
+def target_handle(conversation_id: str) -> str:
+    """The target endpoint's handle, derived so both sides can be found from the conversation id."""
+    return str(uuid.uuid5(_TARGET_NS, conversation_id))
+
+
+def _error_body(code: int, description: str) -> bytes:
+    import json
+
+    return json.dumps({"code": code, "description": description}).encode()
+
+
+def _request_handle(
+    request: BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
+) -> str | None:
+    if isinstance(request, SendRequest):
+        return request.handles[0]
+    if isinstance(request, CommitRequest):
+        for action in request.actions:
+            h = _request_handle(action)
+            if h is not None:
+                return h
+        return None
+    return request.handle

@@ -1,0 +1,85 @@
+"""One error tree for KSB.
+
+Every error a user can meet derives from `KsbError` and carries a machine-readable `code`, so the
+dispatcher can turn it into an Error message or an error-topic record without guessing.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CatalogError",
+    "CommitRefused",
+    "ConversationError",
+    "DdlError",
+    "KsbError",
+    "LockLost",
+    "ProtocolError",
+    "ValidationFailed",
+]
+
+
+class KsbError(Exception):
+    """Root of every KSB error; `code` is stable and documented in docs/protocol.md."""
+
+    code = "ksb_error"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ProtocolError(KsbError):
+    """A record that does not follow the wire protocol (not JSON, a missing or wrong field)."""
+
+    code = "malformed_record"
+
+
+class CatalogError(KsbError):
+    """A catalog definition that is invalid, or a name the catalog does not know."""
+
+    code = "catalog_error"
+
+    def __init__(self, reason: str, *, code: str | None = None) -> None:
+        super().__init__(reason)
+        if code is not None:
+            self.code = code
+
+
+class ConversationError(KsbError):
+    """A request that the conversation's state or contract does not allow."""
+
+    code = "conversation_error"
+
+    def __init__(self, reason: str, *, code: str | None = None) -> None:
+        super().__init__(reason)
+        if code is not None:
+            self.code = code
+
+
+class ValidationFailed(KsbError):
+    """A message body that fails its message type's validation."""
+
+    code = "validation_failed"
+
+
+class LockLost(KsbError):
+    """The reader no longer holds the conversation-group lock it received under."""
+
+    code = "lock_lost"
+
+
+class CommitRefused(KsbError):
+    """The dispatcher refused a commit (stale fencing token, or a message already received)."""
+
+    code = "commit_refused"
+
+
+class DdlError(KsbError):
+    """A Service Broker DDL statement that does not parse; the reason points at the token."""
+
+    code = "ddl_error"
+
+    def __init__(self, reason: str, *, line: int = 0, column: int = 0) -> None:
+        super().__init__(reason)
+        self.line = line
+        self.column = column

@@ -1,0 +1,78 @@
+"""Every Kafka topic and Redis key name, in one place, under the instance's namespace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Names"]
+
+
+@dataclass(frozen=True)
+class Names:
+    """Topic and key names for one broker instance."""
+
+    instance: str
+
+    @property
+    def prefix(self) -> str:
+        return f"ksb.{self.instance}"
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}.requests"
+
+    @property
+    def endpoints(self) -> str:
+        return f"{self.prefix}.endpoints"
+
+    @property
+    def catalog(self) -> str:
+        return f"{self.prefix}.catalog"
+
+    @property
+    def errors(self) -> str:
+        return f"{self.prefix}.errors"
+
+    @property
+    def audit(self) -> str:
+        return f"{self.prefix}.audit"
+
+    @property
+    def transmission(self) -> str:
+        return f"{self.prefix}.transmission"
+
+    @property
+    def inbound(self) -> str:
+        return f"{self.prefix}.inbound"
+
+    @property
+    def activation(self) -> str:
+        return f"{self.prefix}.activation"
+
+    def queue(self, queue_name: str) -> str:
+        return f"{self.prefix}.queue.{queue_name}"
+
+    @property
+    def dispatcher_group(self) -> str:
+        return f"{self.prefix}.dispatcher"
+
+    @property
+    def dispatcher_txn_id(self) -> str:
+        return f"{self.prefix}.dispatcher.txn"
+
+    # Redis keys -------------------------------------------------------------------------------
+    def lock_key(self, queue_name: str, group_id: str) -> str:
+        return f"ksb:{self.instance}:lock:{queue_name}:{group_id}"
+
+    def fence_key(self, queue_name: str, group_id: str) -> str:
+        return f"ksb:{self.instance}:fence:{queue_name}:{group_id}"
+
+    def waiting_key(self, queue_name: str) -> str:
+        return f"ksb:{self.instance}:waiting:{queue_name}"
+
+    def tasks_key(self, queue_name: str) -> str:
+        return f"ksb:{self.instance}:tasks:{queue_name}"
+
+    @property
+    def suppress_key(self) -> str:
+        return f"ksb:{self.instance}:suppress"

@@ -1,0 +1,245 @@
+"""The wire protocol (version 1): the records any Kafka client reads and writes.
+
+Values are UTF-8 JSON objects carrying ``"v": 1`` and a ``kind``; docs/protocol.md is the reference for
+other languages. Parsing is strict (unknown fields refused) so that a misspelt field becomes a clear
+error record instead of a silently ignored option.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from ksb.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Action",
+    "BeginRequest",
+    "CommitOutcome",
+    "CommitRequest",
+    "EndRequest",
+    "ErrorRecord",
+    "QueueMessage",
+    "Receipt",
+    "Request",
+    "SendRequest",
+    "TimerRequest",
+    "decode_body",
+    "encode_body",
+    "new_id",
+    "parse_queue_record",
+    "parse_request",
+]
+
+PROTOCOL_VERSION = 1
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = 1
+
+
+class _Body(_Wire):
+    """A text ``body`` or a binary ``body_b64``, never both."""
+
+    body: str | None = None
+    body_b64: str | None = None
+
+    @model_validator(mode="after")
+    def _one_body(self) -> _Body:
+        if self.body is not None and self.body_b64 is not None:
+            raise ValueError("give either body or body_b64, not both")
+        return self
+
+    def body_bytes(self) -> bytes:
+        if self.body_b64 is not None:
+            try:
+                return base64.b64decode(self.body_b64, validate=True)
+            except ValueError as exc:
+                raise ProtocolError(f"body_b64 is not valid base64: {exc}") from exc
+        return (self.body or "").encode()
+
+
+class BeginRequest(_Wire):
+    kind: Literal["begin"]
+    request_id: str = Field(default_factory=new_id)
+    handle: str = Field(min_length=1, max_length=64)
+    from_service: str = Field(min_length=1)
+    to_service: str = Field(min_length=1)
+    to_broker_instance: str | None = None
+    contract: str = "DEFAULT"
+    lifetime_s: int | None = Field(default=None, ge=1)
+    related_conversation: str | None = None
+    conversation_group_id: str | None = None
+
+
+class SendRequest(_Body):
+    kind: Literal["send"]
+    request_id: str = Field(default_factory=new_id)
+    handles: tuple[str, ...] = Field(min_length=1)
+    message_type: str = "DEFAULT"
+
+
+class EndRequest(_Wire):
+    kind: Literal["end"]
+    request_id: str = Field(default_factory=new_id)
+    handle: str
+    error_code: int | None = None
+    error_description: str | None = None
+    cleanup: bool = False
+
+
+class TimerRequest(_Wire):
+    kind: Literal["timer"]
+    request_id: str = Field(default_factory=new_id)
+    handle: str
+    timeout_s: float = Field(ge=0)
+
+
+Action = Annotated[
+    BeginRequest | SendRequest | EndRequest | TimerRequest, Field(discriminator="kind")
+]
+
+
+class Receipt(_Wire):
+    """What a reader received under one group lock; applied at most once by the dispatcher."""
+
+    queue: str
+    group: str
+    token: int = 0
+    message_ids: tuple[str, ...]
+
+
+class CommitRequest(_Wire):
+    """A reader's transaction: its receipt and the actions it took, applied all or nothing."""
+
+    kind: Literal["commit"]
+    request_id: str = Field(default_factory=new_id)
+    reader: str = ""
+    receipt: Receipt | None = None
+    actions: tuple[Action, ...] = ()
+
+
+Request = Annotated[
+    BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
+    Field(discriminator="kind"),
+]
+_REQUEST = TypeAdapter(Request)
+
+
+def parse_request(raw: bytes | None) -> BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest:
+    """Decode a request record's value, or raise ProtocolError naming what is wrong."""
+    if raw is None:
+        raise ProtocolError("empty record value (a tombstone is not a request)")
+    try:
+        return _REQUEST.validate_json(raw)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err["loc"]) or "(record)"
+            parts.append(f"{loc}: {err['msg']}")
+        raise ProtocolError("malformed request: " + "; ".join(parts)) from exc
+
+
+class QueueMessage(_Wire):
+    """A message in a queue topic, as RECEIVE returns it (Service Broker's column names)."""
+
+    kind: Literal["message"] = "message"
+    message_id: str
+    queue: str
+    status: int = 1
+    priority: int
+    queuing_order: int = 0
+    conversation_group_id: str
+    conversation_handle: str
+    conversation_id: str
+    message_sequence_number: int
+    service_name: str
+    service_contract_name: str
+    message_type_name: str
+    validation: str = "N"
+    body: str | None = None
+    body_b64: str | None = None
+    enqueued_ms: int
+    sent_ms: int | None = None
+
+    @property
+    def message_body(self) -> bytes:
+        if self.body_b64 is not None:
+            return base64.b64decode(self.body_b64)
+        return (self.body or "").encode()
+
+
+class CommitOutcome(_Wire):
+    """Written to the queue topic (key ``commit/<request_id>``) so the committing reader learns."""
+
+    kind: Literal["commit_outcome"] = "commit_outcome"
+    request_id: str
+    group: str
+    token: int
+    applied: bool
+    reason: str = ""
+
+
+class ErrorRecord(_Wire):
+    """A record on the error topic: a request that could not be carried out, with the reason."""
+
+    kind: Literal["error"] = "error"
+    request_id: str | None
+    code: str
+    reason: str
+    handle: str | None = None
+    source_topic: str | None = None
+    source_partition: int | None = None
+    source_offset: int | None = None
+    raw: str | None = None
+
+
+def encode_body(body: bytes) -> dict[str, str]:
+    """Text bodies travel as ``body`` (readable with kcat); anything else as ``body_b64``."""
+    try:
+        return {"body": body.decode()}
+    except UnicodeDecodeError:
+        return {"body_b64": base64.b64encode(body).decode()}
+
+
+def decode_body(fields: dict[str, Any]) -> bytes:
+    if fields.get("body_b64") is not None:
+        return base64.b64decode(fields["body_b64"])
+    return str(fields.get("body") or "").encode()
+
+
+def dumps(model: BaseModel) -> bytes:
+    """Compact JSON without nulls, so records stay small and readable."""
+    return model.model_dump_json(exclude_none=True, by_alias=True).encode()
+
+
+def loads(raw: bytes) -> dict[str, Any]:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ProtocolError("record value is not a JSON object")
+    return value
+
+
+_QUEUE_RECORD = TypeAdapter(
+    Annotated[QueueMessage | CommitOutcome, Field(discriminator="kind")]
+)
+
+
+def parse_queue_record(raw: bytes | None) -> QueueMessage | CommitOutcome | None:
+    """A queue topic record: a message, a commit outcome, or None for a receipt (tombstone)."""
+    if raw is None:
+        return None
+    try:
+        return _QUEUE_RECORD.validate_json(raw)
+    except ValidationError as exc:
+        raise ProtocolError(f"malformed queue record: {exc.errors()[0]['msg']}") from exc

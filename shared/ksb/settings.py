@@ -1,0 +1,52 @@
+"""One typed settings object, read from the environment (prefix ``KSB_``).
+
+Unknown ``KSB_`` variables fail at start-up with the variable named, so a typo never silently falls
+back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ksb.errors import CatalogError
+
+__all__ = ["Settings", "load_settings"]
+
+_PREFIX = "KSB_"
+# Variables that belong to other parts of the toolchain (the local stack, tests), not to a service.
+_FOREIGN = {"KSB_KAFKA_LIBS", "KSB_SPARK_JARS"}
+
+
+class Settings(BaseSettings):
+    """Everything a KSB service or client needs to know about its environment."""
+
+    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="forbid", frozen=True)
+
+    instance: str = Field("local", pattern=r"^[A-Za-z0-9_-]+$")
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    request_partitions: int = Field(1, ge=1)
+    max_body_bytes: int = Field(1_048_576, ge=0)
+    lock_ttl_ms: int = Field(30_000, ge=100)
+    txn_timeout_ms: int = Field(10_000, ge=1000)
+    batch_max: int = Field(500, ge=1)
+    batch_linger_ms: int = Field(5, ge=0)
+    fetch_wait_max_ms: int = Field(10, ge=0)
+    session_timeout_ms: int = Field(6_000, ge=500)
+    leak_idle_s: int = Field(3600, ge=1)
+    metrics_port: int = Field(0, ge=0)
+    tick_ms: int = Field(5_000, ge=1)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read settings from ``KSB_*`` variables; refuse unknown ones by name."""
+    known = {f"{_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    unknown = sorted(
+        k for k in os.environ if k.startswith(_PREFIX) and k not in known and k not in _FOREIGN
+    )
+    if unknown:
+        raise CatalogError(f"unknown setting(s) in the environment: {', '.join(unknown)}")
+    return Settings(**overrides)  # type: ignore[arg-type]

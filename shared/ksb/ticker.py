@@ -1,0 +1,258 @@
+"""The broker's periodic timer and the pure maintenance rules it drives.
+
+Service Broker does its housekeeping on one coarse timer: every notification, every 2nd and every
+5th. KSB keeps that shape so that the housekeeping cost is predictable and independent of traffic,
+and so every rule here can be tested by handing in milliseconds instead of waiting.
+
+The tick counter counts notifications that were actually delivered, not wall-clock periods. When
+the caller stalls (a GC pause, a slow Kafka poll) `Ticker.poll` runs the tick that is due plus at
+most `max_catch_up` missed ones and drops the rest: housekeeping is idempotent, so replaying a
+burst of stale ticks would only add latency at the worst moment. Because the counter counts
+delivered ticks, an "every 5th" task still runs on every 5th delivered tick after a stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+from ksb.errors import KsbError
+
+__all__ = [
+    "INTERVAL_ENV",
+    "Intervals",
+    "IntervalsError",
+    "Suppression",
+    "TickSchedule",
+    "Ticker",
+    "idle_to_close",
+    "stale",
+]
+
+logger = logging.getLogger(__name__)
+
+K = TypeVar("K", bound=Hashable)
+
+TickTask = Callable[[int], None]
+
+
+class IntervalsError(KsbError):
+    """A timer setting from the environment that is unknown or not a positive integer."""
+
+    code = "invalid_setting"
+
+
+@dataclass(frozen=True)
+class TickSchedule:
+    """How often the broker notification fires."""
+
+    tick_ms: int = 5000
+
+    def __post_init__(self) -> None:
+        if self.tick_ms <= 0:
+            raise IntervalsError(f"tick_ms must be positive, got {self.tick_ms}")
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Every housekeeping interval in one place, so services and tests agree on them."""
+
+    tick_ms: int = 5000
+    dispatcher_stale_ms: int = 10_000
+    suppress_after_disconnect_ms: int = 15_000
+    suppress_after_failed_connect_ms: int = 60_000
+    forwarder_stale_ms: int = 60_000
+    idle_connection_ms: int = 90_000
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value <= 0:
+                raise IntervalsError(f"{field.name} must be positive, got {value}")
+
+    @property
+    def schedule(self) -> TickSchedule:
+        return TickSchedule(tick_ms=self.tick_ms)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Intervals:
+        """Read one variable per field; a misspelt KSB_INTERVAL_* fails instead of being ignored."""
+        env = os.environ if environ is None else environ
+        known = set(INTERVAL_ENV.values())
+        unknown = sorted(
+            name for name in env if name.startswith(_INTERVAL_PREFIX) and name not in known
+        )
+        if unknown:
+            raise IntervalsError(f"unknown interval setting {unknown[0]}")
+        values = {
+            field: _positive_int(variable, env[variable])
+            for field, variable in INTERVAL_ENV.items()
+            if variable in env
+        }
+        return cls(**values)
+
+
+_INTERVAL_PREFIX = "KSB_INTERVAL_"
+
+INTERVAL_ENV: Mapping[str, str] = {
+    "tick_ms": "KSB_TICK_MS",
+    "dispatcher_stale_ms": "KSB_INTERVAL_DISPATCHER_STALE_MS",
+    "suppress_after_disconnect_ms": "KSB_INTERVAL_SUPPRESS_AFTER_DISCONNECT_MS",
+    "suppress_after_failed_connect_ms": "KSB_INTERVAL_SUPPRESS_AFTER_FAILED_CONNECT_MS",
+    "forwarder_stale_ms": "KSB_INTERVAL_FORWARDER_STALE_MS",
+    "idle_connection_ms": "KSB_INTERVAL_IDLE_CONNECTION_MS",
+}
+"""Field of `Intervals` -> the environment variable that sets it."""
+
+
+def _positive_int(variable: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise IntervalsError(f"{variable} must be an integer, got {raw!r}") from None
+    if value <= 0:
+        raise IntervalsError(f"{variable} must be positive, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class _Task:
+    every: int
+    name: str
+    fn: TickTask
+
+
+class Ticker:
+    """Counts ticks and runs the tasks due on each; the caller owns the loop and the clock.
+
+    Tick k (1-based) falls at `start_ms + k * tick_ms`. Tasks run in registration order, so a task
+    registered after another on the same tick can rely on the first having run.
+    """
+
+    def __init__(
+        self, start_ms: int, schedule: TickSchedule | None = None, max_catch_up: int = 1
+    ) -> None:
+        if max_catch_up < 0:
+            raise ValueError(f"max_catch_up must be >= 0, got {max_catch_up}")
+        self._tick_ms = (schedule or TickSchedule()).tick_ms
+        self._next_due_ms = start_ms + self._tick_ms
+        self._max_catch_up = max_catch_up
+        self._tick = 0
+        self._tasks: list[_Task] = []
+
+    @property
+    def tick(self) -> int:
+        """Number of ticks delivered so far."""
+        return self._tick
+
+    @property
+    def next_due_ms(self) -> int:
+        """When the next tick falls, so a loop can sleep exactly until then."""
+        return self._next_due_ms
+
+    def every(self, n: int, name: str, fn: TickTask) -> None:
+        """Run `fn(tick)` on every n-th tick."""
+        if n < 1:
+            raise ValueError(f"task {name!r}: n must be >= 1, got {n}")
+        if any(task.name == name for task in self._tasks):
+            raise ValueError(f"task {name!r} is already registered")
+        self._tasks.append(_Task(every=n, name=name, fn=fn))
+
+    def poll(self, now_ms: int) -> list[str]:
+        """Deliver the due ticks (at most 1 + max_catch_up) and return the task names that ran."""
+        ran: list[str] = []
+        delivered = 0
+        while now_ms >= self._next_due_ms and delivered <= self._max_catch_up:
+            self._tick += 1
+            self._next_due_ms += self._tick_ms
+            delivered += 1
+            ran.extend(self._run(self._tick))
+        if now_ms >= self._next_due_ms:
+            self._drop_missed(now_ms)
+        return ran
+
+    def _drop_missed(self, now_ms: int) -> None:
+        missed = (now_ms - self._next_due_ms) // self._tick_ms + 1
+        self._next_due_ms += missed * self._tick_ms
+        logger.warning("ticker fell behind: dropped %d missed tick(s)", missed)
+
+    def _run(self, tick: int) -> list[str]:
+        ran: list[str] = []
+        for task in self._tasks:
+            if tick % task.every != 0:
+                continue
+            try:
+                task.fn(tick)
+            except Exception:
+                # Supervision: one broken housekeeping task must not starve the others.
+                logger.exception("tick task %r failed on tick %d", task.name, tick)
+                continue
+            ran.append(task.name)
+        return ran
+
+
+class Suppression:
+    """Which remote destinations the transport must not try to connect to yet.
+
+    Backing off after a disconnect or a failed attempt keeps a dead peer from costing a connection
+    attempt on every tick.
+    """
+
+    def __init__(
+        self,
+        after_disconnect_ms: int = 15_000,
+        after_failed_connect_ms: int = 60_000,
+    ) -> None:
+        self._after_disconnect_ms = after_disconnect_ms
+        self._after_failed_connect_ms = after_failed_connect_ms
+        self._until_ms: dict[str, int] = {}
+
+    @classmethod
+    def from_intervals(cls, intervals: Intervals) -> Suppression:
+        return cls(
+            after_disconnect_ms=intervals.suppress_after_disconnect_ms,
+            after_failed_connect_ms=intervals.suppress_after_failed_connect_ms,
+        )
+
+    def on_disconnect(self, dest: str, now_ms: int) -> None:
+        self._extend(dest, now_ms + self._after_disconnect_ms)
+
+    def on_failed_connect(self, dest: str, now_ms: int) -> None:
+        """Every failed attempt restarts the full back-off, not only the first one."""
+        self._extend(dest, now_ms + self._after_failed_connect_ms)
+
+    def on_connected(self, dest: str) -> None:
+        self._until_ms.pop(dest, None)
+
+    def suppressed_until(self, dest: str) -> int | None:
+        return self._until_ms.get(dest)
+
+    def is_suppressed(self, dest: str, now_ms: int) -> bool:
+        until = self._until_ms.get(dest)
+        if until is None:
+            return False
+        if now_ms >= until:
+            del self._until_ms[dest]
+            return False
+        return True
+
+    def due(self, pending_dests: Iterable[str], now_ms: int) -> list[str]:
+        """Destinations worth a connection attempt now: with pending messages, not suppressed."""
+        return [dest for dest in pending_dests if not self.is_suppressed(dest, now_ms)]
+
+    def _extend(self, dest: str, until_ms: int) -> None:
+        # A short disconnect back-off must not cut short a longer failed-connect one.
+        self._until_ms[dest] = max(until_ms, self._until_ms.get(dest, until_ms))
+
+
+def idle_to_close(last_activity_ms: Mapping[str, int], now_ms: int, idle_ms: int) -> list[str]:
+    """Connections idle for at least `idle_ms`: they hold sockets and buffers for nothing."""
+    return [conn for conn, last in last_activity_ms.items() if now_ms - last >= idle_ms]
+
+
+def stale(arrivals_ms: Mapping[K, int], now_ms: int, max_age_ms: int) -> list[K]:
+    """Entries at least `max_age_ms` old: in-memory buffers must not grow with unclaimed work."""
+    return [key for key, arrived in arrivals_ms.items() if now_ms - arrived >= max_age_ms]
