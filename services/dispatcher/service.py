@@ -56,6 +56,7 @@ class Dispatcher:
         self._consumer = kafka.consumer(s, group=self.names.dispatcher_group)
         self._consumer.subscribe([self.names.requests])
         self.ready.set()
+        log.info("dispatcher ready (instance %s)", self.settings.instance)
 
     def _rebuild(self) -> None:
         s = self.settings

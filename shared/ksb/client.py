@@ -8,6 +8,7 @@ with what it received, as ONE commit record: the dispatcher applies it all or no
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -82,6 +83,15 @@ class KsbClient:
         )
         self._producer.poll(0)
         return done
+
+    def wait(self, fut: Future[Any], timeout_s: float = 30) -> Any:
+        """Serve delivery reports while waiting, since they resolve the futures."""
+        deadline = time.monotonic() + timeout_s
+        while not fut.done():
+            if time.monotonic() > deadline:
+                raise TimeoutError("no outcome for the commit in time")
+            self._producer.poll(0.002)
+        return fut.result()
 
     def flush(self, timeout_s: float = 30) -> None:
         if self._producer.flush(timeout_s) != 0:
@@ -308,7 +318,8 @@ class Transaction:
         return outcome
 
     def commit(self, timeout_s: float = 30) -> None:
-        self.commit_async().result(timeout_s)
+        """Commit and wait for the outcome; raises CommitRefused or LockLost when it did not apply."""
+        self._client.wait(self.commit_async(), timeout_s)
 
     def rollback(self) -> None:
         """Nothing was written: release the lock and the messages are there again, untouched."""

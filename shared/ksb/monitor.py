@@ -97,7 +97,7 @@ class QueueMonitor:
         return self._evaluate(obs)
 
     def on_tasks_exited(self, obs: QueueObservation) -> Decision:
-        """Every started task exited; a reader that never reached RECEIVE no longer holds us back."""
+        """All started tasks exited; a reader that never reached RECEIVE no longer holds us back."""
         if self._state == "NOTIFIED":
             self._state = "INACTIVE"
         return self._evaluate(obs)

@@ -226,22 +226,22 @@ def test_an_overdue_message_is_sent_next_and_flagged() -> None:
     assert not scheduler.next(10_002).starvation_exception  # type: ignore[union-attr]
 
 
-def test_a_saturated_low_level_still_meets_the_max_wait() -> None:
+def test_a_low_level_under_a_flood_of_high_priority_work_still_meets_the_max_wait() -> None:
+    """One send per ms while 1.1 messages arrive per ms: level 1 alone would wait forever."""
     scheduler = TransmissionScheduler(max_wait_ms=10_000)
-    clock, sent_low = 0, 0
+    low_waits: list[int] = []
     exceptions = 0
-    for i in range(20_000):
-        scheduler.add(msg(f"h{i}", 10, conv=f"h{i % 5}", seq=i // 5, at=clock))
-        if i % 10 == 0:
-            scheduler.add(msg(f"l{i}", 1, conv="low", seq=i, at=clock))
-        taken = scheduler.next(clock)
+    for now in range(20_000):
+        scheduler.add(msg(f"h{now}", 10, conv=f"h{now % 5}", seq=now // 5, at=now))
+        if now % 10 == 0:
+            scheduler.add(msg(f"l{now}", 1, conv="low", seq=now, at=now))
+        taken = scheduler.next(now)
         assert taken is not None
         if taken.pending.level == 1:
-            sent_low += 1
-            assert taken.waited_ms <= 10_001
+            low_waits.append(taken.waited_ms)
         exceptions += taken.starvation_exception
-        clock += 1
-    assert sent_low > 0
+    assert low_waits
+    assert max(low_waits) <= 10_001
     assert exceptions > 0
 
 
