@@ -67,6 +67,8 @@ class Inflight:
     group: str
     handle: str
     message_type: str
+    retained: QueueMessage | None = None
+    """The message itself, kept only for RETENTION queues, which rewrite it as received."""
 
 
 @dataclass
@@ -89,6 +91,7 @@ class _Stage:
         self.endpoints: dict[str, Endpoint] = {}
         self.new_inflight: dict[str, Inflight] = {}
         self.gone_inflight: set[str] = set()
+        self.new_retained: dict[str, Inflight] = {}
         self.out = Outputs()
 
     def endpoint(self, handle: str) -> Endpoint:
@@ -125,6 +128,8 @@ class Engine:
         self.endpoints: dict[str, Endpoint] = {}
         self.inflight: dict[str, Inflight] = {}
         self.fences: dict[tuple[str, str], int] = {}
+        self.retained: dict[str, Inflight] = {}
+        self._by_handle: dict[str, set[str]] = {}
         self._timers: list[tuple[int, str, str]] = []
         self._order = 0
 
@@ -138,18 +143,24 @@ class Engine:
 
     def load_queue_record(self, key: str, value: QueueMessage | None, partition: int) -> None:
         if value is None:
-            self.inflight.pop(key, None)
+            old = self.inflight.pop(key, None) or self.retained.pop(key, None)
+            if old is not None:
+                self._unindex(key, old)
             return
-        if value.status != 1:
-            self.inflight.pop(key, None)
-            return
-        self.inflight[key] = Inflight(
+        info = Inflight(
             value.queue,
             partition,
             value.conversation_group_id,
             value.conversation_handle,
             value.message_type_name,
+            value if self._retains(value.queue) else None,
         )
+        self._by_handle.setdefault(info.handle, set()).add(key)
+        if value.status != 1:
+            self.inflight.pop(key, None)
+            self.retained[key] = info
+            return
+        self.inflight[key] = info
         self._order = max(self._order, value.queuing_order + 1)
 
     # ------------------------------------------------------------------ requests
@@ -178,7 +189,9 @@ class Engine:
         out = Outputs()
         handle = _request_handle(request)
         out.errors.append(
-            ErrorRecord(request_id=request.request_id, code=exc.code, reason=exc.reason, handle=handle)
+            ErrorRecord(
+                request_id=request.request_id, code=exc.code, reason=exc.reason, handle=handle
+            )
         )
         if isinstance(request, CommitRequest) and request.receipt is not None:
             r = request.receipt
@@ -202,8 +215,13 @@ class Engine:
 
     def _merge(self, stage: _Stage) -> None:
         for mid in stage.gone_inflight:
-            self.inflight.pop(mid, None)
-        self.inflight.update(stage.new_inflight)
+            info = self.inflight.pop(mid, None) or self.retained.pop(mid, None)
+            if info is not None and mid not in stage.new_retained:
+                self._unindex(mid, info)
+        for mid, info in stage.new_inflight.items():
+            self.inflight[mid] = info
+            self._by_handle.setdefault(info.handle, set()).add(mid)
+        self.retained.update(stage.new_retained)
         for ep in stage.endpoints.values():
             if ep.state is State.CLOSED:
                 self.endpoints.pop(ep.handle, None)
@@ -230,7 +248,9 @@ class Engine:
             existing = stage.endpoints.get(req.handle) or self.endpoints[req.handle]
             if existing.is_initiator and existing.remote_service == req.to_service:
                 return  # a retried BEGIN: the dialog already exists
-            raise ConversationError(f"handle {req.handle!r} is already in use", code="duplicate_handle")
+            raise ConversationError(
+                f"handle {req.handle!r} is already in use", code="duplicate_handle"
+            )
         cat = self.catalog
         local = cat.service(req.from_service)
         contract = cat.contract(req.contract)
@@ -356,8 +376,15 @@ class Engine:
             # The receiving side refuses the message and fails the dialog, as a target would.
             self._fail_dialog(stage, sender, receiver, VALIDATION_ERROR, exc.reason, now)
             return
-        self._enqueue(stage, receiver, mtype.name, _VALIDATION_CODE[mtype.validation.value], body,
-                      sender.send_seq, now)
+        self._enqueue(
+            stage,
+            receiver,
+            mtype.name,
+            _VALIDATION_CODE[mtype.validation.value],
+            body,
+            sender.send_seq,
+            now,
+        )
         sender.send_seq += 1
 
     def _enqueue(
@@ -391,7 +418,12 @@ class Engine:
         )
         stage.out.queue.append(QueueWrite(queue.name, part, message_id, msg))
         stage.new_inflight[message_id] = Inflight(
-            queue.name, part, receiver.group, receiver.handle, message_type
+            queue.name,
+            part,
+            receiver.group,
+            receiver.handle,
+            message_type,
+            msg if queue.retention == "ON" else None,
         )
         receiver.outstanding += 1
         receiver.updated_ms = now
@@ -421,13 +453,20 @@ class Engine:
             return
         peer = self._peer(stage, ep, now)
         new_state = ep_rules.after_end(ep)
-        if peer is not None and peer.state is not State.CLOSED and ep.state not in (
-            State.DISCONNECTED_INBOUND,
-            State.ERROR,
+        if (
+            peer is not None
+            and peer.state is not State.CLOSED
+            and ep.state
+            not in (
+                State.DISCONNECTED_INBOUND,
+                State.ERROR,
+            )
         ):
             if req.error_code is not None:
                 desc = req.error_description or ""
-                self._enqueue(stage, peer, ERROR, "X", _error_body(req.error_code, desc), ep.send_seq, now)
+                self._enqueue(
+                    stage, peer, ERROR, "X", _error_body(req.error_code, desc), ep.send_seq, now
+                )
                 peer.state = ep_rules.after_peer_error(peer)
                 peer.error_code, peer.error_description = req.error_code, desc
             else:
@@ -440,13 +479,35 @@ class Engine:
         if ep.state is State.CLOSED:
             self._drop_queued(stage, ep)
 
+    def _unindex(self, mid: str, info: Inflight) -> None:
+        mids = self._by_handle.get(info.handle)
+        if mids is not None:
+            mids.discard(mid)
+            if not mids:
+                del self._by_handle[info.handle]
+
+    def _retains(self, queue: str) -> bool:
+        q = self.catalog.queues.get(queue)
+        return q is not None and q.retention == "ON"
+
     def _drop_queued(self, stage: _Stage, ep: Endpoint) -> None:
-        """A closed endpoint's unreceived messages leave its queue."""
-        for mid, info in list(self.inflight.items()) + list(stage.new_inflight.items()):
-            if info.handle == ep.handle and mid not in stage.gone_inflight:
-                stage.gone_inflight.add(mid)
-                stage.new_inflight.pop(mid, None)
-                stage.out.queue.append(QueueWrite(info.queue, info.partition, mid, None))
+        """A closed endpoint's messages leave its queue, retained ones included."""
+        mine = [
+            (mid, self.inflight.get(mid) or self.retained.get(mid))
+            for mid in self._by_handle.get(ep.handle, ())
+        ]
+        mine += [(mid, i) for mid, i in stage.new_inflight.items() if i.handle == ep.handle]
+        mine += [(mid, i) for mid, i in stage.new_retained.items() if i.handle == ep.handle]
+        for mid, info in mine:
+            if info is None:
+                continue
+            received_now = mid in stage.new_retained
+            if mid in stage.gone_inflight and not received_now:
+                continue
+            stage.gone_inflight.add(mid)
+            stage.new_inflight.pop(mid, None)
+            stage.new_retained.pop(mid, None)
+            stage.out.queue.append(QueueWrite(info.queue, info.partition, mid, None))
         ep.outstanding = 0
 
     # ------------------------------------------------------------------ BEGIN CONVERSATION TIMER
@@ -474,7 +535,9 @@ class Engine:
                     r.queue,
                     partition_for(r.group, queue.partitions),
                     f"commit/{req.request_id}",
-                    CommitOutcome(request_id=req.request_id, group=r.group, token=r.token, applied=True),
+                    CommitOutcome(
+                        request_id=req.request_id, group=r.group, token=r.token, applied=True
+                    ),
                 )
             )
             if r.token:
@@ -501,8 +564,11 @@ class Engine:
                     code="wrong_group",
                 )
             stage.gone_inflight.add(mid)
-            if queue.retention == "ON":
-                stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, None))
+            if info.retained is not None:
+                # RETENTION ON: the message stays, marked received, until its conversation ends.
+                kept = info.retained.model_copy(update={"status": 0})
+                stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, kept))
+                stage.new_retained[mid] = info
             else:
                 stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, None))
             receiver = stage.maybe_endpoint(info.handle)
@@ -563,7 +629,9 @@ class Engine:
 
     # ------------------------------------------------------------------ errors for bad records
     @staticmethod
-    def malformed(exc: ProtocolError, *, topic: str, partition: int, offset: int, raw: bytes | None) -> Outputs:
+    def malformed(
+        exc: ProtocolError, *, topic: str, partition: int, offset: int, raw: bytes | None
+    ) -> Outputs:
         out = Outputs()
         out.errors.append(
             ErrorRecord(
