@@ -31,6 +31,7 @@ __all__ = [
     "Catalog",
     "CatalogView",
     "Contract",
+    "EventNotification",
     "ContractMessage",
     "MessageType",
     "Queue",
@@ -129,10 +130,30 @@ class Contract(_Model):
 
 
 class Activation(_Model):
+    """Internal activation: a Python callable (``module:function``) or a shell command."""
+
     status: Literal["ON", "OFF"] = "OFF"
     procedure: str | None = None
+    command: str | None = None
     max_queue_readers: int = Field(1, ge=0, le=32767)
     execute_as: str = "SELF"
+
+    @model_validator(mode="after")
+    def _one_program(self) -> Activation:
+        if self.procedure is not None and self.command is not None:
+            raise ValueError("give either procedure or command, not both")
+        if self.status == "ON" and self.procedure is None and self.command is None:
+            raise ValueError("activation STATUS ON needs a procedure or a command")
+        return self
+
+
+class EventNotification(_Model):
+    """A QUEUE_ACTIVATION event notification: the monitor publishes events instead of starting readers."""
+
+    name: str = Field(min_length=1)
+    queue: str
+    event: Literal["QUEUE_ACTIVATION"] = "QUEUE_ACTIVATION"
+    timeout_s: int = Field(60, ge=1)
 
 
 class Queue(_Model):
@@ -168,6 +189,7 @@ class Catalog(_Model):
     services: tuple[Service, ...] = ()
     routes: tuple[Route, ...] = ()
     priorities: tuple[BrokerPriority, ...] = ()
+    event_notifications: tuple[EventNotification, ...] = ()
     honor_broker_priority: bool = True
 
     @model_validator(mode="after")
@@ -178,6 +200,7 @@ class Catalog(_Model):
         _unique("services", [s.name for s in self.services])
         _unique("routes", [r.name for r in self.routes])
         _unique("priorities", [p.name for p in self.priorities])
+        _unique("event_notifications", [n.name for n in self.event_notifications])
         types = {m.name for m in self.message_types} | {DEFAULT_MESSAGE_TYPE}
         for i, c in enumerate(self.contracts):
             for j, m in enumerate(c.messages):
@@ -187,6 +210,9 @@ class Catalog(_Model):
                     )
         contracts = {c.name for c in self.contracts} | {DEFAULT_CONTRACT}
         queues = {q.name for q in self.queues}
+        for i, n in enumerate(self.event_notifications):
+            if n.queue not in queues:
+                raise ValueError(f"event_notifications[{i}].queue: unknown queue {n.queue!r}")
         for i, s in enumerate(self.services):
             if s.queue not in queues:
                 raise ValueError(f"services[{i}].queue: unknown queue {s.queue!r}")
@@ -246,6 +272,7 @@ class CatalogView:
         self.queues = {q.name: q for q in catalog.queues}
         self.services = {s.name: s for s in catalog.services}
         self.routes = {r.service_name: r for r in catalog.routes}
+        self.notifications = {n.queue: n for n in catalog.event_notifications}
         self.priorities = PriorityTable(catalog.priorities)
 
     def service(self, name: str) -> Service:

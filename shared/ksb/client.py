@@ -326,6 +326,8 @@ class Transaction:
         self._finish()
         if self._lease is not None and self._reader is not None:
             self._reader.release(self._lease, None)
+            if self._received:
+                self._reader.note_rollback()
 
     def _finish(self) -> None:
         if self.done:

@@ -14,6 +14,7 @@ __all__ = [
     "KsbError",
     "LockLost",
     "ProtocolError",
+    "QueueDisabled",
     "ValidationFailed",
 ]
 
@@ -83,3 +84,9 @@ class DdlError(KsbError):
         super().__init__(reason)
         self.line = line
         self.column = column
+
+
+class QueueDisabled(KsbError):
+    """RECEIVE on a queue whose STATUS is OFF (disabled by ALTER QUEUE or poison-message handling)."""
+
+    code = "queue_disabled"

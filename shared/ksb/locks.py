@@ -19,12 +19,18 @@ from typing import Any, cast
 
 import redis
 
+from ksb.errors import QueueDisabled
 from ksb.names import Names
 
 __all__ = ["GroupLocks", "Lease"]
 
 _ACQUIRE_FIRST = """
-for i = 1, #KEYS, 2 do
+if redis.call('SISMEMBER', KEYS[1], ARGV[3]) == 1 then
+  return {-1}
+end
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+for i = 3, #KEYS, 2 do
   local lk = KEYS[i]
   local fk = KEYS[i + 1]
   local holder = redis.call('HGET', lk, 'holder')
@@ -32,7 +38,6 @@ for i = 1, #KEYS, 2 do
     local after = redis.call('HGET', lk, 'after')
     local t = redis.call('INCR', fk)
     if t == 1 then
-      local now = redis.call('TIME')
       t = tonumber(now[1]) * 1000000 + tonumber(now[2])
       redis.call('SET', fk, t)
     end
@@ -40,7 +45,8 @@ for i = 1, #KEYS, 2 do
     redis.call('HSET', lk, 'holder', ARGV[1], 'token', t)
     redis.call('HDEL', lk, 'after')
     redis.call('PEXPIRE', lk, ARGV[2])
-    return {(i + 1) / 2, t, after or ''}
+    redis.call('HSET', KEYS[2], 'last_receive_ms', now_ms)
+    return {(i - 1) / 2, t, after or ''}
   end
 end
 return false
@@ -58,6 +64,9 @@ _RELEASE = """
 if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
   redis.call('HSET', KEYS[1], 'holder', '', 'after', ARGV[2])
   redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  if ARGV[4] == '1' then
+    redis.call('SET', KEYS[2], 0)
+  end
   return 1
 end
 return 0
@@ -99,13 +108,15 @@ class GroupLocks:
         """Lock the first free group of ``groups`` (best first); None when all are held."""
         if not groups:
             return None
-        keys: list[str] = []
+        keys: list[str] = [self._names.disabled_key, self._names.activity_key(self._queue)]
         for g in groups:
             keys.append(self._names.lock_key(self._queue, g))
             keys.append(self._names.fence_key(self._queue, g))
-        res = cast(Any, self._acquire(keys=keys, args=[self.holder, self.ttl_ms]))
+        res = cast(Any, self._acquire(keys=keys, args=[self.holder, self.ttl_ms, self._queue]))
         if not res:
             return None
+        if int(res[0]) < 0:
+            raise QueueDisabled(f"queue {self._queue!r} is disabled (STATUS = OFF)")
         index, token, after = int(res[0]), int(res[1]), res[2]
         return Lease(groups[index - 1], token, _parse_after(after))
 
@@ -114,10 +125,12 @@ class GroupLocks:
         key = self._names.lock_key(self._queue, lease.group)
         return bool(self._extend(keys=[key], args=[lease.token, self.ttl_ms]))
 
-    def release(self, lease: Lease, after: tuple[int, int] | None) -> bool:
-        key = self._names.lock_key(self._queue, lease.group)
+    def release(self, lease: Lease, after: tuple[int, int] | None, *, committed: bool = False) -> bool:
+        """Give the group back; a commit also ends the queue's run of rollbacks."""
+        keys = [self._names.lock_key(self._queue, lease.group), self._names.rollbacks_key(self._queue)]
         mark = f"{after[0]}:{after[1]}" if after else ""
-        return bool(self._release(keys=[key], args=[lease.token, mark, self._keep_after_ms]))
+        args = [lease.token, mark, self._keep_after_ms, "1" if committed else "0"]
+        return bool(self._release(keys=keys, args=args))
 
     def holder_of(self, group: str) -> str | None:
         raw = self._r.hget(self._names.lock_key(self._queue, group), "holder")

@@ -10,6 +10,9 @@ __all__ = [
     "HEALTHY",
     "QUEUE_DEPTH",
     "REQUESTS",
+    "RUNNABLE_GROUPS",
+    "TASKS_RUNNING",
+    "TASKS_STARTED",
     "TXN_SECONDS",
     "serve_metrics",
 ]
@@ -24,6 +27,13 @@ TXN_SECONDS = Histogram(
 )
 QUEUE_DEPTH = Gauge("ksb_queue_depth", "Messages waiting in a queue", ["queue"])
 HEALTHY = Gauge("ksb_service_up", "1 while the service loop runs", ["service"])
+RUNNABLE_GROUPS = Gauge(
+    "ksb_queue_runnable_groups",
+    "Conversation groups with ready messages and no lock holder: work a new reader could do",
+    ["queue"],
+)
+TASKS_RUNNING = Gauge("ksb_activated_tasks", "Activated tasks running for a queue", ["queue"])
+TASKS_STARTED = Counter("ksb_activations_total", "Activated tasks started", ["queue"])
 
 
 def serve_metrics(port: int) -> int:

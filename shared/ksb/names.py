@@ -73,6 +73,28 @@ class Names:
     def tasks_key(self, queue_name: str) -> str:
         return f"ksb:{self.instance}:tasks:{queue_name}"
 
+    def activity_key(self, queue_name: str) -> str:
+        """Hash: last_receive_ms, last_empty_ms of RECEIVEs without WHERE (for queue monitors)."""
+        return f"ksb:{self.instance}:activity:{queue_name}"
+
+    def rollbacks_key(self, queue_name: str) -> str:
+        """Rollbacks in a row of transactions that received from the queue (poison detection)."""
+        return f"ksb:{self.instance}:rollbacks:{queue_name}"
+
+    def events_channel(self, queue_name: str) -> str:
+        """Pub/sub channel where readers announce receive, empty and rollback to the monitor."""
+        return f"ksb:{self.instance}:events:{queue_name}"
+
+    @property
+    def disabled_key(self) -> str:
+        """Set of disabled queues, mirrored from the catalog so RECEIVE can refuse in its Lua call."""
+        return f"ksb:{self.instance}:disabled"
+
+    @property
+    def monitors_key(self) -> str:
+        """Hash queue -> JSON view of its monitor (like sys.dm_broker_queue_monitors)."""
+        return f"ksb:{self.instance}:monitors"
+
     @property
     def suppress_key(self) -> str:
         return f"ksb:{self.instance}:suppress"

@@ -54,6 +54,7 @@ class QueueReader:
             redis_client, self.names, queue, holder=self.holder, ttl_ms=settings.lock_ttl_ms
         )
         self.held: set[str] = set()
+        self._redis = redis_client
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[Lease, Future[CommitOutcome]]] = {}
         self._eof: dict[int, int] = {}
@@ -116,7 +117,7 @@ class QueueReader:
         if pending is None:
             return
         lease, fut = pending
-        self.locks.release(lease, (partition, offset))
+        self.locks.release(lease, (partition, offset), committed=outcome.applied)
         with self._cond:
             self.held.discard(lease.group)
             self._cond.notify_all()
@@ -129,37 +130,70 @@ class QueueReader:
     def lock_group(
         self, *, waitfor_ms: int, group: str | None = None, handle: str | None = None
     ) -> Lease | None:
-        """Lock the best free group with ready messages (or the named one), waiting up to waitfor_ms."""
+        """Lock the best free group with ready messages (or the named one), waiting up to waitfor_ms.
+
+        A RECEIVE without WHERE that has to wait registers itself as a waiting session, and one that
+        comes back empty stamps the time: both are what the queue monitor decides activation on.
+        """
+        unfiltered = group is None and handle is None
+        session: str | None = None
         deadline = time.monotonic() + waitfor_ms / 1000
-        while True:
-            with self._cond:
-                target = group
-                if target is None and handle is not None:
-                    target = self.index.group_of(handle)
-                if target is not None:
-                    cands = [target] if self.index.has_group(target) and target not in self.held else []
-                else:
-                    cands = []
-                    for g in self.index.candidates(self.held):
-                        cands.append(g)
-                        if len(cands) >= _CANDIDATES_PER_TRY:
-                            break
-            if cands:
-                lease = self.locks.acquire_first(cands)
+        try:
+            while True:
+                lease = self._try_lock(group, handle)
                 if lease is not None:
-                    with self._cond:
-                        self.held.add(lease.group)
-                    self._catch_up(lease)
-                    with self._cond:
-                        if self.index.has_group(lease.group):
-                            return lease
-                    self.release(lease, None)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            with self._cond:
-                # Locks held elsewhere are released without a topic event: re-try at least every 20 ms.
-                self._cond.wait(min(remaining, 0.02 if cands else 0.2))
+                    return lease
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if unfiltered:
+                        self._note_empty()
+                    return None
+                if unfiltered and session is None:
+                    session = f"{self.holder}:{uuid.uuid4().hex[:8]}"
+                    until_ms = int((time.time() + remaining) * 1000)
+                    self._redis.zadd(self.names.waiting_key(self.queue), {session: until_ms})
+                with self._cond:
+                    # Locks held elsewhere are released without a topic event: re-try every 20 ms.
+                    self._cond.wait(min(remaining, 0.02))
+        finally:
+            if session is not None:
+                self._redis.zrem(self.names.waiting_key(self.queue), session)
+
+    def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
+        with self._cond:
+            target = group
+            if target is None and handle is not None:
+                target = self.index.group_of(handle)
+            if target is not None:
+                free = self.index.has_group(target) and target not in self.held
+                cands = [target] if free else []
+            else:
+                cands = []
+                for g in self.index.candidates(self.held):
+                    cands.append(g)
+                    if len(cands) >= _CANDIDATES_PER_TRY:
+                        break
+        if not cands:
+            return None
+        lease = self.locks.acquire_first(cands)
+        if lease is None:
+            return None
+        with self._cond:
+            self.held.add(lease.group)
+        self._catch_up(lease)
+        with self._cond:
+            if self.index.has_group(lease.group):
+                return lease
+        self.release(lease, None)
+        return None
+
+    def _note_empty(self) -> None:
+        now_ms = int(time.time() * 1000)
+        self._redis.hset(self.names.activity_key(self.queue), "last_empty_ms", now_ms)
+
+    def note_rollback(self) -> None:
+        """A transaction that received from this queue rolled back: one more in a row."""
+        self._redis.incr(self.names.rollbacks_key(self.queue))
 
     def _catch_up(self, lease: Lease, timeout_s: float = 10.0) -> None:
         """Wait until the index has read what the previous holder committed."""

@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     leak_idle_s: int = Field(3600, ge=1)
     metrics_port: int = Field(0, ge=0)
     tick_ms: int = Field(5_000, ge=1)
+    activated_idle_ms: int = Field(2_000, ge=0)
+    activation_check_ms: int = Field(100, ge=10)
+    activation_empty_grace_ms: int = Field(5_000, ge=0)
+    poison_rollbacks: int = Field(5, ge=1)
 
 
 def load_settings(**overrides: object) -> Settings:

@@ -1,0 +1,362 @@
+"""The activation service: one queue monitor per queue with activation ON or an event notification.
+
+Each monitor follows its queue topic (the same `QueueIndex` readers use) and the readers' traces in
+Redis (waiting sessions, last receive, last empty receive, rollbacks in a row, task heartbeats), feeds
+`ksb.monitor.QueueMonitor` and acts on its decision: start an activated task (internal activation) or
+publish a QUEUE_ACTIVATION event (external activation). Runnable work, not lag, drives it: a group
+whose lock is held is not work a new reader could do.
+
+It also applies poison-message handling: after ``poison_rollbacks`` rollbacks in a row the queue is
+disabled in the catalog and a BROKER_QUEUE_DISABLED event is published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from confluent_kafka import Producer
+
+from ksb import kafka
+from ksb.catalog import CatalogView, Queue
+from ksb.catalog_store import CatalogWatcher, apply_catalog, load_catalog
+from ksb.clock import Clock, SystemClock
+from ksb.metrics import HEALTHY, RUNNABLE_GROUPS, TASKS_RUNNING, TASKS_STARTED
+from ksb.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
+from ksb.names import Names
+from ksb.reader import QueueReader
+from ksb.runner import REPO_ROOT, service_env
+from ksb.settings import Settings
+
+__all__ = ["ActivationService", "QueueWatch"]
+
+log = logging.getLogger("ksb.activation")
+_MAX_CANDIDATES = 512
+
+
+@dataclass
+class QueueWatch:
+    """One queue monitor's state: what it has seen and what it has started."""
+
+    queue: Queue
+    reader: QueueReader
+    monitor: QueueMonitor
+    notifier: ExternalNotifier | None
+    tasks: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    last_ready: int = 0
+    last_receive_ms: int = 0
+    last_empty_ms: int = 0
+    rollbacks: int = 0
+    last_activation_ms: int | None = None
+    activations: int = 0
+    notifications: int = 0
+    view: dict[str, Any] = field(default_factory=dict)
+
+
+class ActivationService:
+    def __init__(
+        self, settings: Settings, *, clock: Clock | None = None, redis_client: redis.Redis | None = None
+    ) -> None:
+        self.settings = settings
+        self.names = Names(settings.instance)
+        self.clock = clock or SystemClock()
+        self.redis = redis_client or redis.Redis.from_url(settings.redis_url)
+        self.watches: dict[str, QueueWatch] = {}
+        self.ready = threading.Event()
+        self._producer: Producer | None = None
+        self._watcher: CatalogWatcher | None = None
+        self._next_tick_ms = 0
+
+    # ----------------------------------------------------------------- life cycle
+    def start(self) -> None:
+        s = self.settings
+        kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
+        self._producer = kafka.producer(s)
+        self._watcher = CatalogWatcher(s)
+        self._watcher.view = CatalogView(load_catalog(s))
+        self._sync(self._watcher.view, altered=set())
+        self._next_tick_ms = self.clock.now_ms() + s.tick_ms
+        self.ready.set()
+        log.info("activation ready (instance %s, %d monitor(s))", s.instance, len(self.watches))
+
+    def run(self, stop: threading.Event) -> None:
+        self.start()
+        HEALTHY.labels("activation").set(1)
+        try:
+            while not stop.is_set():
+                self.step()
+                stop.wait(self.settings.activation_check_ms / 1000)
+        finally:
+            HEALTHY.labels("activation").set(0)
+            self.close()
+
+    def close(self) -> None:
+        """Stop the tasks this service started (their open transactions roll back), then the monitors."""
+        for w in self.watches.values():
+            for p in w.tasks.values():
+                if p.poll() is None:
+                    p.terminate()
+            for p in w.tasks.values():
+                try:
+                    p.wait(5)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+            self._reap(w)
+            w.reader.close()
+        self.watches.clear()
+        if self._watcher is not None:
+            self._watcher.close()
+        if self._producer is not None:
+            self._producer.flush(5)
+
+    # ----------------------------------------------------------------- catalog
+    def _sync(self, view: CatalogView, altered: set[str]) -> None:
+        """Create, drop and re-configure monitors; mirror disabled queues into Redis."""
+        disabled = [q.name for q in view.queues.values() if q.status == "OFF"]
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.names.disabled_key)
+        if disabled:
+            pipe.sadd(self.names.disabled_key, *disabled)
+        pipe.execute()
+        wanted = {
+            q.name: q
+            for q in view.queues.values()
+            if q.activation.status == "ON" or q.name in view.notifications
+        }
+        for name in list(self.watches):
+            if name not in wanted:
+                self.watches.pop(name).reader.close()
+        for name, q in wanted.items():
+            note = view.notifications.get(name)
+            w = self.watches.get(name)
+            if w is None:
+                reader = QueueReader(self.settings, name, self.redis, holder=f"monitor-{uuid.uuid4().hex[:8]}")
+                w = self.watches[name] = QueueWatch(
+                    q,
+                    reader,
+                    QueueMonitor(empty_grace_ms=self.settings.activation_empty_grace_ms),
+                    ExternalNotifier(note.timeout_s * 1000) if note else None,
+                )
+                continue
+            changed = w.queue != q
+            w.queue = q
+            if note is None:
+                w.notifier = None
+            elif w.notifier is None:
+                w.notifier = ExternalNotifier(note.timeout_s * 1000)
+            if changed or name in altered:
+                self._act(w, w.monitor.on_alter(self._observe(w)))
+
+    # ----------------------------------------------------------------- the loop
+    def step(self) -> None:
+        assert self._watcher is not None
+        old = self._watcher.view
+        if self._watcher.poll(0):
+            new = self._watcher.view
+            altered = {n for n, q in new.queues.items() if old.queues.get(n) != q}
+            self._sync(new, altered)
+        now = self.clock.now_ms()
+        tick = now >= self._next_tick_ms
+        if tick:
+            self._next_tick_ms = now + self.settings.tick_ms
+        for w in list(self.watches.values()):
+            self._check(w, tick)
+
+    def _check(self, w: QueueWatch, tick: bool) -> None:
+        exited = self._reap(w)
+        obs, activity, rollbacks = self._observe_all(w)
+        decisions: list[Decision] = []
+        if obs.ready_messages > w.last_ready:
+            decisions.append(w.monitor.on_message_arrived(obs, had_unread_before=w.last_ready > 0))
+        w.last_ready = obs.ready_messages
+        receive_ms = int(activity.get("last_receive_ms", 0))
+        if receive_ms > w.last_receive_ms:
+            w.last_receive_ms = receive_ms
+            if w.notifier is not None:
+                w.notifier.on_receive()
+            decisions.append(w.monitor.on_receive(obs, returned_empty=False))
+        empty_ms = int(activity.get("last_empty_ms", 0))
+        if empty_ms > w.last_empty_ms:
+            w.last_empty_ms = empty_ms
+            decisions.append(w.monitor.on_receive(obs, returned_empty=True))
+        if rollbacks > w.rollbacks:
+            decisions.append(w.monitor.on_rollback(obs))
+            if rollbacks >= self.settings.poison_rollbacks:
+                self._poisoned(w, rollbacks)
+        w.rollbacks = rollbacks
+        if exited and not w.tasks:
+            decisions.append(w.monitor.on_tasks_exited(obs))
+        if tick:
+            decisions.append(w.monitor.on_tick(obs))
+        for d in decisions:
+            if self._act(w, d):
+                break
+        self._publish_view(w, obs)
+
+    def _observe(self, w: QueueWatch) -> QueueObservation:
+        return self._observe_all(w)[0]
+
+    def _observe_all(self, w: QueueWatch) -> tuple[QueueObservation, dict[str, str], int]:
+        """One pipelined Redis round trip: locks of the candidate groups plus the readers' traces."""
+        with w.reader._cond:
+            cands = []
+            for g in w.reader.index.candidates():
+                cands.append(g)
+                if len(cands) >= _MAX_CANDIDATES:
+                    break
+            ready_messages = w.reader.index.ready_messages
+        now_wall = int(time.time() * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for g in cands:
+            pipe.hget(self.names.lock_key(w.queue.name, g), "holder")
+        pipe.hgetall(self.names.activity_key(w.queue.name))
+        pipe.zcount(self.names.waiting_key(w.queue.name), now_wall, "+inf")
+        pipe.get(self.names.rollbacks_key(w.queue.name))
+        pipe.zremrangebyscore(self.names.tasks_key(w.queue.name), "-inf", now_wall)
+        pipe.zcard(self.names.tasks_key(w.queue.name))
+        res = pipe.execute()
+        holders, (activity, waiting, rollbacks, _expired, tasks) = res[: len(cands)], res[len(cands) :]
+        runnable = sum(1 for h in holders if not h)
+        activity = {_s(k): _s(v) for k, v in (activity or {}).items()}
+        last_empty = int(activity.get("last_empty_ms", 0)) or None
+        running = max(int(tasks), sum(1 for p in w.tasks.values() if p.poll() is None))
+        RUNNABLE_GROUPS.labels(w.queue.name).set(runnable)
+        TASKS_RUNNING.labels(w.queue.name).set(running)
+        obs = QueueObservation(
+            now_ms=now_wall,
+            ready_groups=runnable,
+            ready_messages=ready_messages,
+            waiting_receivers=int(waiting),
+            running_tasks=running,
+            last_empty_receive_ms=last_empty,
+            max_queue_readers=w.queue.activation.max_queue_readers,
+            activation_enabled=w.queue.activation.status == "ON" or w.notifier is not None,
+            queue_enabled=w.queue.status == "ON",
+        )
+        return obs, activity, int(rollbacks or 0)
+
+    # ----------------------------------------------------------------- acting
+    def _act(self, w: QueueWatch, d: Decision) -> bool:
+        if w.notifier is not None:
+            if w.notifier.should_notify(d, self.clock.now_ms()):
+                self._notify(w, d)
+                return True
+            return False
+        if not d.activate or w.queue.activation.status != "ON":
+            return False
+        self._start_task(w)
+        return True
+
+    def _start_task(self, w: QueueWatch) -> None:
+        act = w.queue.activation
+        task_id = f"{w.queue.name}-{uuid.uuid4().hex[:8]}"
+        if act.procedure is not None:
+            argv = [sys.executable, "-m", "ksb.activated", w.queue.name, act.procedure, task_id]
+            shell = False
+        else:
+            argv = [act.command or "true"]
+            shell = True
+        # Commands get the instance's KSB_* settings plus which queue and task they are.
+        env = service_env(
+            self.settings,
+            ACTIVATED_QUEUE=w.queue.name,
+            ACTIVATED_TASK_ID=task_id,
+            ACTIVATED_EXECUTE_AS=act.execute_as,
+        )
+        # Tasks heartbeat into Redis themselves; register now so the count is right at once.
+        self.redis.zadd(self.names.tasks_key(w.queue.name), {task_id: int(time.time() * 1000) + 5000})
+        w.tasks[task_id] = subprocess.Popen(
+            argv[0] if shell else argv,
+            shell=shell,
+            cwd=REPO_ROOT,
+            env=env,
+            start_new_session=True,
+        )
+        w.last_activation_ms = self.clock.now_ms()
+        w.activations += 1
+        TASKS_STARTED.labels(w.queue.name).inc()
+        log.info("activated %s on %s (%d running)", task_id, w.queue.name, len(w.tasks))
+
+    def _reap(self, w: QueueWatch) -> bool:
+        exited = [tid for tid, p in w.tasks.items() if p.poll() is not None]
+        for tid in exited:
+            code = w.tasks.pop(tid).returncode
+            self.redis.zrem(self.names.tasks_key(w.queue.name), tid)
+            log.info("task %s on %s exited with %s", tid, w.queue.name, code)
+        return bool(exited)
+
+    def _notify(self, w: QueueWatch, d: Decision) -> None:
+        event = {
+            "v": 1,
+            "kind": "QUEUE_ACTIVATION",
+            "instance": self.settings.instance,
+            "queue": w.queue.name,
+            "reason": d.reason,
+            "event_ms": self.clock.now_ms(),
+        }
+        assert self._producer is not None
+        self._producer.produce(self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode())
+        self._producer.poll(0)
+        w.notifications += 1
+        w.last_activation_ms = self.clock.now_ms()
+        log.info("QUEUE_ACTIVATION event for %s (%s)", w.queue.name, d.reason)
+
+    def _poisoned(self, w: QueueWatch, rollbacks: int) -> None:
+        """Rollbacks in a row: disable the queue (unless poison handling is OFF); no message is lost."""
+        if w.queue.poison_message_handling != "ON" or w.queue.status != "ON":
+            return
+        assert self._watcher is not None
+        current = load_catalog(self.settings)
+        queues = tuple(
+            q.model_copy(update={"status": "OFF"}) if q.name == w.queue.name else q for q in current.queues
+        )
+        apply_catalog(self.settings, current.model_copy(update={"queues": queues}))
+        self.redis.sadd(self.names.disabled_key, w.queue.name)
+        self.redis.set(self.names.rollbacks_key(w.queue.name), 0)
+        event = {
+            "v": 1,
+            "kind": "BROKER_QUEUE_DISABLED",
+            "instance": self.settings.instance,
+            "queue": w.queue.name,
+            "reason": f"{rollbacks} rollbacks in a row",
+            "event_ms": self.clock.now_ms(),
+        }
+        assert self._producer is not None
+        self._producer.produce(self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode())
+        self._producer.flush(5)
+        log.warning("queue %s disabled after %d rollbacks in a row", w.queue.name, rollbacks)
+
+    # ----------------------------------------------------------------- views
+    def _publish_view(self, w: QueueWatch, obs: QueueObservation) -> None:
+        view = {
+            "queue": w.queue.name,
+            "state": w.monitor.state,
+            "activation": "EXTERNAL" if w.notifier is not None else "INTERNAL",
+            "ready_messages": obs.ready_messages,
+            "runnable_groups": obs.ready_groups,
+            "tasks_waiting": obs.waiting_receivers,
+            "running_tasks": obs.running_tasks,
+            "max_queue_readers": obs.max_queue_readers,
+            "last_empty_rowset_ms": obs.last_empty_receive_ms,
+            "last_activated_ms": w.last_activation_ms,
+            "activations": w.activations,
+            "notifications": w.notifications,
+            "tasks": sorted(w.tasks),
+        }
+        if view != w.view:
+            w.view = view
+            self.redis.hset(self.names.monitors_key, w.queue.name, json.dumps(view))
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+

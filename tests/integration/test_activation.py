@@ -1,0 +1,183 @@
+"""Queue monitors on the real stack: internal activation, external events, poison handling."""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from ksb.catalog import parse_catalog
+from ksb.catalog_store import apply_catalog
+from ksb.client import KsbClient
+from ksb.errors import QueueDisabled
+from ksb.names import Names
+from ksb.settings import Settings
+from services.activation import ActivationService
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
+from tests.integration.support import read_topic, receive_all
+
+pytestmark = pytest.mark.integration
+
+I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
+
+
+def with_target_queue(**changes: Any) -> dict[str, Any]:
+    cat = copy.deepcopy(BASIC_CATALOG)
+    for q in cat["queues"]:
+        if q["name"] == "TargetQueue":
+            q.update(changes)
+    return cat
+
+
+class ThreadActivation:
+    def __init__(self, settings: Settings) -> None:
+        self.service = ActivationService(settings)
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.service.run, args=(self.stop_event,))
+        self.thread.start()
+        if not self.service.ready.wait(60):
+            raise TimeoutError("activation service not ready")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(30)
+
+
+@pytest.fixture
+def fast_settings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={"tick_ms": 500, "activated_idle_ms": 800, "activation_empty_grace_ms": 1000}
+    )
+
+
+def start(settings: Settings, catalog: dict[str, Any]) -> tuple[ThreadDispatcher, ThreadActivation]:
+    apply_catalog(settings, parse_catalog(catalog))
+    return ThreadDispatcher(settings), ThreadActivation(settings)
+
+
+@pytest.fixture
+def stop_all() -> Iterator[list[Any]]:
+    running: list[Any] = []
+    yield running
+    for r in reversed(running):
+        r.stop()
+
+
+def monitor_view(settings: Settings, queue: str) -> dict[str, Any]:
+    raw = redis.Redis.from_url(settings.redis_url).hget(Names(settings.instance).monitors_key, queue)
+    return json.loads(raw) if raw else {}
+
+
+def test_internal_activation_starts_readers_that_reply_and_retire(
+    fast_settings: Settings, stop_all: list[Any]
+) -> None:
+    cat = with_target_queue(
+        activation={
+            "status": "ON",
+            "procedure": "tests.integration.activation_procs:reply",
+            "max_queue_readers": 2,
+        }
+    )
+    stop_all.extend(start(fast_settings, cat))
+    with KsbClient(fast_settings) as client:
+        handles = [client.begin_dialog(I, T, C) for _ in range(10)]
+        for h in handles:
+            for i in range(3):
+                client.send(h, "//t/Request", json.dumps({"i": i}))
+        client.flush()
+        replies = receive_all(client, "InitiatorQueue", 30, timeout_s=60)
+    assert len(replies) == 30
+    per_conv: dict[str, list[int]] = {}
+    for m in replies:
+        per_conv.setdefault(m.conversation_id, []).append(json.loads(m.message_body)["i"])
+    assert all(v == [0, 1, 2] for v in per_conv.values()) and len(per_conv) == 10
+    deadline = time.monotonic() + 20
+    view = monitor_view(fast_settings, "TargetQueue")
+    while time.monotonic() < deadline and view.get("running_tasks", 1) != 0:
+        time.sleep(0.2)
+        view = monitor_view(fast_settings, "TargetQueue")
+    assert view["running_tasks"] == 0, view  # readers retire when the queue stays empty
+    assert 1 <= view["activations"] <= 2 + 2
+
+
+def test_backlog_on_one_conversation_does_not_start_a_third_reader(
+    fast_settings: Settings, stop_all: list[Any]
+) -> None:
+    cat = with_target_queue(
+        activation={
+            "status": "ON",
+            "procedure": "tests.integration.activation_procs:slow_reply",
+            "max_queue_readers": 5,
+        }
+    )
+    stop_all.extend(start(fast_settings, cat))
+    with KsbClient(fast_settings) as client:
+        h = client.begin_dialog(I, T, C)
+        stop_sending = time.monotonic() + 6
+        i = 0
+        while time.monotonic() < stop_sending:  # a steady backlog on ONE conversation
+            client.send(h, "//t/Request", json.dumps({"i": i}))
+            i += 1
+            time.sleep(0.05)
+        client.flush()
+        replies = receive_all(client, "InitiatorQueue", i, timeout_s=60)
+    assert [json.loads(m.message_body)["i"] for m in replies] == list(range(i))
+    view = monitor_view(fast_settings, "TargetQueue")
+    assert view["activations"] <= 2, view  # one reader works, one may wait; never a third
+
+
+def test_external_activation_publishes_one_event_until_a_receive(
+    fast_settings: Settings, stop_all: list[Any]
+) -> None:
+    cat = copy.deepcopy(BASIC_CATALOG)
+    cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 60}]
+    stop_all.extend(start(fast_settings, cat))
+    names = Names(fast_settings.instance)
+    with KsbClient(fast_settings) as client:
+        for _ in range(5):
+            client.send(client.begin_dialog(I, T, C), "//t/Request", "{}")
+        client.flush()
+        time.sleep(3)
+        events = [json.loads(v) for _k, v in read_topic(fast_settings, names.activation) if v]
+        assert [e["kind"] for e in events] == ["QUEUE_ACTIVATION"]
+        assert events[0]["queue"] == "TargetQueue"
+        assert len(receive_all(client, "TargetQueue", 1, timeout_s=10, top=1)) == 1
+        time.sleep(2)  # the RECEIVE re-arms notifications: messages are still waiting
+        events = [json.loads(v) for _k, v in read_topic(fast_settings, names.activation) if v]
+        assert len(events) == 2
+
+
+def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
+    fast_settings: Settings, stop_all: list[Any]
+) -> None:
+    cat = copy.deepcopy(BASIC_CATALOG)
+    cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 600}]
+    stop_all.extend(start(fast_settings, cat))
+    names = Names(fast_settings.instance)
+    with KsbClient(fast_settings) as client:
+        client.send(client.begin_dialog(I, T, C), "//t/Request", json.dumps({"poison": True}))
+        client.flush()
+        for _ in range(5):
+            tx = client.transaction()
+            assert tx.receive("TargetQueue", waitfor_ms=5000)
+            tx.rollback()
+        r = redis.Redis.from_url(fast_settings.redis_url)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not r.sismember(names.disabled_key, "TargetQueue"):
+            time.sleep(0.1)
+        with pytest.raises(QueueDisabled):
+            client.transaction().receive("TargetQueue", waitfor_ms=100)
+        events = [json.loads(v) for _k, v in read_topic(fast_settings, names.activation) if v]
+        assert "BROKER_QUEUE_DISABLED" in [e["kind"] for e in events]
+        # Re-enable: the message is still there.
+        apply_catalog(fast_settings, parse_catalog(cat))
+        while time.monotonic() < deadline + 15 and r.sismember(names.disabled_key, "TargetQueue"):
+            time.sleep(0.1)
+        got = receive_all(client, "TargetQueue", 1, timeout_s=15)
+        assert json.loads(got[0].message_body) == {"poison": True}
