@@ -17,8 +17,9 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    serve_metrics(settings.metrics_port)
-    ActivationService(settings).run(stop)
+    service = ActivationService(settings)
+    serve_metrics(settings.metrics_port, {"/monitors": service.monitors, "/tasks": service.tasks})
+    service.run(stop)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from ksb.clock import Clock, SystemClock
 from ksb.metrics import HEALTHY, RUNNABLE_GROUPS, TASKS_RUNNING, TASKS_STARTED
 from ksb.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.names import Names
+from ksb.protocol import DeadLetterRequest, dumps
 from ksb.reader import QueueReader
 from ksb.runner import REPO_ROOT, service_env
 from ksb.settings import Settings
@@ -122,15 +123,18 @@ class ActivationService:
     def _sync(self, view: CatalogView, altered: set[str]) -> None:
         """Create, drop and re-configure monitors; mirror disabled queues into Redis."""
         disabled = [q.name for q in view.queues.values() if q.status == "OFF"]
+        policies = {q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter}
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.names.disabled_key)
+        pipe.delete(self.names.disabled_key, self.names.dead_letter_policy_key)
         if disabled:
             pipe.sadd(self.names.disabled_key, *disabled)
+        if policies:
+            pipe.hset(self.names.dead_letter_policy_key, mapping=policies)
         pipe.execute()
         wanted = {
             q.name: q
             for q in view.queues.values()
-            if q.activation.status == "ON" or q.name in view.notifications
+            if q.activation.status == "ON" or q.name in view.notifications or q.dead_letter
         }
         for name in list(self.watches):
             if name not in wanted:
@@ -190,7 +194,9 @@ class ActivationService:
             decisions.append(w.monitor.on_receive(obs, returned_empty=True))
         if rollbacks > w.rollbacks:
             decisions.append(w.monitor.on_rollback(obs))
-            if rollbacks >= self.settings.poison_rollbacks:
+            if w.queue.dead_letter is not None:
+                self._dead_letters(w)
+            elif rollbacks >= self.settings.poison_rollbacks:
                 self._poisoned(w, rollbacks)
         w.rollbacks = rollbacks
         if exited and not w.tasks:
@@ -310,6 +316,30 @@ class ActivationService:
         w.last_activation_ms = self.clock.now_ms()
         log.info("QUEUE_ACTIVATION event for %s (%s)", w.queue.name, d.reason)
 
+    def _dead_letters(self, w: QueueWatch) -> None:
+        """Messages rolled back ``max_rollbacks`` times go to the dead-letter topic, one by one."""
+        policy = w.queue.dead_letter
+        assert policy is not None and self._producer is not None
+        key = self.names.message_rollbacks_key(w.queue.name)
+        counts = {_s(k): int(v) for k, v in self.redis.hgetall(key).items()}
+        gone = []
+        for mid, n in counts.items():
+            with w.reader._cond:
+                msg = w.reader.index.messages.get(mid)
+            if msg is None:
+                gone.append(mid)  # received since, or already dead-lettered
+            elif n >= policy.max_rollbacks:
+                req = DeadLetterRequest(
+                    kind="dead_letter", message=msg, reason=f"rolled back {n} times"
+                )
+                self._producer.produce(self.names.requests, key=msg.conversation_group_id.encode(),
+                                       value=dumps(req))
+                gone.append(mid)
+                log.warning("dead-lettering %s from %s after %d rollbacks", mid, w.queue.name, n)
+        if gone:
+            self.redis.hdel(key, *gone)
+            self._producer.flush(5)
+
     def _poisoned(self, w: QueueWatch, rollbacks: int) -> None:
         """Rollbacks in a row: disable the queue (unless poison handling is OFF); no message is lost."""
         if w.queue.poison_message_handling != "ON" or w.queue.status != "ON":
@@ -336,6 +366,28 @@ class ActivationService:
         log.warning("queue %s disabled after %d rollbacks in a row", w.queue.name, rollbacks)
 
     # ----------------------------------------------------------------- views
+    def monitors(self) -> list[dict[str, Any]]:
+        """Like sys.dm_broker_queue_monitors: one row per queue monitor."""
+        return [dict(w.view) for w in list(self.watches.values())]
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """Like sys.dm_broker_activated_tasks: the tasks this service started and still runs."""
+        rows = []
+        for w in list(self.watches.values()):
+            act = w.queue.activation
+            for tid, p in list(w.tasks.items()):
+                if p.poll() is None:
+                    rows.append(
+                        {
+                            "task_id": tid,
+                            "queue": w.queue.name,
+                            "procedure": act.procedure or act.command,
+                            "execute_as": act.execute_as,
+                            "pid": p.pid,
+                        }
+                    )
+        return rows
+
     def _publish_view(self, w: QueueWatch, obs: QueueObservation) -> None:
         view = {
             "queue": w.queue.name,

@@ -155,6 +155,9 @@ class Dispatcher:
             p.produce(self.names.endpoints, key=ep.handle.encode(), value=encode_endpoint(ep))
         for e in out.errors:
             p.produce(self.names.errors, key=(e.request_id or "").encode(), value=dumps(e))
+        for d in out.dead_letters:
+            topic = self.names.dead_letters(d.message.queue)
+            p.produce(topic, key=d.message.message_id.encode(), value=dumps(d))
         if len(p) > 50_000:
             p.poll(0)
 

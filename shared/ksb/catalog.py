@@ -31,6 +31,7 @@ __all__ = [
     "Catalog",
     "CatalogView",
     "Contract",
+    "DeadLetter",
     "EventNotification",
     "ContractMessage",
     "MessageType",
@@ -156,6 +157,17 @@ class EventNotification(_Model):
     timeout_s: int = Field(60, ge=1)
 
 
+class DeadLetter(_Model):
+    """Beyond Service Broker: after ``max_rollbacks`` rollbacks of one message, move it aside.
+
+    The message goes to the queue's dead-letter topic with the reason and its conversation is ended
+    WITH ERROR, so one bad message does not disable the whole queue.
+    """
+
+    max_rollbacks: int = Field(3, ge=1)
+    error_code: int = -1
+
+
 class Queue(_Model):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
     status: Literal["ON", "OFF"] = "ON"
@@ -163,6 +175,7 @@ class Queue(_Model):
     partitions: int = Field(1, ge=1, le=64)
     poison_message_handling: Literal["ON", "OFF"] = "ON"
     activation: Activation = Activation()
+    dead_letter: DeadLetter | None = None
 
 
 class Service(_Model):

@@ -56,6 +56,7 @@ def apply_catalog(settings: Settings, catalog: Catalog) -> Catalog:
     admin = kafka.admin(settings)
     kafka.ensure_topics(admin, kafka.core_topics(names, settings))
     kafka.ensure_topics(admin, [kafka.queue_topic(names, q) for q in catalog.queues])
+    kafka.ensure_topics(admin, [kafka.dead_letter_topic(names, q) for q in catalog.queues])
     current = load_catalog(settings)
     versioned = catalog.model_copy(update={"version": current.version + 1})
     p = kafka.producer(settings)

@@ -26,6 +26,7 @@ from ksb.protocol import (
     BeginRequest,
     CommitOutcome,
     CommitRequest,
+    DeadLetterRequest,
     EndRequest,
     QueueMessage,
     Receipt,
@@ -324,10 +325,27 @@ class Transaction:
     def rollback(self) -> None:
         """Nothing was written: release the lock and the messages are there again, untouched."""
         self._finish()
-        if self._lease is not None and self._reader is not None:
-            self._reader.release(self._lease, None)
-            if self._received:
-                self._reader.note_rollback()
+        if self._lease is None or self._reader is None:
+            return
+        if self._received:
+            limit_reached = self._reader.note_rollback(list(self._received))
+            if limit_reached:
+                self._dead_letter(limit_reached)
+        self._reader.release(self._lease, None)
+
+    def _dead_letter(self, message_ids: list[str]) -> None:
+        """Still holding the lock: move messages past their rollback limit aside before anyone
+        can receive them again."""
+        assert self._reader is not None
+        for mid in message_ids:
+            req = DeadLetterRequest(
+                kind="dead_letter",
+                message=self._received[mid],
+                reason=f"rolled back {self._reader.queue} message the maximum number of times",
+            )
+            self._client._produce(req, self._received[mid].conversation_group_id)
+        self._client.flush()
+        self._reader.wait_gone(message_ids)
 
     def _finish(self) -> None:
         if self.done:

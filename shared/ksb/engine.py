@@ -23,12 +23,16 @@ from ksb.errors import CatalogError, ConversationError, KsbError, ProtocolError,
 from ksb.protocol import (
     BeginRequest,
     CommitOutcome,
+    AnyRequest,
     CommitRequest,
+    DeadLetterRecord,
+    DeadLetterRequest,
     EndRequest,
     ErrorRecord,
     QueueMessage,
     Receipt,
     SendRequest,
+    ReplayRequest,
     TimerRequest,
     encode_body,
 )
@@ -76,11 +80,13 @@ class Outputs:
     queue: list[QueueWrite] = field(default_factory=list)
     endpoints: list[Endpoint] = field(default_factory=list)
     errors: list[ErrorRecord] = field(default_factory=list)
+    dead_letters: list[DeadLetterRecord] = field(default_factory=list)
 
     def extend(self, other: Outputs) -> None:
         self.queue.extend(other.queue)
         self.endpoints.extend(other.endpoints)
         self.errors.extend(other.errors)
+        self.dead_letters.extend(other.dead_letters)
 
 
 class _Stage:
@@ -164,15 +170,15 @@ class Engine:
         self._order = max(self._order, value.queuing_order + 1)
 
     # ------------------------------------------------------------------ requests
-    def handle(
-        self,
-        request: BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
-        now_ms: int,
-    ) -> Outputs:
+    def handle(self, request: AnyRequest, now_ms: int) -> Outputs:
         stage = _Stage(self)
         try:
             if isinstance(request, CommitRequest):
                 self._commit(stage, request, now_ms)
+            elif isinstance(request, DeadLetterRequest):
+                self._dead_letter(stage, request, now_ms)
+            elif isinstance(request, ReplayRequest):
+                self._replay(stage, request)
             else:
                 self._action(stage, request, now_ms)
         except KsbError as exc:
@@ -180,12 +186,7 @@ class Engine:
         self._merge(stage)
         return stage.out
 
-    def _refused(
-        self,
-        request: BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
-        exc: KsbError,
-        now_ms: int,
-    ) -> Outputs:
+    def _refused(self, request: AnyRequest, exc: KsbError, now_ms: int) -> Outputs:
         out = Outputs()
         handle = _request_handle(request)
         out.errors.append(
@@ -583,6 +584,53 @@ class Engine:
                     peer.state = ep_rules.after_peer_received_end(peer)
                     peer.updated_ms = now
 
+    # ------------------------------------------------------------------ dead letters
+    def _dead_letter(self, stage: _Stage, req: DeadLetterRequest, now: int) -> None:
+        m = req.message
+        info = self.inflight.get(m.message_id)
+        if info is None or info.queue != m.queue:
+            raise ConversationError(
+                f"message {m.message_id} is not waiting in queue {m.queue!r}",
+                code="already_received",
+            )
+        stage.gone_inflight.add(m.message_id)
+        stage.out.queue.append(QueueWrite(m.queue, info.partition, m.message_id, None))
+        stage.out.dead_letters.append(
+            DeadLetterRecord(message=m, reason=req.reason, dead_lettered_ms=now)
+        )
+        receiver = stage.maybe_endpoint(info.handle)
+        if receiver is not None:
+            receiver.outstanding = max(0, receiver.outstanding - 1)
+            queue = self.catalog.queues.get(m.queue)
+            code = queue.dead_letter.error_code if queue and queue.dead_letter else -1
+            if receiver.state not in (State.DISCONNECTED_OUTBOUND, State.CLOSED):
+                end = EndRequest(
+                    kind="end",
+                    handle=receiver.handle,
+                    error_code=code,
+                    error_description=f"message dead-lettered: {req.reason}",
+                )
+                self._end(stage, end, now)
+
+    def _replay(self, stage: _Stage, req: ReplayRequest) -> None:
+        m = req.message
+        if m.message_id in self.inflight:
+            raise ConversationError(
+                f"message {m.message_id} is already in its queue", code="duplicate_message"
+            )
+        queue = self.catalog.queue(m.queue)
+        part = partition_for(m.conversation_group_id, queue.partitions)
+        again = m.model_copy(update={"status": 1, "queuing_order": self._next_order()})
+        stage.out.queue.append(QueueWrite(m.queue, part, m.message_id, again))
+        stage.new_inflight[m.message_id] = Inflight(
+            m.queue,
+            part,
+            m.conversation_group_id,
+            m.conversation_handle,
+            m.message_type_name,
+            again if queue.retention == "ON" else None,
+        )
+
     # ------------------------------------------------------------------ timers
     def _arm(self, ep: Endpoint) -> None:
         if ep.timer_deadline_ms is not None:
@@ -665,9 +713,9 @@ def _error_body(code: int, description: str) -> bytes:
     return json.dumps({"code": code, "description": description}).encode()
 
 
-def _request_handle(
-    request: BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
-) -> str | None:
+def _request_handle(request: AnyRequest) -> str | None:
+    if isinstance(request, DeadLetterRequest | ReplayRequest):
+        return request.message.conversation_handle
     if isinstance(request, SendRequest):
         return request.handles[0]
     if isinstance(request, CommitRequest):

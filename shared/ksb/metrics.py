@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import json
+import threading
+from collections.abc import Callable, Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
 
 __all__ = [
     "COMMITS",
@@ -36,9 +42,42 @@ TASKS_RUNNING = Gauge("ksb_activated_tasks", "Activated tasks running for a queu
 TASKS_STARTED = Counter("ksb_activations_total", "Activated tasks started", ["queue"])
 
 
-def serve_metrics(port: int) -> int:
-    """Serve /metrics on 127.0.0.1; port 0 disables it. Returns the port used."""
+JsonRoute = Callable[[], Any]
+
+
+def serve_metrics(port: int, routes: Mapping[str, JsonRoute] | None = None) -> int:
+    """Serve /metrics, /healthz and the service's JSON views on 127.0.0.1; port 0 disables it.
+
+    Views (like /monitors and /tasks of the activation service) are callables returning JSON-able
+    data, computed per request so they are never stale.
+    """
     if port <= 0:
         return 0
-    start_http_server(port, addr="127.0.0.1")
-    return port
+    views = dict(routes or {})
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+            path = self.path.split("?")[0]
+            if path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest())
+            elif path == "/healthz":
+                self._reply(200, "application/json", b'{"status": "ok"}')
+            elif path in views:
+                body = json.dumps(views[path](), default=str).encode()
+                self._reply(200, "application/json", body)
+            else:
+                self._reply(404, "application/json", b'{"error": "not found"}')
+
+        def _reply(self, code: int, ctype: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=server.serve_forever, name="ksb-http", daemon=True).start()
+    return server.server_address[1]

@@ -52,6 +52,9 @@ class Names:
     def queue(self, queue_name: str) -> str:
         return f"{self.prefix}.queue.{queue_name}"
 
+    def dead_letters(self, queue_name: str) -> str:
+        return f"{self.prefix}.dlq.{queue_name}"
+
     @property
     def dispatcher_group(self) -> str:
         return f"{self.prefix}.dispatcher"
@@ -84,6 +87,15 @@ class Names:
     def events_channel(self, queue_name: str) -> str:
         """Pub/sub channel where readers announce receive, empty and rollback to the monitor."""
         return f"ksb:{self.instance}:events:{queue_name}"
+
+    def message_rollbacks_key(self, queue_name: str) -> str:
+        """Hash message id -> rollbacks of that message (for dead-letter policies)."""
+        return f"ksb:{self.instance}:msgrb:{queue_name}"
+
+    @property
+    def dead_letter_policy_key(self) -> str:
+        """Hash queue -> max_rollbacks, mirrored from the catalog so a rollback can act at once."""
+        return f"ksb:{self.instance}:dlpolicy"
 
     @property
     def disabled_key(self) -> str:

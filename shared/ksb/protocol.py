@@ -21,7 +21,11 @@ __all__ = [
     "Action",
     "BeginRequest",
     "CommitOutcome",
+    "AnyRequest",
     "CommitRequest",
+    "DeadLetterRecord",
+    "DeadLetterRequest",
+    "ReplayRequest",
     "EndRequest",
     "ErrorRecord",
     "QueueMessage",
@@ -129,27 +133,6 @@ class CommitRequest(_Wire):
     actions: tuple[Action, ...] = ()
 
 
-Request = Annotated[
-    BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest,
-    Field(discriminator="kind"),
-]
-_REQUEST = TypeAdapter(Request)
-
-
-def parse_request(raw: bytes | None) -> BeginRequest | SendRequest | EndRequest | TimerRequest | CommitRequest:
-    """Decode a request record's value, or raise ProtocolError naming what is wrong."""
-    if raw is None:
-        raise ProtocolError("empty record value (a tombstone is not a request)")
-    try:
-        return _REQUEST.validate_json(raw)
-    except ValidationError as exc:
-        parts = []
-        for err in exc.errors()[:5]:
-            loc = ".".join(str(p) for p in err["loc"]) or "(record)"
-            parts.append(f"{loc}: {err['msg']}")
-        raise ProtocolError("malformed request: " + "; ".join(parts)) from exc
-
-
 class QueueMessage(_Wire):
     """A message in a queue topic, as RECEIVE returns it (Service Broker's column names)."""
 
@@ -177,6 +160,70 @@ class QueueMessage(_Wire):
         if self.body_b64 is not None:
             return base64.b64decode(self.body_b64)
         return (self.body or "").encode()
+
+
+class DeadLetterRequest(_Wire):
+    """Move one waiting message to its queue's dead-letter topic and end its conversation WITH ERROR."""
+
+    kind: Literal["dead_letter"]
+    request_id: str = Field(default_factory=new_id)
+    message: QueueMessage
+    reason: str
+
+
+class ReplayRequest(_Wire):
+    """Put a dead letter back into its queue, ready to RECEIVE again."""
+
+    kind: Literal["replay"]
+    request_id: str = Field(default_factory=new_id)
+    message: QueueMessage
+
+
+class DeadLetterRecord(_Wire):
+    """A record of the dead-letter topic ``ksb.<instance>.dlq.<queue>`` (key: message id)."""
+
+    kind: Literal["dead_letter"] = "dead_letter"
+    message: QueueMessage
+    reason: str
+    dead_lettered_ms: int
+
+
+Request = Annotated[
+    BeginRequest
+    | SendRequest
+    | EndRequest
+    | TimerRequest
+    | CommitRequest
+    | DeadLetterRequest
+    | ReplayRequest,
+    Field(discriminator="kind"),
+]
+_REQUEST = TypeAdapter(Request)
+
+
+AnyRequest = (
+    BeginRequest
+    | SendRequest
+    | EndRequest
+    | TimerRequest
+    | CommitRequest
+    | DeadLetterRequest
+    | ReplayRequest
+)
+
+
+def parse_request(raw: bytes | None) -> AnyRequest:
+    """Decode a request record's value, or raise ProtocolError naming what is wrong."""
+    if raw is None:
+        raise ProtocolError("empty record value (a tombstone is not a request)")
+    try:
+        return _REQUEST.validate_json(raw)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err["loc"]) or "(record)"
+            parts.append(f"{loc}: {err['msg']}")
+        raise ProtocolError("malformed request: " + "; ".join(parts)) from exc
 
 
 class CommitOutcome(_Wire):

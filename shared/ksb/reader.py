@@ -191,9 +191,31 @@ class QueueReader:
         now_ms = int(time.time() * 1000)
         self._redis.hset(self.names.activity_key(self.queue), "last_empty_ms", now_ms)
 
-    def note_rollback(self) -> None:
-        """A transaction that received from this queue rolled back: one more in a row."""
-        self._redis.incr(self.names.rollbacks_key(self.queue))
+    def note_rollback(self, message_ids: list[str]) -> list[str]:
+        """Count a rollback per queue (poison detection) and per message, in one round trip.
+
+        Returns the messages that have now reached the queue's dead-letter limit, if it has one.
+        """
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(self.names.dead_letter_policy_key, self.queue)
+        pipe.incr(self.names.rollbacks_key(self.queue))
+        for mid in message_ids:
+            pipe.hincrby(self.names.message_rollbacks_key(self.queue), mid, 1)
+        limit, _n, *counts = pipe.execute()
+        if not limit:
+            return []
+        return [mid for mid, c in zip(message_ids, counts, strict=True) if int(c) >= int(limit)]
+
+    def wait_gone(self, message_ids: list[str], timeout_s: float = 10.0) -> bool:
+        """Wait until the index no longer holds these messages (dead-lettered or received)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(mid in self.index.messages for mid in message_ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
 
     def _catch_up(self, lease: Lease, timeout_s: float = 10.0) -> None:
         """Wait until the index has read what the previous holder committed."""

@@ -181,3 +181,35 @@ def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
             time.sleep(0.1)
         got = receive_all(client, "TargetQueue", 1, timeout_s=15)
         assert json.loads(got[0].message_body) == {"poison": True}
+
+
+def test_dead_letter_policy_moves_one_bad_message_and_keeps_the_queue_running(
+    fast_settings: Settings, stop_all: list[Any]
+) -> None:
+    cat = with_target_queue(dead_letter={"max_rollbacks": 3, "error_code": 500})
+    stop_all.extend(start(fast_settings, cat))
+    names = Names(fast_settings.instance)
+    with KsbClient(fast_settings) as client:
+        bad = client.begin_dialog(I, T, C)
+        good = client.begin_dialog(I, T, C)
+        client.send(bad, "//t/Request", json.dumps({"bad": True}))
+        client.flush()
+        for _ in range(3):
+            tx = client.transaction()
+            assert tx.receive("TargetQueue", waitfor_ms=5000)
+            tx.rollback()
+        client.send(good, "//t/Request", json.dumps({"bad": False}))
+        client.flush()
+        # The good message is delivered; the bad one is moved aside, not redelivered.
+        got = receive_all(client, "TargetQueue", 1, timeout_s=15)
+        deadline = time.monotonic() + 15
+        dead: list[dict[str, Any]] = []
+        while time.monotonic() < deadline and not dead:
+            dead = [json.loads(v) for _k, v in read_topic(fast_settings, names.dead_letters("TargetQueue")) if v]
+            time.sleep(0.2)
+        assert [json.loads(m.message_body) for m in got] == [{"bad": False}]
+        assert len(dead) == 1 and json.loads(dead[0]["message"]["body"]) == {"bad": True}
+        assert "rolled back" in dead[0]["reason"]
+        # Its conversation was ended WITH ERROR: the initiator gets the Error.
+        [err] = receive_all(client, "InitiatorQueue", 1, timeout_s=15)
+        assert json.loads(err.message_body)["code"] == 500
