@@ -27,6 +27,7 @@ __all__ = [
     "ensure_topics",
     "producer",
     "queue_topic",
+    "dead_letter_topic",
     "read_to_end",
 ]
 
@@ -103,6 +104,10 @@ def queue_topic(names: Names, queue: Queue) -> TopicSpec:
     return TopicSpec(names.queue(queue.name), queue.partitions, _COMPACT)
 
 
+def dead_letter_topic(names: Names, queue: Queue) -> TopicSpec:
+    return TopicSpec(names.dead_letters(queue.name), 1)
+
+
 def ensure_topics(client: AdminClient, specs: Iterable[TopicSpec], timeout_s: float = 30) -> None:
     """Create missing topics with their explicit partition counts; existing ones are left alone."""
     wanted = list(specs)
@@ -150,7 +155,7 @@ def read_to_end(
     positions: dict[int, int] = {}
     pending = set(parts)
     for p in parts:
-        low, high = c.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout_s)
+        low, high = _watermarks(c, TopicPartition(topic, p), timeout_s)
         if high <= low:
             pending.discard(p)
             positions[p] = high
@@ -170,3 +175,25 @@ def read_to_end(
             handle(m)
     c.unassign()
     return positions
+
+
+_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+    }
+)
+
+
+def _watermarks(c: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
+    """A partition's offsets, waiting out a just-created topic whose leader is not up yet."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            low, high = c.get_watermark_offsets(tp, timeout=timeout_s)
+            return low, high
+        except KafkaException as exc:
+            if exc.args[0].code() not in _NOT_READY or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
