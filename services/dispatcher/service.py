@@ -108,7 +108,7 @@ class Dispatcher:
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
         wait_s = 0.1 if deadline is None else min(0.1, max(0.0, (deadline - now) / 1000))
-        msgs = self._consumer.consume(self.settings.batch_max, wait_s)
+        msgs = kafka.consume_batch(self._consumer, self.settings.batch_max, wait_s)
         records = [m for m in msgs if _is_record(m)]
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
@@ -151,7 +151,8 @@ class Dispatcher:
         for w in out.queue:
             value = None if w.value is None else dumps(w.value)
             p.produce(self.names.queue(w.queue), key=w.key.encode(), value=value, partition=w.partition)
-        for ep in out.endpoints:
+        # The endpoints topic is compacted: only each handle's last state in a batch matters.
+        for ep in {e.handle: e for e in out.endpoints}.values():
             p.produce(self.names.endpoints, key=ep.handle.encode(), value=encode_endpoint(ep))
         for e in out.errors:
             p.produce(self.names.errors, key=(e.request_id or "").encode(), value=dumps(e))

@@ -8,7 +8,6 @@ with what it received, as ONE commit record: the dispatcher applies it all or no
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -55,6 +54,14 @@ class KsbClient:
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
         self._lock = threading.Lock()
+        # Delivery reports resolve request futures; one thread serves them so waiters just block.
+        self._closing = threading.Event()
+        self._poller = threading.Thread(target=self._serve_reports, name="ksb-client", daemon=True)
+        self._poller.start()
+
+    def _serve_reports(self) -> None:
+        while not self._closing.is_set():
+            self._producer.poll(0.05)
 
     # ----------------------------------------------------------------- plumbing
     @property
@@ -82,17 +89,10 @@ class KsbClient:
         self._producer.produce(
             self.names.requests, key=key.encode(), value=dumps(request), on_delivery=on_delivery
         )
-        self._producer.poll(0)
         return done
 
     def wait(self, fut: Future[Any], timeout_s: float = 30) -> Any:
-        """Serve delivery reports while waiting, since they resolve the futures."""
-        deadline = time.monotonic() + timeout_s
-        while not fut.done():
-            if time.monotonic() > deadline:
-                raise TimeoutError("no outcome for the commit in time")
-            self._producer.poll(0.002)
-        return fut.result()
+        return fut.result(timeout_s)
 
     def flush(self, timeout_s: float = 30) -> None:
         if self._producer.flush(timeout_s) != 0:
@@ -103,6 +103,8 @@ class KsbClient:
             r.close()
         self._readers.clear()
         self._producer.flush(10)
+        self._closing.set()
+        self._poller.join(2)
         if self._redis is not None:
             self._redis.close()
 
@@ -351,8 +353,6 @@ class Transaction:
         if self.done:
             raise KsbError("this transaction has already ended")
         self.done = True
-        if self._actions or self._lease is not None:
-            self._client._producer.poll(0)
 
     def __enter__(self) -> Transaction:
         return self

@@ -114,11 +114,18 @@ def after_peer_error(ep: Endpoint) -> State:
     return State.CLOSED if ep.state is State.CLOSED else State.ERROR
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(Endpoint))
+
+
 def encode_endpoint(ep: Endpoint) -> bytes:
-    d: dict[str, Any] = dataclasses.asdict(ep)
+    """Flat fields only, so a plain attribute walk beats ``dataclasses.asdict``'s deep copy."""
+    d: dict[str, Any] = {"v": 1}
+    for name in _FIELDS:
+        value = getattr(ep, name)
+        if value is not None:
+            d[name] = value
     d["state"] = ep.state.name
-    d["v"] = 1
-    return json.dumps({k: v for k, v in d.items() if v is not None}, separators=(",", ":")).encode()
+    return json.dumps(d, separators=(",", ":")).encode()
 
 
 def decode_endpoint(raw: bytes) -> Endpoint:

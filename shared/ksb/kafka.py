@@ -23,6 +23,7 @@ __all__ = [
     "TopicSpec",
     "admin",
     "consumer",
+    "consume_batch",
     "core_topics",
     "ensure_topics",
     "producer",
@@ -106,6 +107,20 @@ def queue_topic(names: Names, queue: Queue) -> TopicSpec:
 
 def dead_letter_topic(names: Names, queue: Queue) -> TopicSpec:
     return TopicSpec(names.dead_letters(queue.name), 1)
+
+
+def consume_batch(c: Consumer, max_n: int, timeout_s: float) -> list[Message]:
+    """Up to ``max_n`` messages, returning as soon as ANY is available.
+
+    librdkafka's ``consume(n, timeout)`` waits until ``n`` messages or the timeout, which would add
+    the whole timeout to every hop's latency under light load; instead wait for the first message,
+    then take whatever else is already fetched.
+    """
+    first = c.poll(timeout_s)
+    if first is None:
+        return []
+    rest = c.consume(max_n - 1, 0) if max_n > 1 else []
+    return [first, *rest]
 
 
 def ensure_topics(client: AdminClient, specs: Iterable[TopicSpec], timeout_s: float = 30) -> None:

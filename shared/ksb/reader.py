@@ -74,7 +74,7 @@ class QueueReader:
     def _follow(self) -> None:
         while not self._stop.is_set():
             try:
-                msgs = self._consumer.consume(1000, 0.05)
+                msgs = kafka.consume_batch(self._consumer, 1000, 0.05)
             except Exception:  # the consumer was closed under us during shutdown
                 if self._stop.is_set():
                     return
