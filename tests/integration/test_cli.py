@@ -1,0 +1,198 @@
+"""The `ksb` command against the real stack: catalog, DDL, endpoints, errors and queue peek."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from typer.testing import CliRunner, Result
+
+from ksb.catalog import END_DIALOG, Catalog
+from ksb.cli import app
+from ksb.client import KsbClient
+from ksb.settings import Settings
+from ksb.views import ONE_SIDED_GRACE_MS
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
+from tests.integration.support import errors, receive_all, wait_endpoint
+
+pytestmark = pytest.mark.integration
+
+INITIATOR, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
+
+
+def ksb(settings: Settings, *args: str) -> Result:
+    """Run `ksb ARGS` with the test instance's settings in the environment, as a user would."""
+    env = {
+        "KSB_INSTANCE": settings.instance,
+        "KSB_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "KSB_REDIS_URL": settings.redis_url,
+    }
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def ok(result: Result) -> str:
+    assert result.exit_code == 0, f"exit {result.exit_code}: {result.output}"
+    return result.stdout
+
+
+def refused(result: Result) -> str:
+    """A refusal is exit code 2 and one reason on stderr, never a traceback."""
+    assert result.exit_code == 2, f"exit {result.exit_code}: {result.output}"
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    assert result.stderr.startswith("error: ")
+    return result.stderr
+
+
+def shown(settings: Settings) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(ok(ksb(settings, "catalog", "show", "--json")))
+    return value
+
+
+def test_catalog_apply_then_show(settings: Settings, tmp_path: Path) -> None:
+    path = tmp_path / "catalog.yaml"
+    path.write_text(yaml.safe_dump(BASIC_CATALOG))
+    assert "applied catalog version 1" in ok(ksb(settings, "catalog", "apply", str(path)))
+    table = ok(ksb(settings, "catalog", "show"))
+    assert f"catalog version 1 of instance {settings.instance}" in table
+    for name in ("TargetQueue", "InitiatorQueue", "//t/Contract", "//t/Order", "WELL_FORMED_JSON"):
+        assert name in table
+    as_json = shown(settings)
+    assert as_json["version"] == 1
+    assert [q["name"] for q in as_json["queues"]] == ["InitiatorQueue", "TargetQueue"]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"queus": [{"name": "Q"}]}, "queus"),
+        (
+            {"message_types": [{"name": "//t/X", "validation": "XML"}]},
+            "message_types.0.validation",
+        ),
+    ],
+)
+def test_invalid_catalog_is_refused_naming_the_field(
+    settings: Settings, tmp_path: Path, change: dict[str, Any], field: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({**BASIC_CATALOG, **change}))
+    reason = refused(ksb(settings, "catalog", "apply", str(path)))
+    assert field in reason
+    assert shown(settings)["version"] == 0  # nothing was applied
+
+
+def test_sql_applies_priority_and_queue_changes(
+    settings: Settings, catalog: Catalog, tmp_path: Path
+) -> None:
+    create = (
+        "CREATE BROKER PRIORITY TargetHigh FOR CONVERSATION\n"
+        "  SET (CONTRACT_NAME = [//t/Contract], LOCAL_SERVICE_NAME = [//t/Target],\n"
+        "       REMOTE_SERVICE_NAME = ANY, PRIORITY_LEVEL = 8);"
+    )
+    out = ok(ksb(settings, "sql", create))
+    assert f"catalog version {catalog.version + 1}" in out
+    table = ok(ksb(settings, "catalog", "show"))
+    assert "TargetHigh" in table and "//t/Target" in table
+    [rule] = shown(settings)["priorities"]
+    assert rule == {
+        "name": "TargetHigh",
+        "contract": C,
+        "local_service": T,
+        "remote_service": "ANY",
+        "level": 8,
+    }
+
+    script = tmp_path / "queue.sql"
+    script.write_text(
+        "USE Orders\nGO\n"
+        "ALTER QUEUE dbo.TargetQueue WITH STATUS = OFF,\n"
+        "  POISON_MESSAGE_HANDLING (STATUS = OFF);\n"
+        "ALTER BROKER PRIORITY TargetHigh FOR CONVERSATION SET (PRIORITY_LEVEL = 3)\n"
+    )
+    ok(ksb(settings, "sql", "--file", str(script)))
+    after = shown(settings)
+    assert after["version"] == catalog.version + 2
+    target = next(q for q in after["queues"] if q["name"] == "TargetQueue")
+    assert (target["status"], target["poison_message_handling"]) == ("OFF", "OFF")
+    assert after["priorities"][0]["level"] == 3
+
+
+def test_sql_bad_statement_points_at_the_token(settings: Settings, catalog: Catalog) -> None:
+    reason = refused(ksb(settings, "sql", "CREATE BROKER PRIORTY p FOR CONVERSATION"))
+    first, source, caret = reason.splitlines()[:3]
+    assert first.startswith("error: line 1, column 15: unexpected 'PRIORTY'")
+    assert source == "CREATE BROKER PRIORTY p FOR CONVERSATION"
+    assert caret == " " * 14 + "^"
+    out_of_range = refused(
+        ksb(settings, "sql", "CREATE BROKER PRIORITY p FOR CONVERSATION SET (PRIORITY_LEVEL = 11)")
+    )
+    assert "PRIORITY_LEVEL 11 is outside 1..10" in out_of_range
+    unknown = refused(ksb(settings, "sql", "ALTER QUEUE NoSuchQueue WITH STATUS = OFF"))
+    assert "NoSuchQueue" in unknown
+    assert shown(settings)["version"] == catalog.version
+
+
+def test_endpoints_leaked_errors_and_queue_peek(
+    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    # A: the target ends WITH CLEANUP, so the initiator is left open with nobody on the far side.
+    cleaned = client.begin_dialog(INITIATOR, T, C)
+    client.send(cleaned, "//t/Request", "{}")
+    client.flush()
+    [first] = receive_all(client, "TargetQueue", 1)
+    client.end_conversation(first.conversation_handle, cleanup=True)
+    # B: the initiator ends; the target is told but never ends its side.
+    ended = client.begin_dialog(INITIATOR, T, C)
+    client.send(ended, "//t/Request", '{"n": 1}')
+    client.end_conversation(ended)
+    # C: a healthy conversation in progress.
+    healthy = client.begin_dialog(INITIATOR, T, C)
+    client.send(healthy, "//t/Request", '{"n": 2}')
+    client.begin_dialog(INITIATOR, "//t/Nobody", C)
+    client.flush()
+    wait_endpoint(settings, first.conversation_handle, "CLOSED")
+    ended_target = wait_endpoint(settings, ended, "DISCONNECTED_OUTBOUND").far_handle
+    assert ended_target is not None
+    wait_endpoint(settings, ended_target, "DISCONNECTED_INBOUND")
+    errors(settings)
+
+    listed = json.loads(ok(ksb(settings, "endpoints", "--json")))
+    states = {row["handle"]: row["state"] for row in listed}
+    assert first.conversation_handle not in states  # CLOSED ones only with --all
+    assert states[ended_target] == "DISCONNECTED_INBOUND"
+    assert states[healthy] == "CONVERSING"
+    everything = json.loads(ok(ksb(settings, "endpoints", "--all", "--json")))
+    assert any(row["handle"] == first.conversation_handle for row in everything)
+
+    leaks = json.loads(ok(ksb(settings, "endpoints", "--leaked", "--json")))
+    assert {row["handle"]: row["role"] for row in leaks} == {cleaned: "initiator"}
+    assert "still CONVERSING" in leaks[0]["reason"]
+
+    time.sleep(ONE_SIDED_GRACE_MS / 1000 + 0.5)
+    leaks = json.loads(ok(ksb(settings, "endpoints", "--leaked", "--json")))
+    by_handle = {row["handle"]: row for row in leaks}
+    assert set(by_handle) == {cleaned, ended_target}
+    assert "never ended" in by_handle[ended_target]["reason"]
+    table = ok(ksb(settings, "endpoints", "--leaked"))
+    assert ended_target in table and "DISCONNECTED_INBOUND" in table
+    idle = json.loads(ok(ksb(settings, "endpoints", "--leaked", "--idle-s", "1", "--json")))
+    assert healthy in {row["handle"] for row in idle}
+
+    [error] = json.loads(ok(ksb(settings, "errors", "--json")))
+    assert error["code"] == "unknown_service"
+    assert "unknown_service" in ok(ksb(settings, "errors"))
+
+    ready = json.loads(ok(ksb(settings, "queue", "peek", "TargetQueue", "--json")))
+    by_conversation: dict[str, list[str]] = {}
+    for m in ready:
+        by_conversation.setdefault(m["conversation_id"], []).append(m["message_type_name"])
+    assert by_conversation == {ended: ["//t/Request", END_DIALOG], healthy: ["//t/Request"]}
+    first_only = ok(ksb(settings, "queue", "peek", "TargetQueue", "--limit", "1"))
+    assert "3 ready" in first_only
+    assert ready[0]["message_id"] in first_only and ready[-1]["message_id"] not in first_only
+    assert "NoSuchQueue" in refused(ksb(settings, "queue", "peek", "NoSuchQueue"))

@@ -1,0 +1,102 @@
+"""The kcat example of docs/protocol.md, run as written against the real broker.
+
+Running the documentation is what keeps it true: if a field is renamed or a rule changes, the
+example a non-Python team copies stops working here first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ksb.catalog import END_DIALOG, Catalog
+from ksb.client import KsbClient
+from ksb.engine import target_handle
+from ksb.settings import Settings
+from tests.integration.conftest import ThreadDispatcher
+from tests.integration.support import receive_all, wait_endpoint
+
+pytestmark = pytest.mark.integration
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+HANDLE = "5d1c3a8e-0b7f-4c2a-9e61-3f2d8a4b7c10"
+
+
+def kcat_example() -> str:
+    """The first ```sh block under the '## kcat example' heading."""
+    text = DOC.read_text()
+    section = text.split("\n## kcat example", 1)[1]
+    found = re.search(r"^```sh\n(.*?)^```", section, re.S | re.M)
+    assert found is not None, "docs/protocol.md: no ```sh block under '## kcat example'"
+    return found.group(1)
+
+
+def run_script(script: str, env: dict[str, str], cwd: Path, timeout_s: float) -> str:
+    """Run in its own process group so a hung kcat is killed with the shell."""
+    proc = subprocess.Popen(
+        ["bash", "-c", script],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the kcat example hung\nstdout:\n{out}\nstderr:\n{err}")
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    return out
+
+
+def test_doc_example_begins_sends_receives_and_ends(
+    settings: Settings,
+    catalog: Catalog,
+    dispatcher: ThreadDispatcher,
+    client: KsbClient,
+    tmp_path: Path,
+) -> None:
+    if shutil.which("kcat") is None:
+        pytest.skip("kcat is not installed")
+    env = {**os.environ, "BOOTSTRAP": settings.kafka_bootstrap, "INSTANCE": settings.instance}
+    out = run_script(kcat_example(), env, tmp_path, timeout_s=90)
+
+    # The message arrived in the target queue with its Service Broker columns.
+    [received] = [line for line in out.splitlines() if line.startswith("received: ")]
+    message_id, value = received.removeprefix("received: ").split("\t", 1)
+    message = json.loads(value)
+    assert message["message_id"] == message_id
+    assert message["conversation_id"] == HANDLE
+    assert message["conversation_handle"] == target_handle(HANDLE)
+    assert message["service_name"] == "//t/Target"
+    assert json.loads(message["body"]) == {"hello": "kafka"}
+
+    # The token-0 commit was applied.
+    [commit] = [line for line in out.splitlines() if line.startswith("commit: ")]
+    outcome = json.loads(commit.split("\t", 1)[1])
+    assert outcome["kind"] == "commit_outcome" and outcome["applied"] is True
+
+    # The END changed both endpoints in the same transaction as the EndDialog, as printed.
+    target = target_handle(HANDLE)
+    states = {
+        key: json.loads(value)["state"]
+        for key, value in (line.split("\t", 1) for line in out.splitlines() if "\t" in line)
+        if key in (HANDLE, target)
+    }
+    assert states == {HANDLE: "DISCONNECTED_OUTBOUND", target: "DISCONNECTED_INBOUND"}
+
+    # Received once: only the EndDialog is left, and receiving it closes the initiator.
+    [end_dialog] = receive_all(client, "TargetQueue", 1)
+    assert end_dialog.message_type_name == END_DIALOG
+    assert end_dialog.conversation_handle == target
+    wait_endpoint(settings, HANDLE, "CLOSED")
