@@ -1,0 +1,70 @@
+"""`python -m bench` (`make bench`): run the benchmarks, print the table, write the JSON."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from bench.report import format_table, write_json
+from bench.suite import Options, run
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO_ROOT / "var" / "bench" / "results.json"
+
+
+def _options(argv: list[str] | None) -> tuple[Options, Path]:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--messages", type=int, help="KSB messages in total (default 20000)")
+    parser.add_argument("--dialogs", type=int, help="KSB dialogs (default 1000)")
+    parser.add_argument("--raw-messages", type=int, help="raw Kafka messages (default: --messages)")
+    parser.add_argument("--body-bytes", type=int, default=1024, help="message size (default 1024)")
+    parser.add_argument("--partitions", type=int, default=4, help="target queue partitions")
+    parser.add_argument("--receivers", type=int, default=2, help="receiver threads (default 2)")
+    parser.add_argument("--window", type=int, default=64, help="commits in flight per receiver")
+    parser.add_argument("--top", type=int, default=0, help="RECEIVE TOP (n); 0 = the whole group")
+    parser.add_argument(
+        "--probes", type=int, help="one-at-a-time latency round trips (default 100)"
+    )
+    parser.add_argument("--timeout", type=float, help="seconds each phase may take (default 180)")
+    parser.add_argument("--quick", action="store_true", help="small counts, for a CI smoke run")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")
+    a = parser.parse_args(argv)
+    messages = a.messages or (400 if a.quick else 20_000)
+    dialogs = a.dialogs or (50 if a.quick else 1_000)
+    if messages < dialogs:
+        parser.error("--messages must be at least --dialogs")
+    opts = Options(
+        messages=messages,
+        dialogs=dialogs,
+        raw_messages=a.raw_messages or messages,
+        body_bytes=a.body_bytes,
+        partitions=a.partitions,
+        receivers=a.receivers,
+        window=a.window,
+        top=a.top or None,
+        probes=a.probes if a.probes is not None else (10 if a.quick else 100),
+        timeout_s=a.timeout or (60.0 if a.quick else 180.0),
+        log_dir=a.out.parent,
+    )
+    return opts, a.out
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the `finally` blocks that stop processes
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, out = _options(argv)
+    signal.signal(signal.SIGTERM, _terminate)
+    results = run(opts)
+    write_json(results, out)
+    print(format_table(results))
+    print(f"results written to {out}")
+    return 0 if results["ksb"]["verified_exactly_once_in_order"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""KSB end to end: BEGIN + SEND through the dispatcher, RECEIVE + commit by reader threads.
+
+The sender BEGINs every dialog and SENDs round-robin over them, so many conversation groups are
+ready at once. Receiver threads share one `KsbClient` (one queue index, one request producer) and
+each keeps up to ``window`` commits in flight with `Transaction.commit_async`; a message counts as
+delivered when its commit's outcome says applied, and its latency is measured at that moment.
+Every message carries (dialog, sequence) so the run also checks exactly-once and per-dialog order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
+from ksb.catalog import Catalog, parse_catalog
+from ksb.client import KsbClient
+from ksb.errors import KsbError
+from ksb.protocol import QueueMessage
+from ksb.settings import Settings
+
+__all__ = ["INITIATOR", "TARGET", "TARGET_QUEUE", "KsbResult", "bench_catalog", "run_ksb"]
+
+INITIATOR, TARGET, CONTRACT = "//bench/Initiator", "//bench/Target", "//bench/Contract"
+MESSAGE_TYPE = "//bench/Payload"
+_WARMUP = 5
+INITIATOR_QUEUE, TARGET_QUEUE = "BenchInitiatorQueue", "BenchTargetQueue"
+
+
+def bench_catalog(target_partitions: int) -> Catalog:
+    return parse_catalog(
+        {
+            "message_types": [{"name": MESSAGE_TYPE, "validation": "NONE"}],
+            "contracts": [
+                {"name": CONTRACT, "messages": [{"type": MESSAGE_TYPE, "sent_by": "INITIATOR"}]}
+            ],
+            "queues": [
+                {"name": INITIATOR_QUEUE, "partitions": 1},
+                {"name": TARGET_QUEUE, "partitions": target_partitions},
+            ],
+            "services": [
+                {"name": INITIATOR, "queue": INITIATOR_QUEUE},
+                {"name": TARGET, "queue": TARGET_QUEUE, "contracts": [CONTRACT]},
+            ],
+        }
+    )
+
+
+@dataclass(frozen=True)
+class KsbResult:
+    dialogs: int
+    rate: Rate
+    """First BEGIN to the last applied commit outcome."""
+    send_seconds: float
+    """How long the sender took to hand every request to its producer and have it acknowledged."""
+    latency: LatencySummary
+    """SEND -> commit outcome under full load (includes time queued behind earlier messages)."""
+    probe: LatencySummary
+    """SEND -> RECEIVE -> commit outcome of one message at a time, nothing else in flight."""
+    commits: int
+    refused: int
+    lock_lost: int
+    receivers: int
+    window: int
+    top: int | None
+    verified: bool
+    problems: tuple[str, ...]
+    phase_seconds: dict[str, float]
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "dialogs": self.dialogs,
+            "throughput": self.rate.as_json(),
+            "send_seconds": self.send_seconds,
+            "latency_loaded": self.latency.as_json(),
+            "latency_unloaded": self.probe.as_json(),
+            "commits": self.commits,
+            "messages_per_commit": self.rate.messages / self.commits if self.commits else 0,
+            "refused_commits": self.refused,
+            "lock_lost": self.lock_lost,
+            "receivers": self.receivers,
+            "window": self.window,
+            "top": self.top,
+            "verified_exactly_once_in_order": self.verified,
+            "problems": list(self.problems),
+            "phase_seconds": {k: round(v, 2) for k, v in self.phase_seconds.items()},
+        }
+
+
+@dataclass
+class _Tally:
+    """What the commit outcomes said; fed from the reader thread that resolves the futures."""
+
+    expected: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    done: threading.Event = field(default_factory=threading.Event)
+    next_seq: dict[int, int] = field(default_factory=dict)
+    latencies_ns: list[int] = field(default_factory=list)
+    delivered: int = 0
+    commits: int = 0
+    refused: int = 0
+    lock_lost: int = 0
+    last_ns: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def outcome(self, fut: Future[Any], batch: list[tuple[int, int, int]]) -> None:
+        now = now_ns()
+        with self.lock:
+            if fut.exception() is not None:
+                self.refused += 1
+                return
+            self.commits += 1
+            for dialog, seq, sent in batch:
+                want = self.next_seq.get(dialog, 0)
+                if seq != want:
+                    kind = "duplicate" if seq < want else "gap"
+                    self._problem(f"dialog {dialog}: got message {seq}, expected {want} ({kind})")
+                self.next_seq[dialog] = max(want, seq + 1)
+                self.latencies_ns.append(now - sent)
+            self.delivered += len(batch)
+            self.last_ns = now
+            if self.delivered >= self.expected:
+                self.done.set()
+
+    def _problem(self, text: str) -> None:
+        if len(self.problems) < 20:
+            self.problems.append(text)
+
+
+def _decode(m: QueueMessage) -> tuple[int, int, int]:
+    sent, tag = parse_body(m.message_body)
+    dialog, _, seq = tag.partition(":")
+    return int(dialog), int(seq), sent
+
+
+def _settle(client: KsbClient, fut: Future[Any], timeout_s: float) -> None:
+    """Wait for one outcome, serving producer delivery reports meanwhile; refusals are tallied."""
+    with contextlib.suppress(KsbError):  # CommitRefused / LockLost: counted by the done-callback
+        client.wait(fut, timeout_s)
+
+
+def _receive_loop(
+    client: KsbClient,
+    tally: _Tally,
+    stop: threading.Event,
+    *,
+    window: int,
+    top: int | None,
+    errors: list[BaseException],
+) -> None:
+    outstanding: deque[Future[Any]] = deque()
+    try:
+        while not stop.is_set() and not tally.done.is_set():
+            while outstanding and outstanding[0].done():
+                outstanding.popleft()
+            if len(outstanding) >= window:
+                _settle(client, outstanding.popleft(), 30)
+                continue
+            tx = client.transaction()
+            msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=100)
+            if not msgs:
+                tx.rollback()
+                continue
+            batch = [_decode(m) for m in msgs]
+            try:
+                fut = tx.commit_async()
+            except KsbError:
+                with tally.lock:
+                    tally.lock_lost += 1
+                continue
+            fut.add_done_callback(lambda f, b=batch: tally.outcome(f, b))
+            outstanding.append(fut)
+        for fut in outstanding:
+            _settle(client, fut, 30)
+    except BaseException as exc:
+        errors.append(exc)
+        stop.set()
+
+
+def _send_all(
+    client: KsbClient, dialogs: int, per_dialog: int, body_bytes: int, started: list[int]
+) -> list[str]:
+    started.append(now_ns())
+    handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
+    for seq in range(per_dialog):
+        for d, h in enumerate(handles):
+            while True:
+                try:
+                    client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
+                    break
+                except BufferError:  # the producer's local queue is full: let it drain
+                    with contextlib.suppress(KsbError):
+                        client.flush(0.05)
+    client.flush(60)
+    started.append(now_ns())
+    return handles
+
+
+def _probe(sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int) -> list[int]:
+    """One message at a time on a fresh dialog: SEND, RECEIVE, commit, wait for the outcome."""
+    handle = sender.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    out: list[int] = []
+    for i in range(count):
+        sender.send(handle, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"probe:{i}"))
+        tx = receiver.transaction()
+        msgs = tx.receive(TARGET_QUEUE, waitfor_ms=10_000)
+        if len(msgs) != 1:
+            tx.rollback()
+            raise RuntimeError(f"probe {i}: received {len(msgs)} messages instead of 1")
+        sent, _tag = parse_body(msgs[0].message_body)
+        tx.commit(30)
+        out.append(now_ns() - sent)
+    return out
+
+
+def run_ksb(
+    settings: Settings,
+    *,
+    dialogs: int,
+    messages: int,
+    body_bytes: int,
+    receivers: int,
+    window: int,
+    top: int | None,
+    probes: int,
+    timeout_s: float,
+) -> KsbResult:
+    """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run."""
+    per_dialog = max(1, messages // dialogs)
+    expected = per_dialog * dialogs
+    tally = _Tally(expected=expected)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    with KsbClient(settings) as sender, KsbClient(settings) as receiver:
+        receiver.reader(TARGET_QUEUE)  # build the index and its consumer before the clock starts
+        warm_ns = now_ns()
+        _probe(sender, receiver, _WARMUP, body_bytes)  # first transactions, connections, metadata
+        threads = [
+            threading.Thread(
+                target=_receive_loop,
+                args=(receiver, tally, stop),
+                kwargs={"window": window, "top": top, "errors": errors},
+                name=f"bench-receiver-{i}",
+                daemon=True,
+            )
+            for i in range(receivers)
+        ]
+        for t in threads:
+            t.start()
+        marks: list[int] = []
+        try:
+            _send_all(sender, dialogs, per_dialog, body_bytes, marks)
+            if not tally.done.wait(timeout_s):
+                raise TimeoutError(
+                    f"only {tally.delivered} of {expected} messages received in {timeout_s:.0f}s"
+                )
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(35)
+        if errors:
+            raise RuntimeError("a receiver thread failed") from errors[0]
+        problems = list(tally.problems)
+        if tally.delivered != expected:
+            problems.append(f"delivered {tally.delivered} messages, expected {expected}")
+        missing = [d for d in range(dialogs) if tally.next_seq.get(d, 0) != per_dialog]
+        if missing:
+            problems.append(f"{len(missing)} dialogs incomplete, e.g. dialog {missing[0]}")
+        # Nothing may be left to RECEIVE: a leftover would be a duplicate or a lost receipt.
+        tx = receiver.transaction()
+        leftover = tx.receive(TARGET_QUEUE, waitfor_ms=500)
+        tx.rollback()
+        if leftover:
+            problems.append(f"{len(leftover)} messages still receivable after the run")
+        verified_ns = now_ns()
+        probe = _probe(sender, receiver, probes, body_bytes)
+        probe_ns = now_ns()
+    return KsbResult(
+        dialogs=dialogs,
+        rate=Rate(expected, (tally.last_ns - marks[0]) / 1e9),
+        send_seconds=(marks[1] - marks[0]) / 1e9,
+        latency=summarize(tally.latencies_ns),
+        probe=summarize(probe),
+        commits=tally.commits,
+        refused=tally.refused,
+        lock_lost=tally.lock_lost,
+        receivers=receivers,
+        window=window,
+        top=top,
+        verified=not problems,
+        phase_seconds={
+            "warmup": (marks[0] - warm_ns) / 1e9,
+            "send_receive": (tally.last_ns - marks[0]) / 1e9,
+            "drain_and_verify": (verified_ns - tally.last_ns) / 1e9,
+            "probes": (probe_ns - verified_ns) / 1e9,
+        },
+        problems=tuple(problems),
+    )

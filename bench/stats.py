@@ -1,0 +1,103 @@
+"""Measurement helpers: payloads carrying their send time, latency percentiles, peak RSS."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LatencySummary",
+    "Rate",
+    "make_body",
+    "now_ns",
+    "parse_body",
+    "peak_rss_kb",
+    "summarize",
+]
+
+_TS_DIGITS = 20
+
+
+def now_ns() -> int:
+    """The clock every timestamp in a payload uses: monotonic, so senders and receivers in this
+    process agree and a wall-clock step cannot produce a negative latency."""
+    return time.monotonic_ns()
+
+
+def make_body(size_bytes: int, sent_ns: int, tag: str) -> str:
+    """A text body of exactly ``size_bytes``: send time, a tag, then random hex.
+
+    Random padding keeps lz4 (the producers' compression) from shrinking a 1 KB message to a few
+    bytes, which would flatter both sides of the comparison.
+    """
+    head = f"{sent_ns:0{_TS_DIGITS}d} {tag} "
+    pad = max(0, size_bytes - len(head))
+    return head + os.urandom((pad + 1) // 2).hex()[:pad]
+
+
+def parse_body(body: bytes | str) -> tuple[int, str]:
+    """(send time in ns, tag) of a body made by `make_body`."""
+    text = body.decode() if isinstance(body, bytes) else body
+    ts, tag, _pad = text.split(" ", 2)
+    return int(ts), tag
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    mean_ms: float
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _percentile(ordered: Sequence[int], q: float) -> int:
+    """Nearest-rank percentile of an ascending sequence."""
+    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
+    return ordered[int(rank) - 1]
+
+
+def summarize(latencies_ns: Sequence[int]) -> LatencySummary:
+    if not latencies_ns:
+        return LatencySummary(0, float("nan"), float("nan"), float("nan"), float("nan"))
+    ordered = sorted(latencies_ns)
+    ms = 1e-6
+    return LatencySummary(
+        count=len(ordered),
+        p50_ms=_percentile(ordered, 50) * ms,
+        p99_ms=_percentile(ordered, 99) * ms,
+        max_ms=ordered[-1] * ms,
+        mean_ms=sum(ordered) / len(ordered) * ms,
+    )
+
+
+@dataclass(frozen=True)
+class Rate:
+    messages: int
+    seconds: float
+
+    @property
+    def per_s(self) -> float:
+        return self.messages / self.seconds if self.seconds > 0 else float("nan")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"messages": self.messages, "seconds": self.seconds, "per_s": self.per_s}
+
+
+def peak_rss_kb(pid: int | None = None) -> int | None:
+    """VmHWM (peak resident set) of ``pid`` (this process by default), or None if unreadable."""
+    status = Path(f"/proc/{'self' if pid is None else pid}/status")
+    try:
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -1,0 +1,144 @@
+"""One benchmark run: its own stack, the raw baseline, then KSB through a dispatcher process.
+
+Every process started here is stopped on the way out, including after an error or a SIGTERM
+(`__main__` turns SIGTERM into SystemExit so these `finally` blocks run).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.e2e import bench_catalog, run_ksb
+from bench.raw_kafka import run_raw
+from bench.stats import peak_rss_kb
+from ksb.catalog_store import apply_catalog
+from ksb.localstack import start_stack
+from ksb.runner import ServiceProcess
+from ksb.settings import Settings
+
+__all__ = ["Options", "run"]
+
+
+@dataclass(frozen=True)
+class Options:
+    messages: int
+    dialogs: int
+    raw_messages: int
+    body_bytes: int
+    partitions: int
+    receivers: int
+    window: int
+    top: int | None
+    probes: int
+    timeout_s: float
+    log_dir: Path
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Run both benchmarks and return every figure as a JSON-able dict."""
+    started = time.monotonic()
+    # Other work on the machine skews every figure; the load average says how much there was.
+    load_at_start = round(os.getloadavg()[0], 2)
+    rss_kb: dict[str, int | None] = {}
+    phases: dict[str, float] = {}
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = round(now - mark, 2)
+        mark = now
+
+    with tempfile.TemporaryDirectory(prefix="ksb-bench-") as tmp:
+        stack = start_stack(Path(tmp) / "stack")
+        phase("stack_start")
+        dispatcher: ServiceProcess | None = None
+        try:
+            settings = Settings(
+                instance=f"bench{uuid.uuid4().hex[:8]}",
+                kafka_bootstrap=stack.kafka_bootstrap,
+                redis_url=stack.redis_url,
+            )
+            raw = run_raw(
+                settings,
+                messages=opts.raw_messages,
+                body_bytes=opts.body_bytes,
+                probes=opts.probes,
+                timeout_s=opts.timeout_s,
+                warmup_messages=opts.raw_messages // 2,
+            )
+            rss_kb["bench_after_raw"] = peak_rss_kb()
+            phase("raw")
+            apply_catalog(settings, bench_catalog(opts.partitions))
+            # A fresh log file: wait_ready looks for its marker anywhere in the file.
+            log_path = Path(tmp) / "dispatcher.log"
+            dispatcher = ServiceProcess("dispatcher", settings, log_path).start()
+            dispatcher.wait_ready("dispatcher ready")
+            assert dispatcher.proc is not None
+            phase("dispatcher_start")
+            ksb = run_ksb(
+                settings,
+                dialogs=opts.dialogs,
+                messages=opts.messages,
+                body_bytes=opts.body_bytes,
+                receivers=opts.receivers,
+                window=opts.window,
+                top=opts.top,
+                probes=opts.probes,
+                timeout_s=opts.timeout_s,
+            )
+            rss_kb["dispatcher"] = peak_rss_kb(dispatcher.proc.pid)
+            phase("ksb")
+        finally:
+            if dispatcher is not None:
+                if dispatcher.proc is not None and "dispatcher" not in rss_kb:
+                    rss_kb["dispatcher"] = peak_rss_kb(dispatcher.proc.pid)
+                dispatcher.stop()
+                opts.log_dir.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(dispatcher.log_path, opts.log_dir / "dispatcher.log")
+            rss_kb["kafka"] = peak_rss_kb(stack.kafka_pid)
+            rss_kb["redis"] = peak_rss_kb(stack.redis_pid)
+            stack.stop()
+            phase("stop")
+    rss_kb["bench"] = peak_rss_kb()
+    return {
+        "config": {
+            "raw_messages": opts.raw_messages,
+            "messages": ksb.rate.messages,
+            "dialogs": opts.dialogs,
+            "body_bytes": opts.body_bytes,
+            "target_partitions": opts.partitions,
+            "receivers": opts.receivers,
+            "window": opts.window,
+            "top": opts.top,
+            "probes": opts.probes,
+            "cpus": _cpus(),
+            "python": platform.python_version(),
+            "load_average_1m_at_start": load_at_start,
+            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+        },
+        "raw": raw.as_json(),
+        "ksb": ksb.as_json(),
+        "ratio_ksb_over_raw": {
+            "throughput": ksb.rate.per_s / raw.rate.per_s,
+            "latency_loaded_p50": ksb.latency.p50_ms / raw.latency.p50_ms,
+            "latency_loaded_p99": ksb.latency.p99_ms / raw.latency.p99_ms,
+            "latency_unloaded_p50": ksb.probe.p50_ms / raw.probe.p50_ms,
+            "latency_unloaded_p99": ksb.probe.p99_ms / raw.probe.p99_ms,
+        },
+        "peak_rss_kb": rss_kb,
+        "phase_seconds": phases,
+        "wall_seconds": time.monotonic() - started,
+    }
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0))
