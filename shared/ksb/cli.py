@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec
 
+import redis
 import typer
 from confluent_kafka import KafkaException, Message
 from rich.console import Console
@@ -27,7 +28,14 @@ from ksb.ddl import AlterQueue, Statement, UseDatabase, apply_priority_statement
 from ksb.endpoint import Endpoint, State, decode_endpoint
 from ksb.errors import CatalogError, DdlError, KsbError, ProtocolError
 from ksb.names import Names
-from ksb.protocol import CommitOutcome, QueueMessage, parse_queue_record
+from ksb.protocol import (
+    CommitOutcome,
+    DeadLetterRecord,
+    QueueMessage,
+    ReplayRequest,
+    dumps,
+    parse_queue_record,
+)
 from ksb.queue_index import QueueIndex
 from ksb.settings import Settings, load_settings
 from ksb.views import endpoint_row, leaked
@@ -47,6 +55,8 @@ catalog_app = typer.Typer(help="The catalog: message types, contracts, queues, s
 queue_app = typer.Typer(help="Look into a queue without receiving from it.")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(queue_app, name="queue")
+dlq_app = typer.Typer(help="Dead letters: messages moved aside by a queue's dead-letter policy.")
+app.add_typer(dlq_app, name="dlq")
 
 _BAD_INPUT = 2
 _UNAVAILABLE = 1
@@ -464,6 +474,125 @@ def _preview(m: QueueMessage, width: int = 60) -> str:
     else:
         text = ""
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+# --------------------------------------------------------------------------- activation views
+
+
+def read_monitors(settings: Settings) -> list[dict[str, Any]]:
+    """The activation service's queue monitors (like sys.dm_broker_queue_monitors)."""
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        raw = r.hgetall(Names(settings.instance).monitors_key)
+    finally:
+        r.close()
+    return [json.loads(v) for _k, v in sorted(raw.items())]
+
+
+def read_tasks(settings: Settings) -> list[dict[str, Any]]:
+    """Running activated tasks from their heartbeats (like sys.dm_broker_activated_tasks)."""
+    names = Names(settings.instance)
+    now = _now_ms()
+    r = redis.Redis.from_url(settings.redis_url)
+    rows: list[dict[str, Any]] = []
+    try:
+        for queue in CatalogView(load_catalog(settings)).queues:
+            for member, deadline in r.zrangebyscore(
+                names.tasks_key(queue), now, "+inf", withscores=True
+            ):
+                task = member.decode() if isinstance(member, bytes) else str(member)
+                rows.append(
+                    {"queue": queue, "task_id": task, "heartbeat_due_ms": int(deadline) - now}
+                )
+    finally:
+        r.close()
+    return rows
+
+
+@app.command("monitors")
+@_reported
+def monitors(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] = False) -> None:
+    """Queue monitors: state, runnable work, waiting readers, running tasks, last activation."""
+    rows = read_monitors(_settings())
+    if as_json:
+        _echo_json(rows)
+        return
+    shown = [{k: v for k, v in row.items() if k != "tasks"} for row in rows]
+    _print_rows("Queue monitors", shown)
+
+
+@app.command("tasks")
+@_reported
+def tasks(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] = False) -> None:
+    """Activated tasks that are running now (they heartbeat into Redis)."""
+    rows = read_tasks(_settings())
+    if as_json:
+        _echo_json(rows)
+        return
+    _print_rows("Activated tasks", rows)
+
+
+# --------------------------------------------------------------------------- dead letters
+
+
+def read_dead_letters(settings: Settings, queue: str) -> list[DeadLetterRecord]:
+    CatalogView(load_catalog(settings)).queue(queue)
+    out: dict[str, DeadLetterRecord] = {}
+
+    def keep(m: Message) -> None:
+        value = m.value()
+        if value is not None:
+            record = DeadLetterRecord.model_validate_json(value)
+            out[record.message.message_id] = record
+
+    _read(settings, Names(settings.instance).dead_letters(queue), keep)
+    return list(out.values())
+
+
+@dlq_app.command("list")
+@_reported
+def dlq_list(
+    queue: Annotated[str, typer.Argument(help="queue name")],
+    as_json: Annotated[bool, typer.Option("--json", help="records as JSON")] = False,
+) -> None:
+    """Messages a queue's dead-letter policy moved aside, with the reason."""
+    records = read_dead_letters(_settings(), queue)
+    if as_json:
+        _echo_json([r.model_dump(mode="json", exclude_none=True) for r in records])
+        return
+    rows = [
+        {
+            "message id": r.message.message_id,
+            "handle": r.message.conversation_handle,
+            "message type": r.message.message_type_name,
+            "reason": r.reason,
+            "body": _preview(r.message),
+        }
+        for r in records
+    ]
+    _print_rows(f"Dead letters of {queue}", rows)
+
+
+@dlq_app.command("replay")
+@_reported
+def dlq_replay(
+    queue: Annotated[str, typer.Argument(help="queue name")],
+    message_id: Annotated[
+        list[str] | None, typer.Option("--id", help="replay only these message ids")
+    ] = None,
+) -> None:
+    """Put dead letters back into their queue, ready to RECEIVE again."""
+    settings = _settings()
+    records = read_dead_letters(settings, queue)
+    chosen = [r for r in records if not message_id or r.message.message_id in message_id]
+    p = kafka.producer(settings)
+    topic = Names(settings.instance).requests
+    for r in chosen:
+        req = ReplayRequest(kind="replay", message=r.message)
+        p.produce(topic, key=r.message.conversation_group_id.encode(), value=dumps(req))
+    if p.flush(30) != 0:
+        raise KsbError("replay requests were not acknowledged by Kafka")
+    typer.echo(f"replayed {len(chosen)} message(s) into {queue}")
 
 
 # --------------------------------------------------------------------------- plumbing

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 import redis
+from typer.testing import CliRunner
 
 from ksb.catalog import parse_catalog
 from ksb.catalog_store import apply_catalog
+from ksb.cli import app
 from ksb.client import KsbClient
 from ksb.errors import QueueDisabled
 from ksb.names import Names
@@ -24,7 +26,7 @@ from tests.integration.support import read_topic, receive_all
 
 pytestmark = pytest.mark.integration
 
-I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
+I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"  # noqa: E741
 
 
 def with_target_queue(**changes: Any) -> dict[str, Any]:
@@ -70,7 +72,9 @@ def stop_all() -> Iterator[list[Any]]:
 
 
 def monitor_view(settings: Settings, queue: str) -> dict[str, Any]:
-    raw = redis.Redis.from_url(settings.redis_url).hget(Names(settings.instance).monitors_key, queue)
+    raw = redis.Redis.from_url(settings.redis_url).hget(
+        Names(settings.instance).monitors_key, queue
+    )
     return json.loads(raw) if raw else {}
 
 
@@ -205,7 +209,11 @@ def test_dead_letter_policy_moves_one_bad_message_and_keeps_the_queue_running(
         deadline = time.monotonic() + 15
         dead: list[dict[str, Any]] = []
         while time.monotonic() < deadline and not dead:
-            dead = [json.loads(v) for _k, v in read_topic(fast_settings, names.dead_letters("TargetQueue")) if v]
+            dead = [
+                json.loads(v)
+                for _k, v in read_topic(fast_settings, names.dead_letters("TargetQueue"))
+                if v
+            ]
             time.sleep(0.2)
         assert [json.loads(m.message_body) for m in got] == [{"bad": False}]
         assert len(dead) == 1 and json.loads(dead[0]["message"]["body"]) == {"bad": True}
@@ -213,3 +221,18 @@ def test_dead_letter_policy_moves_one_bad_message_and_keeps_the_queue_running(
         # Its conversation was ended WITH ERROR: the initiator gets the Error.
         [err] = receive_all(client, "InitiatorQueue", 1, timeout_s=15)
         assert json.loads(err.message_body)["code"] == 500
+        # `ksb dlq list` shows it and `ksb dlq replay` puts it back, ready to RECEIVE.
+        env = {f"KSB_{k.upper()}": str(v) for k, v in fast_settings.model_dump().items()}
+        runner = CliRunner()
+        listed = runner.invoke(app, ["dlq", "list", "TargetQueue", "--json"], env=env)
+        assert listed.exit_code == 0, listed.output
+        assert (
+            json.loads(listed.output)[0]["message"]["message_id"]
+            == dead[0]["message"]["message_id"]
+        )
+        replayed = runner.invoke(app, ["dlq", "replay", "TargetQueue"], env=env)
+        assert replayed.exit_code == 0 and "replayed 1" in replayed.output
+        [again] = receive_all(client, "TargetQueue", 1, timeout_s=15)
+        assert json.loads(again.message_body) == {"bad": True}
+        monitors = runner.invoke(app, ["monitors", "--json"], env=env)
+        assert [row["queue"] for row in json.loads(monitors.output)] == ["TargetQueue"]

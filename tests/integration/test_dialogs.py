@@ -14,7 +14,7 @@ from tests.integration.support import errors, receive_all, wait_endpoint
 
 pytestmark = pytest.mark.integration
 
-I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
+I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"  # noqa: E741
 
 
 def test_request_reply_end_in_order(
