@@ -37,16 +37,18 @@ for i = 3, #KEYS, 2 do
   if (not holder) or holder == '' then
     local after = redis.call('HGET', lk, 'after')
     local t = redis.call('INCR', fk)
+    local fresh = 0
     if t == 1 then
       t = tonumber(now[1]) * 1000000 + tonumber(now[2])
       redis.call('SET', fk, t)
+      fresh = 1
     end
     redis.call('PEXPIRE', fk, 86400000)
     redis.call('HSET', lk, 'holder', ARGV[1], 'token', t)
     redis.call('HDEL', lk, 'after')
     redis.call('PEXPIRE', lk, ARGV[2])
     redis.call('HSET', KEYS[2], 'last_receive_ms', now_ms)
-    return {(i - 1) / 2, t, after or ''}
+    return {(i - 1) / 2, t, after or '', fresh}
   end
 end
 return false
@@ -79,6 +81,8 @@ class Lease:
     token: int
     after: tuple[int, int] | None
     """(partition, offset) the previous holder's outcome sits at; None when unknown."""
+    first: bool = False
+    """No earlier holder is known (first use of the group, or Redis lost its counter)."""
 
 
 class GroupLocks:
@@ -117,8 +121,8 @@ class GroupLocks:
             return None
         if int(res[0]) < 0:
             raise QueueDisabled(f"queue {self._queue!r} is disabled (STATUS = OFF)")
-        index, token, after = int(res[0]), int(res[1]), res[2]
-        return Lease(groups[index - 1], token, _parse_after(after))
+        index, token, after, fresh = int(res[0]), int(res[1]), res[2], int(res[3])
+        return Lease(groups[index - 1], token, _parse_after(after), first=bool(fresh))
 
     def extend(self, lease: Lease) -> bool:
         """Renew the lease; False means another holder may have it (commit must not go ahead)."""
