@@ -123,7 +123,9 @@ class ActivationService:
     def _sync(self, view: CatalogView, altered: set[str]) -> None:
         """Create, drop and re-configure monitors; mirror disabled queues into Redis."""
         disabled = [q.name for q in view.queues.values() if q.status == "OFF"]
-        policies = {q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter}
+        policies: dict[str | bytes | bytearray | memoryview[int] | int | float, Any] = {
+            q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter
+        }
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(self.names.disabled_key, self.names.dead_letter_policy_key)
         if disabled:

@@ -49,7 +49,7 @@ class Dispatcher:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
         self._producer = kafka.producer(
-            s, transactional_id=self.names.dispatcher_txn_id, **{"linger.ms": 1}
+            s, transactional_id=self.names.dispatcher_txn_id, extra={"linger.ms": 1}
         )
         self._producer.init_transactions(60)
         self._rebuild()

@@ -497,9 +497,10 @@ def read_tasks(settings: Settings) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     try:
         for queue in CatalogView(load_catalog(settings)).queues:
-            for member, deadline in r.zrangebyscore(
+            live: list[tuple[bytes, float]] = r.zrangebyscore(  # type: ignore[assignment]
                 names.tasks_key(queue), now, "+inf", withscores=True
-            ):
+            )
+            for member, deadline in live:
                 task = member.decode() if isinstance(member, bytes) else str(member)
                 rows.append(
                     {"queue": queue, "task_id": task, "heartbeat_due_ms": int(deadline) - now}

@@ -50,7 +50,7 @@ class KsbClient:
     def __init__(self, settings: Settings | None = None) -> None:
         self.settings = settings or load_settings()
         self.names = Names(self.settings.instance)
-        self._producer = kafka.producer(self.settings, **{"linger.ms": 2})
+        self._producer = kafka.producer(self.settings, extra={"linger.ms": 2})
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
         self._lock = threading.Lock()

@@ -33,7 +33,9 @@ __all__ = [
 ]
 
 
-def producer(settings: Settings, *, transactional_id: str | None = None, **extra: Any) -> Producer:
+def producer(
+    settings: Settings, *, transactional_id: str | None = None, extra: dict[str, Any] | None = None
+) -> Producer:
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
         "enable.idempotence": True,
@@ -45,7 +47,7 @@ def producer(settings: Settings, *, transactional_id: str | None = None, **extra
     if transactional_id is not None:
         conf["transactional.id"] = transactional_id
         conf["transaction.timeout.ms"] = settings.txn_timeout_ms
-    conf.update(extra)
+    conf.update(extra or {})
     return Producer(conf)
 
 
@@ -182,11 +184,11 @@ def read_to_end(
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
-                    pending.discard(m.partition())
-                    positions[m.partition()] = m.offset()
+                    pending.discard(m.partition() or 0)
+                    positions[m.partition() or 0] = m.offset() or 0
                     continue
                 raise KafkaException(err)
-            positions[m.partition()] = m.offset() + 1
+            positions[m.partition() or 0] = (m.offset() or 0) + 1
             handle(m)
     c.unassign()
     return positions

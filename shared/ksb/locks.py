@@ -133,7 +133,7 @@ class GroupLocks:
         """Give the group back; a commit also ends the queue's run of rollbacks."""
         keys = [self._names.lock_key(self._queue, lease.group), self._names.rollbacks_key(self._queue)]
         mark = f"{after[0]}:{after[1]}" if after else ""
-        args = [lease.token, mark, self._keep_after_ms, "1" if committed else "0"]
+        args: list[str | int] = [lease.token, mark, self._keep_after_ms, "1" if committed else "0"]
         return bool(self._release(keys=keys, args=args))
 
     def holder_of(self, group: str) -> str | None:
