@@ -1,0 +1,36 @@
+"""The tick-driven service shells start, say they are ready and stop cleanly on SIGTERM.
+
+They do no cross-instance work yet (issue 5), but `make run` and deployments already start them, so
+a shell that crashes at start-up or ignores SIGTERM would break every stack.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ksb.runner import ServiceProcess
+from ksb.settings import Settings
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("name", ["transmitter", "transport", "forwarder"])
+def test_shell_starts_ticks_and_exits_zero_on_sigterm(
+    name: str, settings: Settings, tmp_path: Path
+) -> None:
+    # A short tick so the loop really runs ticks before the stop, not only the start-up path.
+    fast = settings.model_copy(update={"tick_ms": 50})
+    proc = ServiceProcess(name, fast, tmp_path / f"{name}.log").start()
+    try:
+        proc.wait_ready(f"{name} ready", timeout_s=30)
+        time.sleep(0.3)
+        assert proc.alive(), proc.tail()
+        proc.stop(grace_s=1.0)  # past the grace it is SIGKILLed and the exit code is negative
+        assert proc.proc is not None
+        assert proc.proc.returncode == 0, proc.tail()
+        assert f"{name} stopped after" in proc.tail()
+    finally:
+        proc.stop()
