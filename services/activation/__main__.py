@@ -12,7 +12,9 @@ from services.activation.service import ActivationService
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s activation %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s activation %(levelname)s %(message)s"
+    )
     settings = load_settings()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

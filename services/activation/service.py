@@ -64,7 +64,11 @@ class QueueWatch:
 
 class ActivationService:
     def __init__(
-        self, settings: Settings, *, clock: Clock | None = None, redis_client: redis.Redis | None = None
+        self,
+        settings: Settings,
+        *,
+        clock: Clock | None = None,
+        redis_client: redis.Redis | None = None,
     ) -> None:
         self.settings = settings
         self.names = Names(settings.instance)
@@ -145,7 +149,9 @@ class ActivationService:
             note = view.notifications.get(name)
             w = self.watches.get(name)
             if w is None:
-                reader = QueueReader(self.settings, name, self.redis, holder=f"monitor-{uuid.uuid4().hex[:8]}")
+                reader = QueueReader(
+                    self.settings, name, self.redis, holder=f"monitor-{uuid.uuid4().hex[:8]}"
+                )
                 w = self.watches[name] = QueueWatch(
                     q,
                     reader,
@@ -232,7 +238,10 @@ class ActivationService:
         pipe.zremrangebyscore(self.names.tasks_key(w.queue.name), "-inf", now_wall)
         pipe.zcard(self.names.tasks_key(w.queue.name))
         res = pipe.execute()
-        holders, (activity, waiting, rollbacks, _expired, tasks) = res[: len(cands)], res[len(cands) :]
+        holders, (activity, waiting, rollbacks, _expired, tasks) = (
+            res[: len(cands)],
+            res[len(cands) :],
+        )
         runnable = sum(1 for h in holders if not h)
         activity = {_s(k): _s(v) for k, v in (activity or {}).items()}
         last_empty = int(activity.get("last_empty_ms", 0)) or None
@@ -281,7 +290,9 @@ class ActivationService:
             ACTIVATED_EXECUTE_AS=act.execute_as,
         )
         # Tasks heartbeat into Redis themselves; register now so the count is right at once.
-        self.redis.zadd(self.names.tasks_key(w.queue.name), {task_id: int(time.time() * 1000) + 5000})
+        self.redis.zadd(
+            self.names.tasks_key(w.queue.name), {task_id: int(time.time() * 1000) + 5000}
+        )
         w.tasks[task_id] = subprocess.Popen(
             argv[0] if shell else argv,
             shell=shell,
@@ -312,7 +323,9 @@ class ActivationService:
             "event_ms": self.clock.now_ms(),
         }
         assert self._producer is not None
-        self._producer.produce(self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode())
+        self._producer.produce(
+            self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode()
+        )
         self._producer.poll(0)
         w.notifications += 1
         w.last_activation_ms = self.clock.now_ms()
@@ -334,8 +347,9 @@ class ActivationService:
                 req = DeadLetterRequest(
                     kind="dead_letter", message=msg, reason=f"rolled back {n} times"
                 )
-                self._producer.produce(self.names.requests, key=msg.conversation_group_id.encode(),
-                                       value=dumps(req))
+                self._producer.produce(
+                    self.names.requests, key=msg.conversation_group_id.encode(), value=dumps(req)
+                )
                 gone.append(mid)
                 log.warning("dead-lettering %s from %s after %d rollbacks", mid, w.queue.name, n)
         if gone:
@@ -349,7 +363,8 @@ class ActivationService:
         assert self._watcher is not None
         current = load_catalog(self.settings)
         queues = tuple(
-            q.model_copy(update={"status": "OFF"}) if q.name == w.queue.name else q for q in current.queues
+            q.model_copy(update={"status": "OFF"}) if q.name == w.queue.name else q
+            for q in current.queues
         )
         apply_catalog(self.settings, current.model_copy(update={"queues": queues}))
         self.redis.sadd(self.names.disabled_key, w.queue.name)
@@ -363,7 +378,9 @@ class ActivationService:
             "event_ms": self.clock.now_ms(),
         }
         assert self._producer is not None
-        self._producer.produce(self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode())
+        self._producer.produce(
+            self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode()
+        )
         self._producer.flush(5)
         log.warning("queue %s disabled after %d rollbacks in a row", w.queue.name, rollbacks)
 
@@ -413,4 +430,3 @@ class ActivationService:
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
-

@@ -12,7 +12,9 @@ from services.dispatcher.service import Dispatcher
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s dispatcher %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s dispatcher %(levelname)s %(message)s"
+    )
     settings = load_settings()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -23,7 +23,14 @@ from ksb.engine import Engine, Outputs
 from ksb.errors import ProtocolError
 from ksb.metrics import COMMITS, ERRORS, HEALTHY, REQUESTS, TXN_SECONDS
 from ksb.names import Names
-from ksb.protocol import CommitOutcome, CommitRequest, QueueMessage, dumps, parse_queue_record, parse_request
+from ksb.protocol import (
+    CommitOutcome,
+    CommitRequest,
+    QueueMessage,
+    dumps,
+    parse_queue_record,
+    parse_request,
+)
 from ksb.settings import Settings
 
 __all__ = ["Dispatcher"]
@@ -135,7 +142,11 @@ class Dispatcher:
         except ProtocolError as exc:
             ERRORS.labels(exc.code).inc()
             return Engine.malformed(
-                exc, topic=m.topic() or "", partition=m.partition() or 0, offset=m.offset() or 0, raw=raw
+                exc,
+                topic=m.topic() or "",
+                partition=m.partition() or 0,
+                offset=m.offset() or 0,
+                raw=raw,
             )
         REQUESTS.labels(request.kind).inc()
         out = self.engine.handle(request, now)
@@ -150,7 +161,9 @@ class Dispatcher:
         assert p is not None
         for w in out.queue:
             value = None if w.value is None else dumps(w.value)
-            p.produce(self.names.queue(w.queue), key=w.key.encode(), value=value, partition=w.partition)
+            p.produce(
+                self.names.queue(w.queue), key=w.key.encode(), value=value, partition=w.partition
+            )
         # The endpoints topic is compacted: only each handle's last state in a batch matters.
         for ep in {e.handle: e for e in out.endpoints}.values():
             p.produce(self.names.endpoints, key=ep.handle.encode(), value=encode_endpoint(ep))

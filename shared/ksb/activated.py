@@ -44,7 +44,9 @@ def resolve(path: str) -> Procedure:
     return fn  # type: ignore[no-any-return]
 
 
-def run_task(client: KsbClient, queue: str, procedure: Procedure, task_id: str, idle_ms: int) -> int:
+def run_task(
+    client: KsbClient, queue: str, procedure: Procedure, task_id: str, idle_ms: int
+) -> int:
     """RECEIVE and process until the queue stays empty; returns the messages processed."""
     names = Names(client.settings.instance)
     tasks_key = names.tasks_key(queue)
@@ -88,7 +90,9 @@ def run_task(client: KsbClient, queue: str, procedure: Procedure, task_id: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s activated %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s activated %(levelname)s %(message)s"
+    )
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 3:
         print("usage: python -m ksb.activated QUEUE module:function TASK_ID", file=sys.stderr)

@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ksb.errors import CatalogError, ValidationFailed
 from ksb.priorities import BrokerPriority, PriorityTable
 
-
 __all__ = [
     "DEFAULT_CONTRACT",
     "DEFAULT_MESSAGE_TYPE",
@@ -31,9 +30,9 @@ __all__ = [
     "Catalog",
     "CatalogView",
     "Contract",
+    "ContractMessage",
     "DeadLetter",
     "EventNotification",
-    "ContractMessage",
     "MessageType",
     "Queue",
     "Route",

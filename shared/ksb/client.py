@@ -127,7 +127,12 @@ class KsbClient:
     ) -> str:
         """Returns the new conversation handle; errors arrive on the error topic."""
         req = begin_request(
-            from_service, to_service, contract, lifetime_s, related_conversation, conversation_group_id
+            from_service,
+            to_service,
+            contract,
+            lifetime_s,
+            related_conversation,
+            conversation_group_id,
         )
         self._produce(req, req.handle)
         return req.handle
@@ -188,7 +193,9 @@ def begin_request(
 
 def send_request(handles: str | Sequence[str], message_type: str, body: bytes | str) -> SendRequest:
     hs = (handles,) if isinstance(handles, str) else tuple(handles)
-    return SendRequest(kind="send", handles=hs, message_type=message_type, **encode_body(_as_bytes(body)))
+    return SendRequest(
+        kind="send", handles=hs, message_type=message_type, **encode_body(_as_bytes(body))
+    )
 
 
 class Transaction:
@@ -254,11 +261,23 @@ class Transaction:
         self._lock(queue, waitfor_ms, None, None)
         return self.group
 
-    def begin_dialog(self, from_service: str, to_service: str, contract: str = "DEFAULT", *,
-                     lifetime_s: int | None = None, related_conversation: str | None = None,
-                     conversation_group_id: str | None = None) -> str:
+    def begin_dialog(
+        self,
+        from_service: str,
+        to_service: str,
+        contract: str = "DEFAULT",
+        *,
+        lifetime_s: int | None = None,
+        related_conversation: str | None = None,
+        conversation_group_id: str | None = None,
+    ) -> str:
         req = begin_request(
-            from_service, to_service, contract, lifetime_s, related_conversation, conversation_group_id
+            from_service,
+            to_service,
+            contract,
+            lifetime_s,
+            related_conversation,
+            conversation_group_id,
         )
         self._actions.append(req)
         return req.handle
@@ -269,12 +288,21 @@ class Transaction:
         self._actions.append(send_request(handles, message_type, body))
 
     def end_conversation(
-        self, handle: str, *, error_code: int | None = None, error_description: str | None = None,
+        self,
+        handle: str,
+        *,
+        error_code: int | None = None,
+        error_description: str | None = None,
         cleanup: bool = False,
     ) -> None:
         self._actions.append(
-            EndRequest(kind="end", handle=handle, error_code=error_code,
-                       error_description=error_description, cleanup=cleanup)
+            EndRequest(
+                kind="end",
+                handle=handle,
+                error_code=error_code,
+                error_description=error_description,
+                cleanup=cleanup,
+            )
         )
 
     def begin_conversation_timer(self, handle: str, timeout_s: float) -> None:

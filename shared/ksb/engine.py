@@ -21,9 +21,9 @@ from ksb.catalog import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, MessageTyp
 from ksb.endpoint import Endpoint, State
 from ksb.errors import CatalogError, ConversationError, KsbError, ProtocolError, ValidationFailed
 from ksb.protocol import (
+    AnyRequest,
     BeginRequest,
     CommitOutcome,
-    AnyRequest,
     CommitRequest,
     DeadLetterRecord,
     DeadLetterRequest,
@@ -31,8 +31,8 @@ from ksb.protocol import (
     ErrorRecord,
     QueueMessage,
     Receipt,
-    SendRequest,
     ReplayRequest,
+    SendRequest,
     TimerRequest,
     encode_body,
 )
@@ -551,7 +551,7 @@ class Engine:
                 f"stale lock token {r.token} for group {r.group} (a newer holder committed {fence})",
                 code="stale_token",
             )
-        queue = self.catalog.queue(r.queue)
+        self.catalog.queue(r.queue)  # an unknown queue is refused before anything is applied
         for mid in dict.fromkeys(r.message_ids):
             info = self.inflight.get(mid)
             if info is None or mid in stage.gone_inflight:
@@ -696,9 +696,7 @@ class Engine:
 
     def leaked(self, now_ms: int, idle_ms: int) -> Iterable[Endpoint]:
         for ep in self.endpoints.values():
-            if ep.state in (State.DISCONNECTED_INBOUND, State.DISCONNECTED_OUTBOUND):
-                yield ep
-            elif now_ms - ep.updated_ms > idle_ms:
+            if ep.state in (State.DISCONNECTED_INBOUND, State.DISCONNECTED_OUTBOUND) or now_ms - ep.updated_ms > idle_ms:
                 yield ep
 
 

@@ -22,13 +22,13 @@ from ksb.settings import Settings
 __all__ = [
     "TopicSpec",
     "admin",
-    "consumer",
     "consume_batch",
+    "consumer",
     "core_topics",
+    "dead_letter_topic",
     "ensure_topics",
     "producer",
     "queue_topic",
-    "dead_letter_topic",
     "read_to_end",
 ]
 

@@ -129,9 +129,14 @@ class GroupLocks:
         key = self._names.lock_key(self._queue, lease.group)
         return bool(self._extend(keys=[key], args=[lease.token, self.ttl_ms]))
 
-    def release(self, lease: Lease, after: tuple[int, int] | None, *, committed: bool = False) -> bool:
+    def release(
+        self, lease: Lease, after: tuple[int, int] | None, *, committed: bool = False
+    ) -> bool:
         """Give the group back; a commit also ends the queue's run of rollbacks."""
-        keys = [self._names.lock_key(self._queue, lease.group), self._names.rollbacks_key(self._queue)]
+        keys = [
+            self._names.lock_key(self._queue, lease.group),
+            self._names.rollbacks_key(self._queue),
+        ]
         mark = f"{after[0]}:{after[1]}" if after else ""
         args: list[str | int] = [lease.token, mark, self._keep_after_ms, "1" if committed else "0"]
         return bool(self._release(keys=keys, args=args))

@@ -56,7 +56,7 @@ def serve_metrics(port: int, routes: Mapping[str, JsonRoute] | None = None) -> i
     views = dict(routes or {})
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:
             path = self.path.split("?")[0]
             if path == "/metrics":
                 self._reply(200, CONTENT_TYPE_LATEST, generate_latest())

@@ -19,17 +19,17 @@ from ksb.errors import ProtocolError
 __all__ = [
     "PROTOCOL_VERSION",
     "Action",
+    "AnyRequest",
     "BeginRequest",
     "CommitOutcome",
-    "AnyRequest",
     "CommitRequest",
     "DeadLetterRecord",
     "DeadLetterRequest",
-    "ReplayRequest",
     "EndRequest",
     "ErrorRecord",
     "QueueMessage",
     "Receipt",
+    "ReplayRequest",
     "Request",
     "SendRequest",
     "TimerRequest",
@@ -277,9 +277,7 @@ def loads(raw: bytes) -> dict[str, Any]:
     return value
 
 
-_QUEUE_RECORD = TypeAdapter(
-    Annotated[QueueMessage | CommitOutcome, Field(discriminator="kind")]
-)
+_QUEUE_RECORD = TypeAdapter(Annotated[QueueMessage | CommitOutcome, Field(discriminator="kind")])
 
 
 def parse_queue_record(raw: bytes | None) -> QueueMessage | CommitOutcome | None:

@@ -114,14 +114,14 @@ class QueueIndex:
                 if group_id not in exclude:
                     yield group_id
 
-    def take(self, group_id: str, top: int | None = None, handle: str | None = None) -> list[QueueMessage]:
+    def take(
+        self, group_id: str, top: int | None = None, handle: str | None = None
+    ) -> list[QueueMessage]:
         """A group's ready messages: highest-priority conversation first, each in order."""
         g = self._groups.get(group_id)
         if g is None:
             return []
-        convs = sorted(
-            g.conversations.items(), key=lambda kv: (-kv[1].priority, kv[1].first_order)
-        )
+        convs = sorted(g.conversations.items(), key=lambda kv: (-kv[1].priority, kv[1].first_order))
         out: list[QueueMessage] = []
         for h, c in convs:
             if handle is not None and h != handle:

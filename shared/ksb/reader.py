@@ -67,7 +67,9 @@ class QueueReader:
             raise ProtocolError(f"queue topic {self.topic} is not available: {md.error}")
         self.partitions = partitions or len(md.partitions)
         self._consumer.assign([TopicPartition(self.topic, p, -2) for p in sorted(md.partitions)])
-        self._thread = threading.Thread(target=self._follow, name=f"ksb-reader-{queue}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._follow, name=f"ksb-reader-{queue}", daemon=True
+        )
         self._thread.start()
 
     # ----------------------------------------------------------------- following the topic
@@ -243,11 +245,18 @@ class QueueReader:
             while self._eof.get(part, 0) < target:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    log.warning("index did not reach %d on partition %d in time (at %s)", target, part, self._eof)
+                    log.warning(
+                        "index did not reach %d on partition %d in time (at %s)",
+                        target,
+                        part,
+                        self._eof,
+                    )
                     return
                 self._cond.wait(remaining)
 
-    def messages(self, lease: Lease, top: int | None, handle: str | None = None) -> list[QueueMessage]:
+    def messages(
+        self, lease: Lease, top: int | None, handle: str | None = None
+    ) -> list[QueueMessage]:
         with self._cond:
             return self.index.take(lease.group, top, handle)
 

@@ -61,7 +61,9 @@ class ServiceProcess:
         start = self.log_path.stat().st_size if self.log_path.exists() else 0
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}"
+                )
             text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
             if marker in text[start:] or marker in text:
                 return

@@ -63,8 +63,9 @@ def test_receive_returns_one_group_and_rollback_puts_back(
     assert len(first) == 2 and len({m.conversation_group_id for m in first}) == 1
     tx.rollback()
     again = client.transaction()
-    second = again.receive("TargetQueue", conversation_group_id=first[0].conversation_group_id,
-                           waitfor_ms=5000)
+    second = again.receive(
+        "TargetQueue", conversation_group_id=first[0].conversation_group_id, waitfor_ms=5000
+    )
     assert [m.message_id for m in second] == [m.message_id for m in first]
     again.commit()
     rest = receive_all(client, "TargetQueue", 2)

@@ -13,6 +13,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
+
 from ksb.localstack import LocalStack
 
 pytestmark = pytest.mark.integration

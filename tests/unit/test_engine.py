@@ -59,14 +59,17 @@ def engine() -> Engine:
 
 def begin(engine: Engine, now: int, handle: str = "h1", **kw: Any) -> Outputs:
     return engine.handle(
-        BeginRequest(kind="begin", handle=handle, from_service="Init", to_service="Tgt",
-                     contract="C", **kw),
+        BeginRequest(
+            kind="begin", handle=handle, from_service="Init", to_service="Tgt", contract="C", **kw
+        ),
         now,
     )
 
 
 def send(engine: Engine, now: int, *handles: str, mtype: str = "Req", body: str = "{}") -> Outputs:
-    return engine.handle(SendRequest(kind="send", handles=handles, message_type=mtype, body=body), now)
+    return engine.handle(
+        SendRequest(kind="send", handles=handles, message_type=mtype, body=body), now
+    )
 
 
 def messages(out: Outputs) -> list[QueueMessage]:
@@ -78,14 +81,20 @@ def receive(engine: Engine, now: int, msgs: list[QueueMessage], token: int = 1) 
     return engine.handle(
         CommitRequest(
             kind="commit",
-            receipt=Receipt(queue=msgs[0].queue, group=g, token=token,
-                            message_ids=tuple(m.message_id for m in msgs)),
+            receipt=Receipt(
+                queue=msgs[0].queue,
+                group=g,
+                token=token,
+                message_ids=tuple(m.message_id for m in msgs),
+            ),
         ),
         now,
     )
 
 
-def test_begin_then_send_creates_target_with_its_own_priority(engine: Engine, clock: ManualClock) -> None:
+def test_begin_then_send_creates_target_with_its_own_priority(
+    engine: Engine, clock: ManualClock
+) -> None:
     assert not begin(engine, clock.now_ms()).errors
     assert engine.endpoints["h1"].state is State.STARTED_OUTBOUND
     assert engine.endpoints["h1"].priority == 5  # the rule covers the target side only
@@ -106,7 +115,11 @@ def test_first_receive_makes_target_conversing_and_twice_is_refused(engine: Engi
     assert engine.endpoints[target_handle("h1")].state is State.CONVERSING
     again = receive(engine, 2, msgs, token=2)
     assert [e.code for e in again.errors] == ["already_received"]
-    assert [w.value.applied for w in again.queue if w.value is not None and not isinstance(w.value, QueueMessage)] == [False]  # type: ignore[union-attr]
+    assert [
+        w.value.applied
+        for w in again.queue
+        if w.value is not None and not isinstance(w.value, QueueMessage)
+    ] == [False]  # type: ignore[union-attr]
 
 
 def test_stale_token_is_refused(engine: Engine) -> None:
@@ -136,8 +149,12 @@ def test_commit_with_a_bad_action_leaves_the_receipt_unapplied(engine: Engine) -
     t = target_handle("h1")
     bad = CommitRequest(
         kind="commit",
-        receipt=Receipt(queue="TQ", group=msgs[0].conversation_group_id, token=1,
-                        message_ids=(msgs[0].message_id,)),
+        receipt=Receipt(
+            queue="TQ",
+            group=msgs[0].conversation_group_id,
+            token=1,
+            message_ids=(msgs[0].message_id,),
+        ),
         actions=(SendRequest(kind="send", handles=(t,), message_type="Req", body="{}"),),
     )
     out = engine.handle(bad, 1)
@@ -190,9 +207,14 @@ def test_end_dialog_states_through_to_closed(engine: Engine) -> None:
 def test_end_with_error_sends_error_to_peer(engine: Engine) -> None:
     begin(engine, 0)
     send(engine, 0, "h1")
-    out = engine.handle(EndRequest(kind="end", handle="h1", error_code=42, error_description="boom"), 1)
+    out = engine.handle(
+        EndRequest(kind="end", handle="h1", error_code=42, error_description="boom"), 1
+    )
     [err] = messages(out)
-    assert err.message_type_name == ERROR and json.loads(err.message_body) == {"code": 42, "description": "boom"}
+    assert err.message_type_name == ERROR and json.loads(err.message_body) == {
+        "code": 42,
+        "description": "boom",
+    }
     assert engine.endpoints[target_handle("h1")].state is State.ERROR
 
 
@@ -216,7 +238,9 @@ def test_conversation_timer_fires_dialog_timer(engine: Engine, clock: ManualCloc
     assert not engine.tick(clock.now_ms() + 60_000).queue  # fires once
 
 
-def test_lifetime_expiry_errors_both_sides_and_refuses_sends(engine: Engine, clock: ManualClock) -> None:
+def test_lifetime_expiry_errors_both_sides_and_refuses_sends(
+    engine: Engine, clock: ManualClock
+) -> None:
     begin(engine, clock.now_ms(), lifetime_s=60)
     send(engine, clock.now_ms(), "h1")
     clock.advance(60)
@@ -244,13 +268,24 @@ def test_retried_begin_is_idempotent(engine: Engine) -> None:
 
 def test_begin_refusals(engine: Engine) -> None:
     bad = [
-        BeginRequest(kind="begin", handle="x", from_service="Nobody", to_service="Tgt", contract="C"),
-        BeginRequest(kind="begin", handle="x", from_service="Init", to_service="Tgt", contract="Nope"),
+        BeginRequest(
+            kind="begin", handle="x", from_service="Nobody", to_service="Tgt", contract="C"
+        ),
+        BeginRequest(
+            kind="begin", handle="x", from_service="Init", to_service="Tgt", contract="Nope"
+        ),
         BeginRequest(kind="begin", handle="x", from_service="Init", to_service="tgt", contract="C"),
-        BeginRequest(kind="begin", handle="x", from_service="Init", to_service="Init", contract="C"),
+        BeginRequest(
+            kind="begin", handle="x", from_service="Init", to_service="Init", contract="C"
+        ),
     ]
     codes = [engine.handle(r, 0).errors[0].code for r in bad]
-    assert codes == ["unknown_service", "unknown_contract", "unknown_service", "contract_not_accepted"]
+    assert codes == [
+        "unknown_service",
+        "unknown_contract",
+        "unknown_service",
+        "contract_not_accepted",
+    ]
     assert "x" not in engine.endpoints
 
 
@@ -267,7 +302,9 @@ def test_rebuild_from_records_restores_inflight(engine: Engine) -> None:
 
 def test_retention_keeps_received_messages_until_the_conversation_ends(engine: Engine) -> None:
     engine.handle(
-        BeginRequest(kind="begin", handle="k", from_service="Init", to_service="Keeper", contract="C"),
+        BeginRequest(
+            kind="begin", handle="k", from_service="Init", to_service="Keeper", contract="C"
+        ),
         0,
     )
     msgs = messages(send(engine, 0, "k"))

@@ -94,7 +94,9 @@ _messages = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(_messages, st.randoms(use_true_random=False))
-def test_receive_order_holds_for_random_mixes(spec: list[tuple[int, int, int]], rnd: object) -> None:
+def test_receive_order_holds_for_random_mixes(
+    spec: list[tuple[int, int, int]], rnd: object
+) -> None:
     ix = QueueIndex("Q")
     conv_level: dict[str, int] = {}
     seqs: dict[str, int] = {}
