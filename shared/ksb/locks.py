@@ -129,6 +129,14 @@ class GroupLocks:
         key = self._names.lock_key(self._queue, lease.group)
         return bool(self._extend(keys=[key], args=[lease.token, self.ttl_ms]))
 
+    def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
+        """Renew many leases in one pipelined round trip."""
+        pipe = self._r.pipeline(transaction=False)
+        for lease in leases:
+            key = self._names.lock_key(self._queue, lease.group)
+            self._extend(keys=[key], args=[lease.token, self.ttl_ms], client=pipe)
+        return [bool(v) for v in pipe.execute()]
+
     def release(
         self, lease: Lease, after: tuple[int, int] | None, *, committed: bool = False
     ) -> bool:

@@ -54,6 +54,8 @@ class QueueReader:
             redis_client, self.names, queue, holder=self.holder, ttl_ms=settings.lock_ttl_ms
         )
         self.held: set[str] = set()
+        self._leases: dict[str, Lease] = {}
+        self._renew_at = 0.0
         self._redis = redis_client
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[Lease, Future[CommitOutcome]]] = {}
@@ -75,6 +77,7 @@ class QueueReader:
     # ----------------------------------------------------------------- following the topic
     def _follow(self) -> None:
         while not self._stop.is_set():
+            self._renew()
             try:
                 msgs = kafka.consume_batch(self._consumer, 1000, 0.05)
             except Exception:  # the consumer was closed under us during shutdown
@@ -113,6 +116,18 @@ class QueueReader:
             return
         self.index.apply(key, value, part, offset)
 
+    def _renew(self) -> None:
+        """Keep held locks alive while their transactions run (a lock lasts until commit or
+        rollback); a crashed process stops renewing, so its locks expire after one TTL."""
+        now = time.monotonic()
+        if now < self._renew_at:
+            return
+        self._renew_at = now + self.settings.lock_ttl_ms / 3000
+        with self._cond:
+            leases = list(self._leases.values())
+        if leases:
+            self.locks.extend_all(leases)
+
     def _resolve(self, outcome: CommitOutcome, partition: int, offset: int) -> None:
         with self._cond:
             pending = self._pending.pop(outcome.request_id, None)
@@ -122,6 +137,7 @@ class QueueReader:
         self.locks.release(lease, (partition, offset), committed=outcome.applied)
         with self._cond:
             self.held.discard(lease.group)
+            self._leases.pop(lease.group, None)
             self._cond.notify_all()
         if outcome.applied:
             fut.set_result(outcome)
@@ -182,6 +198,7 @@ class QueueReader:
             return None
         with self._cond:
             self.held.add(lease.group)
+            self._leases[lease.group] = lease
         self._catch_up(lease)
         with self._cond:
             if self.index.has_group(lease.group):
@@ -266,6 +283,7 @@ class QueueReader:
         self.locks.release(lease, mark)
         with self._cond:
             self.held.discard(lease.group)
+            self._leases.pop(lease.group, None)
             self._cond.notify_all()
 
     def expect_outcome(self, request_id: str, lease: Lease) -> Future[CommitOutcome]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -109,3 +110,19 @@ def test_unknown_service_goes_to_error_topic(
     [rec] = errors(settings)
     assert rec["code"] == "unknown_service"
     assert "//t/Nobody" in rec["reason"]
+
+
+def test_a_lock_outlives_its_ttl_while_the_transaction_runs(
+    settings: Settings, dispatcher: ThreadDispatcher
+) -> None:
+    short = settings.model_copy(update={"lock_ttl_ms": 600})
+    with KsbClient(short) as client, KsbClient(short) as other:
+        client.send(client.begin_dialog(I, T, C), "//t/Request", "{}")
+        client.flush()
+        tx = client.transaction()
+        assert tx.receive("TargetQueue", waitfor_ms=5000)
+        time.sleep(2)  # several TTLs: the reader keeps renewing its lease
+        probe = other.transaction()
+        assert probe.receive("TargetQueue", waitfor_ms=200) == []
+        probe.rollback()
+        tx.commit()
