@@ -1,7 +1,7 @@
 """The transport: the links to other broker instances.
 
-It will deliver the transmitter's messages to the remote `inbound` topic, carry acknowledgements
-back, and suppress unreachable destinations (`ksb.ticker.Suppression`). On a single instance there
-is no remote destination, so the transport has no work yet: today it only runs the periodic timer,
-serves metrics and stops cleanly. Cross-instance delivery is issue 5.
+The transport's logic is `ksb.transport` and it runs inside the transmitter process
+(`services.transmitter`), which owns the connections: on Kafka a connection is a producer and an ack
+consumer, so a separate process would only add a hand-off. This shell keeps the periodic timer for
+deployments that already start it.
 """

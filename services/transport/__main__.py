@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from ksb.metrics import export_transport_defaults
 from ksb.service import configure_logging, run_service
 from ksb.settings import load_settings
 
 
 def main() -> None:
     configure_logging("transport")
+    export_transport_defaults("transport")  # zeros until issue 5 moves messages
     run_service("transport", load_settings())
 
 

@@ -63,6 +63,12 @@ class Endpoint:
     outstanding: int = 0
     error_code: int | None = None
     error_description: str | None = None
+    far_instance: str | None = None
+    """The broker instance of the far side when it is not this one (None: a local dialog)."""
+    recv_seq: int = 0
+    """Remote dialogs: the next sequence number expected from the far side. Persisted with the
+    endpoint so a restarted dispatcher still drops duplicates; early arrivals are not persisted
+    (the sender retransmits them, as it never saw them acknowledged)."""
 
     def copy(self) -> Endpoint:
         return dataclasses.replace(self)

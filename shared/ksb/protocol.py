@@ -18,6 +18,7 @@ from ksb.errors import ProtocolError
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "AckRecord",
     "Action",
     "AnyRequest",
     "BeginRequest",
@@ -27,6 +28,7 @@ __all__ = [
     "DeadLetterRequest",
     "EndRequest",
     "ErrorRecord",
+    "InboundMessage",
     "QueueMessage",
     "Receipt",
     "ReplayRequest",
@@ -188,6 +190,49 @@ class DeadLetterRecord(_Wire):
     dead_lettered_ms: int
 
 
+class InboundMessage(_Body):
+    """One message of a dialog crossing broker instances (topic ``inbound`` and ``transmission``).
+
+    The sending dispatcher writes it to its own ``transmission`` topic; the transport copies it,
+    unchanged, to the receiving instance's ``inbound`` topic, which that instance's dispatcher reads
+    in the same transaction as its requests. ``seq`` counts one direction of the conversation from 0
+    (``from_initiator`` names the direction), so the receiver can drop duplicates and restore order.
+    ``priority`` is the *sending* endpoint's level, kept for the sender's transmission order and
+    views only: the receiver assigns its own level from its own catalog, as Service Broker does.
+    """
+
+    kind: Literal["inbound"]
+    request_id: str = Field(default_factory=new_id)
+    message_id: str
+    conversation_id: str
+    from_instance: str
+    to_instance: str
+    from_service: str
+    to_service: str
+    contract: str
+    message_type: str
+    from_initiator: bool
+    seq: int = Field(ge=0)
+    priority: int = Field(5, ge=1, le=10)
+    enqueued_ms: int
+
+
+class AckRecord(_Wire):
+    """Cumulative acknowledgement of one conversation direction (topic ``ksb.<sender>.acks``).
+
+    ``ack_seq`` is the highest sequence number delivered with no gap before it (-1: none yet); an
+    older acknowledgement arriving late changes nothing, so the topic needs no ordering guarantees.
+    """
+
+    kind: Literal["ack"] = "ack"
+    conversation_id: str
+    from_initiator: bool
+    """The direction acknowledged: True for messages the initiator sent."""
+    ack_seq: int
+    from_instance: str
+    to_instance: str
+
+
 Request = Annotated[
     BeginRequest
     | SendRequest
@@ -195,7 +240,8 @@ Request = Annotated[
     | TimerRequest
     | CommitRequest
     | DeadLetterRequest
-    | ReplayRequest,
+    | ReplayRequest
+    | InboundMessage,
     Field(discriminator="kind"),
 ]
 _REQUEST = TypeAdapter(Request)
@@ -209,6 +255,7 @@ AnyRequest = (
     | CommitRequest
     | DeadLetterRequest
     | ReplayRequest
+    | InboundMessage
 )
 
 

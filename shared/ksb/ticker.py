@@ -227,6 +227,14 @@ class Suppression:
     def on_connected(self, dest: str) -> None:
         self._until_ms.pop(dest, None)
 
+    def restore(self, dest: str, until_ms: int) -> None:
+        """Take back a deadline kept elsewhere (Redis), e.g. after the transport restarted."""
+        self._extend(dest, until_ms)
+
+    def deadlines(self) -> dict[str, int]:
+        """Every destination's suppression deadline, expired ones included until next checked."""
+        return dict(self._until_ms)
+
     def suppressed_until(self, dest: str) -> int | None:
         return self._until_ms.get(dest)
 

@@ -1,0 +1,216 @@
+"""The transmitter's pure state: the transmission queue of one broker instance.
+
+What the dispatcher wrote to the ``transmission`` topic waits here until the receiving instance
+acknowledges it. The parts are the ones already proven alone: `TransmissionScheduler` decides what
+goes next across all destinations (priority, starvation prevention, HONOR_BROKER_PRIORITY), and one
+`Retransmitter` per conversation direction decides what to send again and when. Acknowledgements
+are cumulative, so an acknowledged message leaves at once, wherever it is (waiting or in flight).
+
+A message whose target service has no route is held aside with that reason in the view and is
+reconsidered on every reclassification (catalog change, every 2nd tick); it never stops the rest.
+After a reconnection everything unacknowledged for that destination is queued again at once rather
+than waiting out its backoff, because the likely reason it went unacknowledged was the broken link.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from dataclasses import dataclass
+from typing import Any
+
+from ksb.protocol import AckRecord, InboundMessage
+from ksb.sequencing import Backoff, Retransmitter
+from ksb.transmission import Pending, TransmissionScheduler
+
+__all__ = ["Direction", "TransmissionQueue"]
+
+Direction = tuple[str, bool]
+"""(conversation id, sent by the initiator): one numbered stream of messages."""
+
+RouteOf = Callable[[InboundMessage], str | None]
+"""Why a message cannot be routed now (None: it can)."""
+
+
+@dataclass
+class _Held:
+    record: InboundMessage
+    sent_once: bool = False
+    no_route: str | None = None
+
+
+class TransmissionQueue:
+    """Unacknowledged outbound messages, their order, their retransmission and their view."""
+
+    def __init__(
+        self,
+        *,
+        honor_broker_priority: bool = True,
+        max_wait_ms: int = 10_000,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self._max_wait_ms = max_wait_ms
+        self._backoff = backoff or Backoff()
+        self.scheduler = TransmissionScheduler(honor_broker_priority, max_wait_ms)
+        self._honor = honor_broker_priority
+        self._held: dict[str, _Held] = {}
+        self._by_dir: dict[Direction, dict[int, str]] = {}
+        self._retx: dict[Direction, Retransmitter] = {}
+        self._acked: dict[Direction, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    # -- input --------------------------------------------------------------------------------
+    def add(self, record: InboundMessage, route_problem: str | None = None) -> bool:
+        """A record from the transmission topic; False if it was already acknowledged or known."""
+        d = (record.conversation_id, record.from_initiator)
+        if record.seq <= self._acked.get(d, -1) or record.message_id in self._held:
+            return False
+        self._held[record.message_id] = _Held(record, no_route=route_problem)
+        self._by_dir.setdefault(d, {})[record.seq] = record.message_id
+        if route_problem is None:
+            self.scheduler.add(_pending(record))
+        return True
+
+    def ack(self, ack: AckRecord) -> int:
+        """Forget every message the ack covers; returns how many left the queue."""
+        d = (ack.conversation_id, ack.from_initiator)
+        if ack.ack_seq <= self._acked.get(d, -1):
+            return 0
+        self._acked[d] = ack.ack_seq
+        retx = self._retx.get(d)
+        if retx is not None:
+            retx.acked(ack.ack_seq)
+        seqs = self._by_dir.get(d, {})
+        done = [s for s in seqs if s <= ack.ack_seq]
+        for s in done:
+            mid = seqs.pop(s)
+            self._held.pop(mid, None)
+            self.scheduler.remove(mid)
+        if not seqs:
+            self._by_dir.pop(d, None)
+            if retx is not None and retx.unacked == 0:
+                del self._retx[d]
+        return len(done)
+
+    # -- output -------------------------------------------------------------------------------
+    def take(self, now_ms: int, destinations: Container[str], n: int) -> list[InboundMessage]:
+        """Up to n messages for connected destinations, in schedule order, marked as sent."""
+        out: list[InboundMessage] = []
+        while len(out) < n:
+            s = self.scheduler.next(now_ms, destinations)
+            if s is None:
+                break
+            held = self._held[s.pending.message_id]
+            if not held.sent_once:
+                held.sent_once = True
+                d = (held.record.conversation_id, held.record.from_initiator)
+                self._retx.setdefault(d, Retransmitter(self._backoff)).sent(held.record.seq, now_ms)
+            out.append(held.record)
+        return out
+
+    def retransmit_due(self, now_ms: int) -> int:
+        """Queue again what has waited past its backoff without an ack; returns how many."""
+        again = 0
+        for d, retx in self._retx.items():
+            for seq in retx.due(now_ms):
+                mid = self._by_dir.get(d, {}).get(seq)
+                if mid is not None and self._requeue(mid):
+                    again += 1
+        return again
+
+    def requeue_destination(self, destination: str) -> int:
+        """A (re)connected destination: queue again everything it has not acknowledged."""
+        return sum(
+            self._requeue(mid)
+            for mid, h in list(self._held.items())
+            if h.record.to_instance == destination and h.sent_once
+        )
+
+    def _requeue(self, mid: str) -> bool:
+        held = self._held[mid]
+        if held.no_route is not None or mid in self.scheduler:
+            return False
+        self.scheduler.add(_pending(held.record))
+        return True
+
+    # -- reclassification ---------------------------------------------------------------------
+    def reclassify(self, route_problem: RouteOf, honor_broker_priority: bool) -> None:
+        """Re-resolve every message's route and the HONOR setting (after a catalog change).
+
+        Messages keep their place: the scheduler is rebuilt in the original enqueue order, so a
+        conversation's order never changes, and what was in flight stays in flight.
+        """
+        waiting = {mid for mid in self._held if mid in self.scheduler}
+        if honor_broker_priority != self._honor:
+            self._honor = honor_broker_priority
+            self.scheduler = TransmissionScheduler(honor_broker_priority, self._max_wait_ms)
+        for mid, held in sorted(self._held.items(), key=lambda kv: _order(kv[1].record)):
+            held.no_route = route_problem(held.record)
+            if held.no_route is not None:
+                self.scheduler.remove(mid)
+            elif (mid in waiting or not held.sent_once) and mid not in self.scheduler:
+                self.scheduler.add(_pending(held.record))
+
+    # -- views --------------------------------------------------------------------------------
+    def depth_by_priority(self) -> dict[int, int]:
+        """Unacknowledged messages per assigned level (the transmission queue depth metric)."""
+        depth: dict[int, int] = {}
+        for h in self._held.values():
+            depth[h.record.priority] = depth.get(h.record.priority, 0) + 1
+        return depth
+
+    def pending_destinations(self) -> set[str]:
+        return {h.record.to_instance for mid, h in self._held.items() if mid in self.scheduler}
+
+    def rows(
+        self, now_ms: int, failures: dict[str, str], limit: int = 1000
+    ) -> list[dict[str, Any]]:
+        """Like sys.transmission_queue: one row per unacknowledged message, next to go first."""
+        effective = {r.message_id: r.effective_level for r in self.scheduler.waiting(now_ms)}
+        rows: list[dict[str, Any]] = []
+        for mid, h in sorted(
+            self._held.items(),
+            key=lambda kv: (-kv[1].record.priority, _order(kv[1].record)),
+        )[:limit]:
+            r = h.record
+            if h.no_route is not None:
+                status = "NO_ROUTE"
+            elif mid in effective:
+                status = "RETRY" if h.sent_once else "PENDING"
+            else:
+                status = "SENT"
+            reason = h.no_route or failures.get(r.to_instance)
+            rows.append(
+                {
+                    "message_id": mid,
+                    "conversation_id": r.conversation_id,
+                    "from_initiator": r.from_initiator,
+                    "seq": r.seq,
+                    "to_service": r.to_service,
+                    "to_instance": r.to_instance,
+                    "message_type": r.message_type,
+                    "priority": r.priority,
+                    "effective_priority": effective.get(mid),
+                    "status": status,
+                    "waited_ms": now_ms - r.enqueued_ms,
+                    "last_failure": reason,
+                }
+            )
+        return rows
+
+
+def _order(r: InboundMessage) -> tuple[int, str, bool, int]:
+    return (r.enqueued_ms, r.conversation_id, r.from_initiator, r.seq)
+
+
+def _pending(r: InboundMessage) -> Pending:
+    # One scheduler "conversation" per direction, so each direction keeps its own send order.
+    return Pending(
+        message_id=r.message_id,
+        conversation_id=f"{r.conversation_id}/{'i' if r.from_initiator else 't'}",
+        seq=r.seq,
+        level=r.priority,
+        destination=r.to_instance,
+        enqueued_ms=r.enqueued_ms,
+    )

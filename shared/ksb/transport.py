@@ -1,0 +1,128 @@
+"""The transport's pure bookkeeping: which remote instances are connected, suppressed or idle.
+
+On Kafka a *connection* to another broker instance is a producer to that instance's ``inbound``
+topic (on the cluster the route's address names; ``LOCAL`` is our own cluster) plus a consumer of
+our ``acks`` topic on that same cluster, where the remote dispatcher acknowledges what it received.
+Opening it means building the producer and reading the remote ``inbound`` topic's metadata: that
+is the handshake that proves the address is a Kafka cluster hosting that instance.
+
+The rules are the seed's: a destination is not tried again for 15 s after a disconnect and for
+60 s after every failed attempt (`ksb.ticker.Suppression`), connections idle for 90 s are closed,
+and attempts go only to destinations that have pending messages. The service keeps the
+suppression deadlines in Redis (``Names.suppress_key``) so a restarted transport does not hammer a
+dead peer; losing them only means retrying sooner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ksb.ticker import Intervals, Suppression, idle_to_close
+
+__all__ = ["LOCAL_ADDRESS", "Link", "Links"]
+
+LOCAL_ADDRESS = "LOCAL"
+"""A route address meaning the cluster this instance runs on."""
+
+
+@dataclass
+class Link:
+    """One destination instance as the transport sees it (a row of sys.dm_broker_connections)."""
+
+    destination: str
+    address: str
+    connected: bool = False
+    connected_ms: int | None = None
+    last_activity_ms: int = 0
+    sent: int = 0
+    failed_attempts: int = 0
+    last_error: str | None = None
+
+
+class Links:
+    """Connection state per destination; the caller does the I/O and reports what happened."""
+
+    def __init__(self, intervals: Intervals | None = None) -> None:
+        self.intervals = intervals or Intervals()
+        self.suppression = Suppression.from_intervals(self.intervals)
+        self._links: dict[str, Link] = {}
+
+    def link(self, destination: str) -> Link | None:
+        return self._links.get(destination)
+
+    def connected(self) -> set[str]:
+        return {d for d, link in self._links.items() if link.connected}
+
+    def to_connect(self, pending: Iterable[str], now_ms: int) -> list[str]:
+        """Destinations with pending messages, not connected and not suppressed: try these now."""
+        waiting = [d for d in pending if not (d in self._links and self._links[d].connected)]
+        return self.suppression.due(sorted(set(waiting)), now_ms)
+
+    def on_connected(self, destination: str, address: str, now_ms: int) -> None:
+        link = self._links.setdefault(destination, Link(destination, address))
+        link.address, link.connected, link.connected_ms = address, True, now_ms
+        link.last_activity_ms = now_ms
+        link.failed_attempts = 0
+        self.suppression.on_connected(destination)
+
+    def on_failed_connect(self, destination: str, address: str, reason: str, now_ms: int) -> None:
+        link = self._links.setdefault(destination, Link(destination, address))
+        link.address, link.connected = address, False
+        link.failed_attempts += 1
+        link.last_error = reason
+        self.suppression.on_failed_connect(destination, now_ms)
+
+    def on_disconnect(self, destination: str, reason: str, now_ms: int) -> None:
+        """The connection broke (a delivery failed): drop it and back off before reconnecting."""
+        link = self._links.get(destination)
+        if link is None or not link.connected:
+            return
+        link.connected = False
+        link.last_error = reason
+        self.suppression.on_disconnect(destination, now_ms)
+
+    def on_activity(self, destination: str, now_ms: int, sent: int = 0) -> None:
+        link = self._links.get(destination)
+        if link is not None:
+            link.last_activity_ms = now_ms
+            link.sent += sent
+
+    def close(self, destination: str) -> None:
+        """Closed on purpose (idle, or its route changed): no suppression, reopen on demand."""
+        link = self._links.get(destination)
+        if link is not None:
+            link.connected = False
+
+    def idle(self, now_ms: int) -> list[str]:
+        """Connected destinations idle for `idle_connection_ms`: the caller closes them."""
+        active = {d: link.last_activity_ms for d, link in self._links.items() if link.connected}
+        return idle_to_close(active, now_ms, self.intervals.idle_connection_ms)
+
+    def suppressed(self, now_ms: int) -> dict[str, int]:
+        """Destinations suppressed now -> until when (ms), for Redis and the views."""
+        return {d: u for d, u in self.suppression.deadlines().items() if u > now_ms}
+
+    def restore_suppression(self, deadlines: dict[str, int], now_ms: int) -> None:
+        for dest, until in deadlines.items():
+            if until > now_ms:
+                self.suppression.restore(dest, until)
+
+    def rows(self, now_ms: int) -> list[dict[str, Any]]:
+        """The connections view (like sys.dm_broker_connections)."""
+        suppressed = self.suppressed(now_ms)
+        return [
+            {
+                "destination": link.destination,
+                "address": link.address,
+                "state": "CONNECTED" if link.connected else "CLOSED",
+                "connected_ms": link.connected_ms,
+                "idle_ms": now_ms - link.last_activity_ms if link.connected else None,
+                "sent": link.sent,
+                "failed_attempts": link.failed_attempts,
+                "suppressed_until_ms": suppressed.get(link.destination),
+                "last_error": link.last_error,
+            }
+            for link in sorted(self._links.values(), key=lambda k: k.destination)
+        ]

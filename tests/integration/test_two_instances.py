@@ -1,0 +1,266 @@
+"""Dialogs between two broker instances on one Kafka cluster: exactly once, in order, by priority."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from ksb.catalog import Catalog, parse_catalog
+from ksb.catalog_store import apply_catalog
+from ksb.client import KsbClient
+from ksb.localstack import LocalStack
+from ksb.names import Names
+from ksb.sequencing import Backoff
+from ksb.settings import Settings
+from ksb.ticker import Intervals
+from services.transmitter import Transmitter, TransmitterOptions
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
+from tests.integration.support import (
+    check_exactly_once_in_order,
+    endpoints,
+    receive_all,
+    wait_endpoint,
+)
+
+pytestmark = pytest.mark.integration
+
+I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"  # noqa: E741
+
+
+def _catalogs(address: str = "LOCAL") -> tuple[dict[str, Any], dict[str, Any]]:
+    """A hosts the initiator and routes the target to B; B the reverse."""
+    a = {
+        **BASIC_CATALOG,
+        "queues": [{"name": "InitiatorQueue", "partitions": 1}],
+        "services": [{"name": I, "queue": "InitiatorQueue"}],
+        "routes": [
+            {"name": "to-target", "service_name": T, "broker_instance": "B", "address": address}
+        ],
+    }
+    b = {
+        **BASIC_CATALOG,
+        "queues": [{"name": "TargetQueue", "partitions": 2}],
+        "services": [{"name": T, "queue": "TargetQueue", "contracts": [C, "DEFAULT"]}],
+        "routes": [{"name": "to-init", "service_name": I, "broker_instance": "A"}],
+    }
+    return a, b
+
+
+class ThreadTransmitter:
+    def __init__(self, settings: Settings) -> None:
+        self.transmitter = Transmitter(
+            settings,
+            intervals=Intervals(
+                tick_ms=100,
+                suppress_after_disconnect_ms=500,
+                suppress_after_failed_connect_ms=1_000,
+            ),
+            options=TransmitterOptions(
+                connect_timeout_s=1.0,
+                delivery_timeout_ms=2_000,
+                view_every_ms=100,
+                backoff=Backoff(initial_ms=1_000, max_ms=4_000),
+            ),
+        )
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.transmitter.run, args=(self.stop_event,))
+        self.thread.start()
+        if not self.transmitter.ready.wait(60):
+            raise TimeoutError("transmitter not ready")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(30)
+
+
+class Instance:
+    def __init__(self, settings: Settings, catalog: dict[str, Any]) -> None:
+        self.settings = settings
+        self.catalog: Catalog = apply_catalog(settings, parse_catalog(catalog))
+        self.dispatcher = ThreadDispatcher(settings)
+        self.transmitter = ThreadTransmitter(settings)
+        self.client = KsbClient(settings)
+
+    def close(self) -> None:
+        self.client.close()
+        self.transmitter.stop()
+        self.dispatcher.stop()
+
+
+@pytest.fixture
+def pair(stack: LocalStack, unique: str) -> Iterator[tuple[Instance, Instance]]:
+    def settings(name: str) -> Settings:
+        return Settings(
+            instance=f"t{unique}{name}",
+            kafka_bootstrap=stack.kafka_bootstrap,
+            redis_url=stack.redis_url,
+            lock_ttl_ms=15_000,
+        )
+
+    sa, sb = settings("A"), settings("B")
+    ca, cb = _catalogs()
+    ca["routes"][0]["broker_instance"] = sb.instance
+    cb["routes"][0]["broker_instance"] = sa.instance
+    b = Instance(sb, cb)
+    a = Instance(sa, ca)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_request_reply_across_instances(pair: tuple[Instance, Instance]) -> None:
+    a, b = pair
+    h = a.client.begin_dialog(I, T, C)
+    a.client.send(h, "//t/Request", json.dumps({"hello": "B"}))
+    a.client.flush()
+    got = receive_all(b.client, "TargetQueue", 1, timeout_s=30)
+    assert len(got) == 1 and json.loads(got[0].message_body) == {"hello": "B"}
+    m = got[0]
+    assert m.conversation_id == h and m.service_name == T and m.message_sequence_number == 0
+    with b.client.transaction() as tx:
+        tx.send(m.conversation_handle, "//t/Reply", "done")
+        tx.end_conversation(m.conversation_handle)
+    replies = receive_all(a.client, "InitiatorQueue", 2, timeout_s=30)
+    assert [r.message_type_name for r in replies] == [
+        "//t/Reply",
+        "http://schemas.microsoft.com/SQL/ServiceBroker/EndDialog",
+    ]
+    assert replies[0].conversation_handle == h and replies[0].message_body == b"done"
+    a.client.end_conversation(h)
+    a.client.flush()
+    wait_endpoint(a.settings, h, "CLOSED", timeout_s=30)
+    wait_endpoint(b.settings, m.conversation_handle, "CLOSED", timeout_s=30)
+    # the transmission view drains: everything was acknowledged
+    _wait_view_empty(a.settings)
+
+
+def _wait_view_empty(settings: Settings, timeout_s: float = 30) -> dict[str, Any]:
+    r = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            raw = r.get(Names(settings.instance).transmission_view_key)
+            view = json.loads(raw) if raw else None
+            if view is not None and not view["messages"]:
+                return dict(view)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"transmission queue not drained: {view}")
+            time.sleep(0.1)
+    finally:
+        r.close()
+
+
+def _flow(a: Instance, dialogs: int, per_dialog: int) -> list[str]:
+    handles = [a.client.begin_dialog(I, T, C) for _ in range(dialogs)]
+    for k in range(per_dialog):
+        for i, h in enumerate(handles):
+            a.client.send(h, "//t/Request", json.dumps({"conv": i, "n": k}))
+    a.client.flush()
+    return handles
+
+
+def test_500_messages_over_20_dialogs_exactly_once_in_order(
+    pair: tuple[Instance, Instance],
+) -> None:
+    a, b = pair
+    _flow(a, 20, 25)
+    got = receive_all(b.client, "TargetQueue", 500, timeout_s=90)
+    check_exactly_once_in_order([json.loads(m.message_body) for m in got], 20, 25)
+    assert len({m.message_id for m in got}) == 500
+    _wait_view_empty(a.settings)
+
+
+def test_initiatordb_targetdb_priorities(pair: tuple[Instance, Instance]) -> None:
+    """The seed's example: one CREATE BROKER PRIORITY in each database, levels 3 and 3."""
+    a, b = pair
+    ca, cb = _catalogs()
+    ca["routes"][0]["broker_instance"] = b.settings.instance
+    cb["routes"][0]["broker_instance"] = a.settings.instance
+    ca["priorities"] = [
+        {
+            "name": "InitiatorAToTargetPriority",
+            "contract": C,
+            "local_service": I,
+            "remote_service": T,
+            "level": 3,
+        }
+    ]
+    cb["priorities"] = [
+        {
+            "name": "TargetToInitiatorAPriority",
+            "contract": C,
+            "local_service": T,
+            "remote_service": I,
+            "level": 3,
+        }
+    ]
+    apply_catalog(a.settings, parse_catalog(ca))
+    v = apply_catalog(b.settings, parse_catalog(cb)).version
+    assert a.dispatcher.dispatcher._watcher is not None
+    _wait_catalog(a.dispatcher, v)
+    _wait_catalog(b.dispatcher, v)
+    h = a.client.begin_dialog(I, T, C)
+    a.client.send(h, "//t/Request", "{}")
+    a.client.flush()
+    got = receive_all(b.client, "TargetQueue", 1, timeout_s=30)
+    assert got[0].priority == 3
+    assert wait_endpoint(a.settings, h, "CONVERSING").priority == 3
+    assert endpoints(b.settings)[got[0].conversation_handle].priority == 3
+    # a dialog begun without a matching rule on either side gets the default, 5
+    h2 = a.client.begin_dialog(I, T, "DEFAULT")
+    a.client.send(h2, "DEFAULT", "x")
+    a.client.flush()
+    got2 = receive_all(b.client, "TargetQueue", 1, timeout_s=30)
+    assert got2[0].priority == 5 and endpoints(a.settings)[h2].priority == 5
+
+
+def _wait_catalog(d: ThreadDispatcher, version: int, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while d.dispatcher.engine is None or d.dispatcher.engine.catalog.version < version:
+        if time.monotonic() > deadline:
+            raise AssertionError("catalog not applied")
+        time.sleep(0.05)
+
+
+def test_cut_link_mid_stream_then_restore(pair: tuple[Instance, Instance]) -> None:
+    a, b = pair
+    ca, _ = _catalogs("127.0.0.1:1")
+    ca["routes"][0]["broker_instance"] = b.settings.instance
+    good = _catalogs()[0]
+    good["routes"][0]["broker_instance"] = b.settings.instance
+    handles = [a.client.begin_dialog(I, T, C) for _ in range(10)]
+    for k in range(30):
+        if k == 10:
+            apply_catalog(a.settings, parse_catalog(ca))  # the link is cut
+            time.sleep(0.5)
+        if k == 15:
+            b.dispatcher.stop()  # and B stops reading its inbound topic for a while
+        for i, h in enumerate(handles):
+            a.client.send(h, "//t/Request", json.dumps({"conv": i, "n": k}))
+        a.client.flush()
+        time.sleep(0.05)
+    # the view names the failure while the link is down
+    deadline = time.monotonic() + 20
+    rr = redis.Redis.from_url(a.settings.redis_url)
+    while True:
+        raw = rr.get(Names(a.settings.instance).transmission_view_key)
+        view = json.loads(raw) if raw else {"messages": [], "connections": []}
+        if any(m["last_failure"] for m in view["messages"]):
+            break
+        assert time.monotonic() < deadline, view
+        time.sleep(0.1)
+    assert rr.zscore(Names(a.settings.instance).suppress_key, b.settings.instance) is not None
+    rr.close()
+    b.dispatcher = ThreadDispatcher(b.settings)  # B reads again (its window from its endpoints)
+    apply_catalog(a.settings, parse_catalog(good))  # restored
+    received = receive_all(b.client, "TargetQueue", 300, timeout_s=120)
+    check_exactly_once_in_order([json.loads(m.message_body) for m in received], 10, 30)
+    _wait_view_empty(a.settings, timeout_s=60)

@@ -1,0 +1,97 @@
+"""The transport's connection rules and the transmission queue, on milliseconds handed in."""
+
+from __future__ import annotations
+
+from ksb.protocol import AckRecord, InboundMessage
+from ksb.sequencing import Backoff
+from ksb.ticker import Intervals
+from ksb.transmission_queue import TransmissionQueue
+from ksb.transport import Links
+
+T0 = 1_700_000_000_000
+
+
+def test_suppression_schedule_15s_after_disconnect_60s_after_failed_connect() -> None:
+    links = Links(Intervals())
+    assert links.to_connect(["B"], T0) == ["B"]
+    links.on_failed_connect("B", "x:1", "refused", T0)
+    assert links.to_connect(["B"], T0 + 59_999) == []
+    assert links.to_connect(["B"], T0 + 60_000) == ["B"]
+    links.on_connected("B", "x:1", T0 + 60_000)
+    assert links.to_connect(["B"], T0 + 60_000) == []  # connected: nothing to open
+    links.on_disconnect("B", "broken", T0 + 61_000)
+    assert links.suppressed(T0 + 61_000) == {"B": T0 + 76_000}
+    assert links.to_connect(["B"], T0 + 75_999) == []
+    assert links.to_connect(["B"], T0 + 76_000) == ["B"]
+
+
+def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
+    links = Links(Intervals())
+    links.on_connected("B", "x:1", T0)
+    links.on_activity("B", T0 + 10_000, sent=3)
+    assert links.idle(T0 + 99_999) == []
+    assert links.idle(T0 + 100_000) == ["B"]
+    other = Links(Intervals())
+    other.restore_suppression({"C": T0 + 5_000, "D": T0 - 1}, T0)
+    assert other.to_connect(["C", "D"], T0) == ["D"]
+    assert links.rows(T0 + 10_000)[0]["sent"] == 3
+
+
+def _msg(seq: int, conv: str = "c", level: int = 5, dest: str = "B", t: int = T0) -> InboundMessage:
+    return InboundMessage(
+        kind="inbound",
+        message_id=f"{conv}-{seq}",
+        conversation_id=conv,
+        from_instance="A",
+        to_instance=dest,
+        from_service="I",
+        to_service="T",
+        contract="C",
+        message_type="M",
+        from_initiator=True,
+        seq=seq,
+        priority=level,
+        enqueued_ms=t,
+    )
+
+
+def _ack(seq: int, conv: str = "c") -> AckRecord:
+    return AckRecord(
+        conversation_id=conv, from_initiator=True, ack_seq=seq, from_instance="B", to_instance="A"
+    )
+
+
+def test_priority_order_across_destinations_and_acks_remove() -> None:
+    q = TransmissionQueue()
+    q.add(_msg(0, "low", 2, "B"))
+    q.add(_msg(0, "high", 9, "C"))
+    q.add(_msg(1, "high", 9, "C"))
+    sent = q.take(T0, {"B", "C"}, 10)
+    assert [m.message_id for m in sent] == ["high-0", "high-1", "low-0"]
+    assert q.ack(_ack(1, "high")) == 2 and len(q) == 1
+    assert q.ack(_ack(0, "high")) == 0  # an older ack changes nothing
+
+
+def test_unacked_is_retransmitted_with_backoff_and_on_reconnect() -> None:
+    q = TransmissionQueue(backoff=Backoff(initial_ms=1_000, max_ms=4_000))
+    q.add(_msg(0))
+    q.add(_msg(1))
+    assert len(q.take(T0, {"B"}, 10)) == 2
+    assert q.retransmit_due(T0 + 999) == 0
+    assert q.retransmit_due(T0 + 1_000) == 2
+    assert [m.seq for m in q.take(T0 + 1_000, {"B"}, 10)] == [0, 1]
+    q.ack(_ack(0))
+    assert q.requeue_destination("B") == 1
+    assert [m.seq for m in q.take(T0 + 1_100, {"B"}, 10)] == [1]
+    assert not q.add(_msg(0))  # already acknowledged: a replayed record is ignored
+
+
+def test_no_route_is_held_with_its_reason_until_reclassified() -> None:
+    q = TransmissionQueue()
+    q.add(_msg(0), "no route to service 'T'")
+    assert q.take(T0, {"B"}, 10) == []
+    row = q.rows(T0, {})[0]
+    assert row["status"] == "NO_ROUTE" and "no route" in row["last_failure"]
+    q.reclassify(lambda _m: None, honor_broker_priority=False)
+    assert [m.seq for m in q.take(T0, {"B"}, 10)] == [0]
+    assert q.rows(T0, {})[0]["status"] == "SENT"
