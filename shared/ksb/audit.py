@@ -1,0 +1,244 @@
+"""Audit events (version 1): what happened to which message, when, for the Spark audit and SLA job.
+
+Every service reports through a typed hook (`AuditHook`). The default does nothing, so code paths stay
+the same with auditing off; `KafkaAudit` produces one small JSON record per event to
+``ksb.<instance>.audit``, keyed by queue so that all events of one queue sit in one partition in the
+order they were produced: the ordering audit replays them in that order. A hook that fails is logged
+and skipped: auditing never stops the broker. docs/audit.md is the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Literal
+
+from confluent_kafka import KafkaError, Message, Producer
+from pydantic import BaseModel, ConfigDict
+
+from ksb.engine import Outputs
+from ksb.names import Names
+from ksb.protocol import CommitOutcome, QueueMessage
+
+__all__ = [
+    "AUDIT_VERSION",
+    "Audit",
+    "AuditEvent",
+    "AuditHook",
+    "AuditKind",
+    "KafkaAudit",
+    "dispatcher_events",
+    "parse_audit_event",
+]
+
+AUDIT_VERSION = 1
+log = logging.getLogger("ksb.audit")
+
+AuditKind = Literal[
+    "enqueue",
+    "receive",
+    "commit",
+    "rollback",
+    "refused",
+    "transmit",
+    "acknowledge",
+    "purge",
+    "dead_letter",
+    "suppression",
+    "activation_start",
+    "activation_stop",
+    "queue_activation",
+    "queue_disabled",
+    "error",
+]
+
+
+class AuditEvent(BaseModel):
+    """One audit record. Optional fields are left out of the JSON when unknown, to keep it small.
+
+    Readers must ignore fields they do not know (version 1 may gain optional fields); `v` changes
+    only when a field changes meaning.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    v: Literal[1] = 1
+    kind: AuditKind
+    event_ms: int
+    instance: str
+    queue: str = ""
+    service: str | None = None
+    conversation_id: str | None = None
+    conversation_handle: str | None = None
+    group: str | None = None
+    priority: int | None = None
+    message_id: str | None = None
+    message_ids: tuple[str, ...] | None = None
+    count: int | None = None
+    enqueued_ms: int | None = None
+    time_in_queue_ms: int | None = None
+    end_to_end_ms: int | None = None
+    ready_priority: int | None = None
+    """receive: the highest level among the groups this reader saw ready and not held by itself."""
+    targeted: bool = False
+    """receive: RECEIVE with WHERE (a named group or conversation), which no ordering rule covers."""
+    reader: str | None = None
+    starvation_exception: bool = False
+    reason: str | None = None
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(exclude_none=True).encode()
+
+
+def parse_audit_event(raw: bytes) -> AuditEvent:
+    return AuditEvent.model_validate_json(raw)
+
+
+class AuditHook:
+    """The hook interface, and its no-op default."""
+
+    def emit(self, event: AuditEvent) -> None:
+        return None
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        return None
+
+
+class KafkaAudit(AuditHook):
+    """Produce events to the instance's audit topic, keyed by queue, asynchronously.
+
+    Given a transactional producer inside an open transaction (the dispatcher's), the events commit or
+    abort with the records they describe; the Spark job reads them read_committed.
+    """
+
+    def __init__(self, producer: Producer, names: Names) -> None:
+        self._producer = producer
+        self._topic = names.audit
+
+    def emit(self, event: AuditEvent) -> None:
+        self._producer.produce(
+            self._topic, key=event.queue.encode(), value=event.to_json(), on_delivery=_report
+        )
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        self._producer.flush(timeout_s)
+
+
+def _report(err: KafkaError | None, _msg: Message) -> None:
+    if err is not None:
+        log.warning("audit event not stored: %s", err)
+
+
+class Audit:
+    """The hooks a component reports to, called in order; a hook that raises is logged, not fatal."""
+
+    def __init__(self, *hooks: AuditHook) -> None:
+        self.hooks = hooks
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.hooks)
+
+    def emit(self, events: Iterable[AuditEvent]) -> None:
+        for event in events:
+            for hook in self.hooks:
+                try:
+                    hook.emit(event)
+                except Exception:
+                    log.exception("audit hook %s failed on a %s event", hook, event.kind)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        for hook in self.hooks:
+            try:
+                hook.flush(timeout_s)
+            except Exception:
+                log.exception("audit hook %s failed to flush", hook)
+
+
+def dispatcher_events(out: Outputs, now_ms: int, instance: str) -> list[AuditEvent]:
+    """The audit events of one request's outputs, derived after the fact so the engine stays pure.
+
+    enqueue per message written ready; commit per message received (with its time in queue and,
+    when the sender's time is known, end-to-end latency); refused per refused commit; purge per
+    ready message dropped with its closed endpoint; dead_letter per message moved aside; error per
+    error record.
+    """
+    events: list[AuditEvent] = []
+    for w in out.queue:
+        v = w.value
+        if isinstance(v, QueueMessage):
+            if v.status == 1:
+                events.append(
+                    AuditEvent(
+                        kind="enqueue",
+                        event_ms=now_ms,
+                        instance=instance,
+                        queue=v.queue,
+                        service=v.service_name,
+                        conversation_id=v.conversation_id,
+                        conversation_handle=v.conversation_handle,
+                        group=v.conversation_group_id,
+                        priority=v.priority,
+                        message_id=v.message_id,
+                        enqueued_ms=v.enqueued_ms,
+                    )
+                )
+        elif isinstance(v, CommitOutcome) and not v.applied:
+            events.append(
+                AuditEvent(
+                    kind="refused",
+                    event_ms=now_ms,
+                    instance=instance,
+                    queue=w.queue,
+                    group=v.group,
+                    reason=v.reason,
+                )
+            )
+    for kind, infos in (("commit", out.received), ("purge", out.purged)):
+        for info in infos:
+            events.append(
+                AuditEvent(
+                    kind=kind,
+                    event_ms=now_ms,
+                    instance=instance,
+                    queue=info.queue,
+                    service=info.service or None,
+                    conversation_handle=info.handle,
+                    group=info.group,
+                    priority=info.priority,
+                    message_id=info.message_id or None,
+                    enqueued_ms=info.enqueued_ms,
+                    time_in_queue_ms=max(0, now_ms - info.enqueued_ms),
+                    end_to_end_ms=None if info.sent_ms is None else max(0, now_ms - info.sent_ms),
+                )
+            )
+    for d in out.dead_letters:
+        m = d.message
+        events.append(
+            AuditEvent(
+                kind="dead_letter",
+                event_ms=now_ms,
+                instance=instance,
+                queue=m.queue,
+                service=m.service_name,
+                conversation_id=m.conversation_id,
+                conversation_handle=m.conversation_handle,
+                group=m.conversation_group_id,
+                priority=m.priority,
+                message_id=m.message_id,
+                enqueued_ms=m.enqueued_ms,
+                time_in_queue_ms=max(0, now_ms - m.enqueued_ms),
+                reason=d.reason,
+            )
+        )
+    for e in out.errors:
+        events.append(
+            AuditEvent(
+                kind="error",
+                event_ms=now_ms,
+                instance=instance,
+                conversation_handle=e.handle,
+                reason=f"{e.code}: {e.reason}",
+            )
+        )
+    return events

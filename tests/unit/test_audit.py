@@ -1,0 +1,196 @@
+"""The audit's pure parts: the per-queue ordering state machine and the dispatcher's events."""
+
+from __future__ import annotations
+
+from ksb.audit import Audit, AuditEvent, AuditHook, dispatcher_events, parse_audit_event
+from ksb.engine import Inflight, Outputs, QueueWrite
+from ksb.protocol import CommitOutcome, QueueMessage
+from ksb.spark.ordering import OrderingEvent, QueueOrdering
+
+
+def ev(
+    kind: str, t: int, group: str | None = None, priority: int | None = None, **kw: object
+) -> OrderingEvent:
+    return OrderingEvent(kind=kind, event_ms=t, group=group, priority=priority, **kw)  # type: ignore[arg-type]
+
+
+def rows_of(m: QueueOrdering, row: str) -> list[dict[str, object]]:
+    return [r for r in m.drain_rows("Q") if r["row"] == row]
+
+
+def test_receiving_a_lower_group_while_a_higher_unlocked_one_is_ready_is_an_inversion() -> None:
+    m = QueueOrdering(window_ms=10_000)
+    m.apply(ev("enqueue", 1_000, "low", 3))
+    m.apply(ev("enqueue", 1_001, "high", 8))
+    m.apply(ev("receive", 1_002, "low", 3))
+    inv = rows_of(m, "inversions")
+    assert [(r["high"], r["low"], r["inversions"], r["window_start_ms"]) for r in inv] == [
+        (8, 3, 1, 0)
+    ]
+
+
+def test_a_higher_group_locked_by_another_reader_is_no_inversion() -> None:
+    m = QueueOrdering()
+    m.apply(ev("enqueue", 1, "low", 3))
+    m.apply(ev("enqueue", 2, "high", 8))
+    m.apply(ev("receive", 3, "high", 8))
+    m.apply(ev("receive", 4, "low", 3))
+    assert rows_of(m, "inversions") == []
+    # Once the high group's commit unlocks it and its message is gone, nothing is pending.
+    m.apply(ev("commit", 5, "high", 8))
+    assert m.ready.keys() == {"low"} and "high" not in m.locked
+
+
+def test_rollback_unlocks_and_the_messages_stay_ready() -> None:
+    m = QueueOrdering()
+    m.apply(ev("enqueue", 1, "high", 8))
+    m.apply(ev("enqueue", 2, "low", 2))
+    m.apply(ev("receive", 3, "high", 8))
+    m.apply(ev("rollback", 4, "high", 8))
+    m.apply(ev("receive", 5, "low", 2))
+    inv = rows_of(m, "inversions")
+    assert [(r["high"], r["low"], r["inversions"]) for r in inv] == [(8, 2, 1)]
+
+
+def test_starvation_exceptions_and_targeted_receives_are_not_inversions() -> None:
+    m = QueueOrdering()
+    m.apply(ev("enqueue", 1, "a", 9))
+    m.apply(ev("enqueue", 2, "b", 1))
+    m.apply(ev("enqueue", 3, "c", 1))
+    m.apply(ev("transmit", 4, "b", 1, starvation_exception=True))
+    m.apply(ev("receive", 5, "c", 1, targeted=True))
+    rows = m.drain_rows("Q")
+    inv = [r for r in rows if r["row"] == "inversions"]
+    assert [
+        (r["kind"], r["high"], r["low"], r["inversions"], r["starvation_exceptions"]) for r in inv
+    ] == [("transmit", 9, 1, 0, 1)]
+    totals = [r for r in rows if r["row"] == "totals"]
+    assert [(r["inversions"], r["starvation_exceptions"]) for r in totals] == [(0, 1)]
+
+
+def test_a_second_receive_in_the_same_transaction_is_not_judged_again() -> None:
+    m = QueueOrdering()
+    m.apply(ev("enqueue", 1, "low", 3))
+    m.apply(ev("receive", 2, "low", 3))
+    m.apply(ev("enqueue", 3, "high", 8))
+    m.apply(ev("receive", 4, "low", 3))
+    assert rows_of(m, "inversions") == []
+
+
+def test_a_lock_without_commit_expires_after_the_lock_ttl() -> None:
+    m = QueueOrdering(lock_ttl_ms=1_000)
+    m.apply(ev("enqueue", 0, "high", 8))
+    m.apply(ev("enqueue", 0, "low", 2))
+    m.apply(ev("receive", 10, "high", 8))  # the reader crashes: no commit, no rollback
+    m.apply(ev("receive", 5_000, "low", 2))
+    assert [r["inversions"] for r in rows_of(m, "inversions")] == [1]
+
+
+def test_counts_are_absolute_per_window_and_totals_survive_the_state_store() -> None:
+    m = QueueOrdering(window_ms=10_000)
+    for t in (1_000, 2_000):
+        m.apply(ev("enqueue", t, f"h{t}", 7))
+        m.apply(ev("enqueue", t, f"l{t}", 2))
+        m.apply(ev("receive", t + 1, f"l{t}", 2))
+    first = m.drain_rows("Q")
+    assert [r["inversions"] for r in first if r["row"] == "inversions"] == [2]
+    restored = QueueOrdering.from_json(m.to_json())
+    restored.apply(ev("enqueue", 12_000, "l3", 2))
+    restored.apply(ev("receive", 12_001, "l3", 2))
+    rows = restored.drain_rows("Q")
+    windows = {r["window_start_ms"]: r["inversions"] for r in rows if r["row"] == "inversions"}
+    assert windows == {10_000: 1}
+    assert [r["inversions"] for r in rows if r["row"] == "totals"] == [3]
+
+
+def test_activation_reaction_is_measured_to_the_next_receive() -> None:
+    m = QueueOrdering()
+    m.apply(ev("queue_activation", 1_000))
+    m.apply(ev("activation_start", 1_200))  # the first activation counts
+    m.apply(ev("enqueue", 1_300, "g", 5))
+    m.apply(ev("receive", 1_750, "g", 5))
+    m.apply(ev("receive", 1_900, "g", 5))
+    assert [r["reaction_ms"] for r in rows_of(m, "reaction")] == [750]
+
+
+def test_backlog_snapshot() -> None:
+    m = QueueOrdering()
+    m.apply(ev("enqueue", 1, "a", 5, count=3))
+    m.apply(ev("enqueue", 2, "b", 5))
+    m.apply(ev("receive", 3, "a", 5))
+    m.apply(ev("purge", 4, "b", 5))
+    (snap,) = rows_of(m, "backlog")
+    assert (snap["ready_messages"], snap["ready_groups"], snap["locked_groups"]) == (3, 1, 1)
+
+
+def _message(mid: str, priority: int) -> QueueMessage:
+    return QueueMessage(
+        message_id=mid,
+        queue="Q",
+        priority=priority,
+        conversation_group_id="g",
+        conversation_handle="h",
+        conversation_id="c",
+        message_sequence_number=0,
+        service_name="//s",
+        service_contract_name="//c",
+        message_type_name="//m",
+        enqueued_ms=100,
+    )
+
+
+def test_dispatcher_events_are_derived_from_outputs() -> None:
+    out = Outputs()
+    out.queue.append(QueueWrite("Q", 0, "m1", _message("m1", 7)))
+    out.queue.append(
+        QueueWrite(
+            "Q",
+            0,
+            "commit/r",
+            CommitOutcome(
+                request_id="r", group="g", token=1, applied=False, reason="stale_token: x"
+            ),
+        )
+    )
+    out.received.append(
+        Inflight(
+            "Q",
+            0,
+            "g",
+            "h",
+            "//m",
+            priority=7,
+            enqueued_ms=400,
+            message_id="m0",
+            service="//s",
+            sent_ms=300,
+        )
+    )
+    out.purged.append(Inflight("Q", 0, "g2", "h2", "//m", priority=2, enqueued_ms=900))
+    events = dispatcher_events(out, 1_000, "inst")
+    kinds = [(e.kind, e.message_id) for e in events]
+    assert kinds == [("enqueue", "m1"), ("refused", None), ("commit", "m0"), ("purge", None)]
+    commit = events[2]
+    assert (commit.time_in_queue_ms, commit.end_to_end_ms, commit.priority) == (600, 700, 7)
+    assert events[1].reason == "stale_token: x"
+    # The wire form is compact and round-trips.
+    raw = commit.to_json()
+    assert b"null" not in raw
+    assert parse_audit_event(raw) == commit
+
+
+def test_a_failing_hook_is_logged_not_fatal() -> None:
+    seen: list[AuditEvent] = []
+
+    class Broken(AuditHook):
+        def emit(self, event: AuditEvent) -> None:
+            raise RuntimeError("boom")
+
+    class Keep(AuditHook):
+        def emit(self, event: AuditEvent) -> None:
+            seen.append(event)
+
+    audit = Audit(Broken(), Keep())
+    audit.emit([AuditEvent(kind="error", event_ms=1, instance="i")])
+    assert len(seen) == 1
+    assert not Audit().enabled
