@@ -12,14 +12,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, ge
 
 __all__ = [
     "COMMITS",
+    "CONNECTIONS",
     "ERRORS",
     "HEALTHY",
+    "PURGES",
+    "PURGE_REASONS",
     "QUEUE_DEPTH",
     "REQUESTS",
     "RUNNABLE_GROUPS",
+    "SUPPRESSED_DESTINATIONS",
     "TASKS_RUNNING",
     "TASKS_STARTED",
+    "TIME_IN_QUEUE",
+    "TRANSMISSION_DEPTH",
     "TXN_SECONDS",
+    "WAITING_READERS",
+    "export_transport_defaults",
     "serve_metrics",
 ]
 
@@ -40,13 +48,57 @@ RUNNABLE_GROUPS = Gauge(
 )
 TASKS_RUNNING = Gauge("ksb_activated_tasks", "Activated tasks running for a queue", ["queue"])
 TASKS_STARTED = Counter("ksb_activations_total", "Activated tasks started", ["queue"])
+WAITING_READERS = Gauge(
+    "ksb_queue_waiting_readers", "Sessions waiting in RECEIVE without WHERE", ["queue"]
+)
+TIME_IN_QUEUE = Histogram(
+    "ksb_time_in_queue_seconds",
+    "Time from enqueue to the commit that received the message (dispatcher clock)",
+    ["queue", "priority"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+PURGES = Counter(
+    "ksb_purges_total",
+    "Messages that left a queue unreceived (reason: conversation_closed, dead_letter)",
+    ["queue", "reason"],
+)
+PURGE_REASONS = ("conversation_closed", "dead_letter")
+TRANSMISSION_DEPTH = Gauge(
+    "ksb_transmission_queue_depth",
+    "Messages waiting in the transmission queue, per assigned priority level (transmitter)",
+    ["priority"],
+)
+CONNECTIONS = Gauge(
+    "ksb_transport_connections", "Open connections to remote broker instances", ["component"]
+)
+SUPPRESSED_DESTINATIONS = Gauge(
+    "ksb_suppressed_destinations",
+    "Destinations whose retries are suppressed until their deadline",
+    ["component"],
+)
+
+
+def export_transport_defaults(component: str) -> None:
+    """Publish a shell's cross-instance gauges as 0: dashboards then show "none", not "no data".
+
+    Labelled series only exist once set. The transmitter sets its own figures on every view
+    refresh; the tick-driven shells (transport, forwarder) call this at start-up until they hold
+    connections of their own (issue 5).
+    """
+    CONNECTIONS.labels(component).set(0)
+    SUPPRESSED_DESTINATIONS.labels(component).set(0)
 
 
 JsonRoute = Callable[[], Any]
 
 
-def serve_metrics(port: int, routes: Mapping[str, JsonRoute] | None = None) -> int:
-    """Serve /metrics, /healthz and the service's JSON views on 127.0.0.1; port 0 disables it.
+def serve_metrics(
+    port: int, routes: Mapping[str, JsonRoute] | None = None, *, host: str = "127.0.0.1"
+) -> int:
+    """Serve /metrics, /healthz and the service's JSON views on `host`; port 0 disables it.
+
+    `host` is ``settings.metrics_host``: loopback by default, ``0.0.0.0`` in containers so that
+    Prometheus and the health checks can reach it.
 
     Views (like /monitors and /tasks of the activation service) are callables returning JSON-able
     data, computed per request so they are never stale.
@@ -78,6 +130,6 @@ def serve_metrics(port: int, routes: Mapping[str, JsonRoute] | None = None) -> i
         def log_message(self, format: str, *args: Any) -> None:
             return
 
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server = ThreadingHTTPServer((host, port), Handler)
     threading.Thread(target=server.serve_forever, name="ksb-http", daemon=True).start()
     return server.server_address[1]
