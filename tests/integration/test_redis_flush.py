@@ -1,0 +1,226 @@
+"""Redis loses its state: FLUSHALL mid-run, expired and stolen locks, stale fencing tokens.
+
+Redis holds only locks (ARCHITECTURE.md); the dispatcher is the authority that a message is received
+at most once. These tests take Redis's state away and check that nothing is lost or received twice.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+
+from ksb import kafka
+from ksb.client import KsbClient, Transaction
+from ksb.errors import CommitRefused, LockLost
+from ksb.names import Names
+from ksb.protocol import CommitRequest, QueueMessage, Receipt, SendRequest, dumps
+from ksb.settings import Settings
+from tests.integration.conftest import ThreadDispatcher
+from tests.integration.support import Flow, queue_receipts, read_topic, receive_all, wait_error
+
+pytestmark = pytest.mark.integration
+
+INIT, TGT, CON = "//t/Initiator", "//t/Target", "//t/Contract"
+Q = "TargetQueue"
+
+
+def _flushall(settings: Settings) -> None:
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        r.flushall()
+    finally:
+        r.close()
+
+
+def _token(settings: Settings, group: str) -> int:
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        raw = r.hget(Names(settings.instance).lock_key(Q, group), "token")
+    finally:
+        r.close()
+    assert raw is not None, f"group {group} is not locked"
+    return int(raw)
+
+
+def _queued(settings: Settings, count: int, timeout_s: float = 15) -> None:
+    """Wait until the dispatcher has put ``count`` messages in the target queue."""
+    deadline = time.monotonic() + timeout_s
+    while sum(1 for m, _ in queue_receipts(settings, Q).values() if m) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} messages queued in time"
+        time.sleep(0.1)
+
+
+def _dialog_with(client: KsbClient, settings: Settings, count: int) -> str:
+    h = client.begin_dialog(INIT, TGT, CON)
+    for n in range(count):
+        client.send(h, "//t/Request", json.dumps({"n": n}))
+    client.flush()
+    _queued(settings, count)
+    return h
+
+
+def _receive(tx: Transaction, count: int) -> list[QueueMessage]:
+    got = tx.receive(Q, waitfor_ms=10_000)
+    assert len(got) == count
+    return got
+
+
+def test_flushall_mid_run_keeps_exactly_once_in_order(
+    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """Redis is flushed twice while 1,800 messages flow; every one arrives once, in order.
+
+    Each flush happens while the reader holds a group between RECEIVE and commit (so that commit
+    must fail with LockLost and its messages come back) and while other commits are in flight.
+    """
+    flushed_at: list[int] = []
+
+    def flush_midway(flow: Flow) -> None:
+        if len(flushed_at) < 2 and len(flow.received) >= (400, 1_200)[len(flushed_at)]:
+            _flushall(settings)
+            flushed_at.append(len(flow.received))
+
+    flow = Flow(
+        settings,
+        client,
+        dialogs=30,
+        per_dialog=60,
+        round_pause_s=0.02,
+        top=20,
+        before_commit=flush_midway,
+    ).start()
+    try:
+        flow.wait_received(flow.total, timeout_s=90)
+    finally:
+        flow.close()
+    assert len(flushed_at) == 2 and flushed_at[1] < flow.total
+    assert flow.lock_lost >= 2, "the flushes did not take a lock from under a commit"
+    flow.check_exactly_once_in_order()
+    receipts = queue_receipts(settings, Q)
+    assert len(receipts) == flow.total and set(receipts.values()) == {(1, 1)}
+
+
+def test_commit_after_lock_expired_and_taken_is_refused_and_redelivered(
+    settings: Settings, dispatcher: ThreadDispatcher
+) -> None:
+    """A's lease runs out (a stalled holder); B takes the group; A's commit is refused."""
+    with KsbClient(settings) as a, KsbClient(settings) as b:
+        _dialog_with(a, settings, 3)
+        tx_a = a.transaction()
+        first = _receive(tx_a, 3)
+        # A live reader renews its leases, so the stall is simulated by letting the lock key's TTL
+        # run out now in Redis: exactly what happens when the holder stops renewing.
+        r = redis.Redis.from_url(settings.redis_url)
+        try:
+            key = Names(settings.instance).lock_key(Q, first[0].conversation_group_id)
+            assert r.pexpire(key, 1)
+            time.sleep(0.05)
+        finally:
+            r.close()
+        tx_b = b.transaction()
+        second = _receive(tx_b, 3)
+        assert [m.message_id for m in second] == [m.message_id for m in first]
+        assert _token(settings, second[0].conversation_group_id) > 0
+        with pytest.raises((LockLost, CommitRefused)):
+            tx_a.commit()
+        tx_b.commit()
+        # Nothing is left for anyone, A included.
+        for c in (a, b):
+            tx = c.transaction()
+            assert tx.receive(Q, waitfor_ms=300) == []
+            tx.rollback()
+    receipts = queue_receipts(settings, Q)
+    assert {m.message_id: receipts[m.message_id] for m in first} == {
+        m.message_id: (1, 1) for m in first
+    }
+
+
+def test_commit_after_flush_and_taken_is_refused_and_redelivered(
+    settings: Settings, dispatcher: ThreadDispatcher
+) -> None:
+    with KsbClient(settings) as a, KsbClient(settings) as b:
+        _dialog_with(a, settings, 2)
+        tx_a = a.transaction()
+        first = _receive(tx_a, 2)
+        group = first[0].conversation_group_id
+        token_a = _token(settings, group)
+        _flushall(settings)
+        tx_b = b.transaction()
+        second = _receive(tx_b, 2)
+        assert [m.message_id for m in second] == [m.message_id for m in first]
+        # The fencing counter restarted from Redis TIME: the new holder's token is still newer.
+        assert _token(settings, group) > token_a
+        with pytest.raises((LockLost, CommitRefused)):
+            tx_a.commit()
+        tx_b.commit()
+        tx = a.transaction()
+        assert tx.receive(Q, waitfor_ms=300) == []
+        tx.rollback()
+
+
+def test_commit_after_flush_with_no_new_holder_is_refused_and_messages_come_back(
+    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    _dialog_with(client, settings, 2)
+    tx = client.transaction()
+    first = _receive(tx, 2)
+    _flushall(settings)
+    with pytest.raises(LockLost):
+        tx.commit()
+    again = client.transaction()
+    second = _receive(again, 2)
+    assert [m.message_id for m in second] == [m.message_id for m in first]
+    again.commit()
+    assert receive_all(client, Q, 1, timeout_s=0.5) == []
+
+
+def test_stale_fencing_token_is_refused_by_the_dispatcher(
+    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """A commit carrying an older token than one already applied for the group is refused whole."""
+    h = _dialog_with(client, settings, 2)
+    old = client.transaction()
+    [m1] = old.receive(Q, top=1, waitfor_ms=10_000)
+    group = m1.conversation_group_id
+    stale_token = _token(settings, group)
+    old.rollback()
+    newer = client.transaction()
+    assert [
+        m.message_id for m in newer.receive(Q, top=1, waitfor_ms=5000, conversation_group_id=group)
+    ] == [m1.message_id]
+    assert _token(settings, group) > stale_token
+    newer.commit()
+    # m2 is still waiting; the old holder's commit names it and carries a SEND.
+    [m2_id] = [k for k, (_m, r) in queue_receipts(settings, Q).items() if r == 0]
+    stale = CommitRequest(
+        kind="commit",
+        reader="stale-holder",
+        receipt=Receipt(queue=Q, group=group, token=stale_token, message_ids=(m2_id,)),
+        actions=(
+            SendRequest(kind="send", handles=(h,), message_type="//t/Request", body='{"stale":1}'),
+        ),
+    )
+    p = kafka.producer(settings)
+    p.produce(Names(settings.instance).requests, key=group.encode(), value=dumps(stale))
+    assert p.flush(10) == 0
+    err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
+    assert err["code"] == "stale_token"
+    assert str(stale_token) in err["reason"]
+    outcomes = [
+        json.loads(v)
+        for k, v in read_topic(settings, Names(settings.instance).queue(Q))
+        if k == f"commit/{stale.request_id}".encode() and v is not None
+    ]
+    assert [(o["applied"], o["reason"].split(":")[0]) for o in outcomes] == [(False, "stale_token")]
+    # Nothing of the stale commit happened: m2 is delivered to a proper holder, the SEND was dropped
+    # (the next message on the dialog still gets sequence number 2).
+    client.send(h, "//t/Request", json.dumps({"n": 2}))
+    client.flush()
+    got = receive_all(client, Q, 2, timeout_s=15)
+    assert [m.message_id for m in got][:1] == [m2_id]
+    assert [json.loads(m.message_body) for m in got] == [{"n": 1}, {"n": 2}]
+    assert [m.message_sequence_number for m in got] == [1, 2]
+    assert receive_all(client, Q, 1, timeout_s=0.5) == []
