@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from bench.activation import ActivationOptions
 from bench.report import format_table, write_json
 from bench.suite import Options, run
 
@@ -29,6 +30,14 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         "--probes", type=int, help="one-at-a-time latency round trips (default 100)"
     )
     parser.add_argument("--timeout", type=float, help="seconds each phase may take (default 180)")
+    parser.add_argument(
+        "--no-activation", action="store_true", help="skip the activation section (run by default)"
+    )
+    parser.add_argument(
+        "--activation-dialogs",
+        type=int,
+        help="conversation groups in the activation burst (default 200)",
+    )
     parser.add_argument("--quick", action="store_true", help="small counts, for a CI smoke run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")
     a = parser.parse_args(argv)
@@ -48,6 +57,9 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         probes=a.probes if a.probes is not None else (10 if a.quick else 100),
         timeout_s=a.timeout or (60.0 if a.quick else 180.0),
         log_dir=a.out.parent,
+        activation=None
+        if a.no_activation
+        else ActivationOptions(rounds=1 if a.quick else 3, dialogs=a.activation_dialogs or 200),
     )
     return opts, a.out
 
@@ -63,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     write_json(results, out)
     print(format_table(results))
     print(f"results written to {out}")
-    return 0 if results["ksb"]["verified_exactly_once_in_order"] else 1
+    activation = results["activation"]
+    verified = results["ksb"]["verified_exactly_once_in_order"]
+    return 0 if verified and (activation is None or activation["verified_exactly_once"]) else 1
 
 
 if __name__ == "__main__":

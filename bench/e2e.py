@@ -10,6 +10,7 @@ Every message carries (dialog, sequence) so the run also checks exactly-once and
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -172,7 +173,7 @@ def _receive_loop(
                 with tally.lock:
                     tally.lock_lost += 1
                 continue
-            fut.add_done_callback(lambda f, b=batch: tally.outcome(f, b))
+            fut.add_done_callback(functools.partial(_record_outcome, tally, batch))
             outstanding.append(fut)
         for fut in outstanding:
             _settle(client, fut, 30)
@@ -300,3 +301,8 @@ def run_ksb(
         },
         problems=tuple(problems),
     )
+
+
+def _record_outcome(tally: Any, batch: list[tuple[int, int, int]], fut: Future[Any]) -> None:
+    """A commit's outcome, bound to its batch (a named function so its type is known)."""
+    tally.outcome(fut, batch)

@@ -13,8 +13,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
+import ksb.kafka as kafka
 from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
-from ksb import kafka
 from ksb.settings import Settings
 
 __all__ = ["RawResult", "run_raw"]

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench.activation import format_lines as activation_lines
+
 __all__ = ["format_table", "write_json"]
 
 
@@ -78,6 +80,8 @@ def format_table(r: dict[str, Any]) -> str:
     lines.append(
         f"ratio KSB/raw: throughput {ratio['throughput']:.3f}x, {loaded} (1 at a time: {alone})"
     )
+    if r.get("activation") is not None:
+        lines.extend(activation_lines(r["activation"]))
     return "\n".join(lines)
 
 

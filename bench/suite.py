@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.activation import ActivationOptions, run_activation
 from bench.e2e import bench_catalog, run_ksb
 from bench.raw_kafka import run_raw
 from bench.stats import peak_rss_kb
@@ -40,10 +41,12 @@ class Options:
     probes: int
     timeout_s: float
     log_dir: Path
+    activation: ActivationOptions | None = None
+    """The activation section (bench/activation.py) on the same stack; None skips it."""
 
 
 def run(opts: Options) -> dict[str, Any]:
-    """Run both benchmarks and return every figure as a JSON-able dict."""
+    """Run the benchmarks and return every figure as a JSON-able dict."""
     started = time.monotonic()
     # Other work on the machine skews every figure; the load average says how much there was.
     load_at_start = round(os.getloadavg()[0], 2)
@@ -61,6 +64,7 @@ def run(opts: Options) -> dict[str, Any]:
         stack = start_stack(Path(tmp) / "stack")
         phase("stack_start")
         dispatcher: ServiceProcess | None = None
+        activation: dict[str, Any] | None = None
         try:
             settings = Settings(
                 instance=f"bench{uuid.uuid4().hex[:8]}",
@@ -97,6 +101,10 @@ def run(opts: Options) -> dict[str, Any]:
             )
             rss_kb["dispatcher"] = peak_rss_kb(dispatcher.proc.pid)
             phase("ksb")
+            if opts.activation is not None:
+                dispatcher.stop()  # idle from here on: keep it out of the activation figures
+                activation = run_activation(settings, opts.activation, Path(tmp)).as_json()
+                phase("activation")
         finally:
             if dispatcher is not None:
                 if dispatcher.proc is not None and "dispatcher" not in rss_kb:
@@ -104,6 +112,10 @@ def run(opts: Options) -> dict[str, Any]:
                 dispatcher.stop()
                 opts.log_dir.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(dispatcher.log_path, opts.log_dir / "dispatcher.log")
+            for name in ("activation.log", "act-dispatcher.log"):
+                if (Path(tmp) / name).exists():
+                    opts.log_dir.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(Path(tmp) / name, opts.log_dir / name)
             rss_kb["kafka"] = peak_rss_kb(stack.kafka_pid)
             rss_kb["redis"] = peak_rss_kb(stack.redis_pid)
             stack.stop()
@@ -134,6 +146,7 @@ def run(opts: Options) -> dict[str, Any]:
             "latency_unloaded_p50": ksb.probe.p50_ms / raw.probe.p50_ms,
             "latency_unloaded_p99": ksb.probe.p99_ms / raw.probe.p99_ms,
         },
+        "activation": activation,
         "peak_rss_kb": rss_kb,
         "phase_seconds": phases,
         "wall_seconds": time.monotonic() - started,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from ksb.client import KsbClient, Transaction
-from ksb.errors import KsbError, QueueDisabled
+from ksb.errors import CommitRefused, KsbError, LockLost, QueueDisabled
 from ksb.names import Names
 from ksb.protocol import QueueMessage
 from ksb.settings import load_settings
@@ -79,8 +79,12 @@ def run_task(
                 if not tx.done:
                     tx.rollback()
                 continue
-            if not tx.done:
-                tx.commit()
+            try:
+                if not tx.done:
+                    tx.commit()
+            except (CommitRefused, LockLost) as exc:  # nothing applied: as after a rollback
+                log.warning("commit of %d message(s) not applied: %s", len(msgs), exc)
+                continue
             processed += len(msgs)
     finally:
         stop.set()

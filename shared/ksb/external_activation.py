@@ -1,0 +1,200 @@
+"""The external activator's decisions: how many reader commands to start for a queue, and when.
+
+With external activation KSB does not run readers itself: the activation service publishes a
+QUEUE_ACTIVATION event when a new reader would have useful work, and BROKER_QUEUE_DISABLED when
+poison handling turns a queue off. The external activator (`services.external_activator`) reads
+those events and runs a configured command per queue, between its own minimum and maximum.
+
+Everything here is pure (no processes, no Kafka, no clock): the service counts its live commands
+and feeds the counts in, so the rules below are unit-tested in milliseconds.
+
+- A QUEUE_ACTIVATION event starts one more command, unless ``max`` already run. One, not "up to
+  max": the activation service re-evaluates after the next RECEIVE and sends another event if
+  work is still piling up, so readers grow with demand instead of all at once.
+- ``min`` commands are kept running always: one that exits is restarted. A command that keeps
+  failing (non-zero exit) is restarted with exponential back-off, so a broken command line does
+  not become a fork loop.
+- BROKER_QUEUE_DISABLED stops new starts for the queue (the running readers find RECEIVE refused
+  and exit by themselves). The activation service sends no QUEUE_ACTIVATION for a disabled queue,
+  and events of one queue share a key and so a partition; a QUEUE_ACTIVATION read after the
+  disable therefore means the queue was enabled again, and starts are allowed again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ksb.errors import CatalogError, ProtocolError
+
+__all__ = [
+    "ActivationEvent",
+    "ActivationPlanner",
+    "ExternalActivatorConfig",
+    "QueueReaders",
+    "StartDecision",
+    "load_config",
+    "parse_event",
+]
+
+EventKind = Literal["QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED"]
+
+
+class QueueReaders(BaseModel):
+    """What to run for one queue, and how many of it (``min``/``max`` in the YAML file)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    command: str = Field(min_length=1)
+    min_readers: int = Field(0, ge=0, alias="min")
+    max_readers: int = Field(1, ge=1, alias="max")
+
+    @model_validator(mode="after")
+    def _min_within_max(self) -> QueueReaders:
+        if self.min_readers > self.max_readers:
+            raise ValueError(f"min ({self.min_readers}) exceeds max ({self.max_readers})")
+        return self
+
+
+class ExternalActivatorConfig(BaseModel):
+    """The YAML file: ``queues: {QueueName: {command: ..., min: 0, max: 2}}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    queues: dict[str, QueueReaders] = Field(min_length=1)
+
+
+def load_config(path: str | Path) -> ExternalActivatorConfig:
+    """Read and validate the file; a typo or a bad count fails at start-up with the field named."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise CatalogError(f"external activator config {p}: {exc}") from exc
+    try:
+        return ExternalActivatorConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
+        )
+        raise CatalogError(f"external activator config {p}: {problems}") from exc
+
+
+@dataclass(frozen=True)
+class ActivationEvent:
+    """One record of ``ksb.<instance>.activation``, as the activation service writes it."""
+
+    kind: EventKind
+    instance: str
+    queue: str
+    reason: str
+    event_ms: int
+
+
+def parse_event(raw: bytes | str) -> ActivationEvent:
+    """Decode a record; anything not of the documented shape is a `ProtocolError` with the reason."""
+    try:
+        data: Any = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"activation event is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ProtocolError("activation event is not a JSON object")
+    if data.get("v") != 1:
+        raise ProtocolError(f"activation event version {data.get('v')!r} is not 1")
+    kind = data.get("kind")
+    if kind not in ("QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED"):
+        raise ProtocolError(f"activation event kind {kind!r} is unknown")
+    instance, queue, event_ms = data.get("instance"), data.get("queue"), data.get("event_ms")
+    if not isinstance(instance, str) or not isinstance(queue, str) or not queue:
+        raise ProtocolError("activation event lacks instance or queue")
+    if not isinstance(event_ms, int) or isinstance(event_ms, bool):
+        raise ProtocolError("activation event lacks an integer event_ms")
+    return ActivationEvent(kind, instance, queue, str(data.get("reason", "")), event_ms)
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """How many commands to start now for ``queue`` (0 or more), and why, for the log."""
+
+    queue: str
+    start: int
+    reason: str
+
+
+@dataclass
+class _QueueState:
+    disabled: bool = False
+    failures_in_a_row: int = 0
+    not_before_ms: int = 0
+
+
+@dataclass
+class ActivationPlanner:
+    """Per-queue decisions for one instance's external activator.
+
+    ``running`` arguments are the commands of that queue still alive, as the caller counts them
+    (it started them, so it knows); the planner itself keeps only what events and exits tell it.
+    """
+
+    config: ExternalActivatorConfig
+    instance: str
+    backoff_ms: int = 500
+    max_backoff_ms: int = 30_000
+    _states: dict[str, _QueueState] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._states = {q: _QueueState() for q in self.config.queues}
+
+    @property
+    def queues(self) -> list[str]:
+        return list(self.config.queues)
+
+    def readers(self, queue: str) -> QueueReaders:
+        return self.config.queues[queue]
+
+    def disabled(self, queue: str) -> bool:
+        return self._states[queue].disabled
+
+    def on_event(self, event: ActivationEvent, running: int) -> StartDecision:
+        """Apply one event: maybe start one command (QUEUE_ACTIVATION), or stop starting (DISABLED)."""
+        if event.instance != self.instance:
+            return StartDecision(event.queue, 0, f"event of instance {event.instance!r}")
+        state = self._states.get(event.queue)
+        if state is None:
+            return StartDecision(event.queue, 0, "queue not configured")
+        if event.kind == "BROKER_QUEUE_DISABLED":
+            state.disabled = True
+            return StartDecision(event.queue, 0, "queue disabled")
+        state.disabled = False
+        limit = self.config.queues[event.queue].max_readers
+        if running >= limit:
+            return StartDecision(event.queue, 0, f"{running} running, at max {limit}")
+        return StartDecision(event.queue, 1, f"starting one ({running} running, max {limit})")
+
+    def keep_minimum(self, queue: str, running: int, now_ms: int) -> StartDecision:
+        """Top the queue up to ``min`` commands, unless disabled or backing off after failures."""
+        state = self._states[queue]
+        missing = self.config.queues[queue].min_readers - running
+        if missing <= 0:
+            return StartDecision(queue, 0, "minimum running")
+        if state.disabled:
+            return StartDecision(queue, 0, "queue disabled")
+        if now_ms < state.not_before_ms:
+            return StartDecision(queue, 0, f"backing off until {state.not_before_ms}")
+        return StartDecision(queue, missing, f"keeping min {missing + running}")
+
+    def on_exit(self, queue: str, returncode: int, now_ms: int) -> None:
+        """Record a command's exit: a failure delays the next minimum restart, exponentially."""
+        state = self._states[queue]
+        if returncode == 0:
+            state.failures_in_a_row = 0
+            state.not_before_ms = 0
+            return
+        state.failures_in_a_row += 1
+        delay = min(self.max_backoff_ms, self.backoff_ms * 2 ** (state.failures_in_a_row - 1))
+        state.not_before_ms = now_ms + delay
