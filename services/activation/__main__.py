@@ -20,7 +20,11 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     service = ActivationService(settings)
-    serve_metrics(settings.metrics_port, {"/monitors": service.monitors, "/tasks": service.tasks})
+    serve_metrics(
+        settings.metrics_port,
+        {"/monitors": service.monitors, "/tasks": service.tasks},
+        host=settings.metrics_host,
+    )
     service.run(stop)
 
 

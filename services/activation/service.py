@@ -26,10 +26,11 @@ import redis
 from confluent_kafka import Producer
 
 from ksb import kafka
+from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog import CatalogView, Queue
 from ksb.catalog_store import CatalogWatcher, apply_catalog, load_catalog
 from ksb.clock import Clock, SystemClock
-from ksb.metrics import HEALTHY, RUNNABLE_GROUPS, TASKS_RUNNING, TASKS_STARTED
+from ksb.metrics import HEALTHY, RUNNABLE_GROUPS, TASKS_RUNNING, TASKS_STARTED, WAITING_READERS
 from ksb.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.names import Names
 from ksb.protocol import DeadLetterRequest, dumps
@@ -77,6 +78,7 @@ class ActivationService:
         self.watches: dict[str, QueueWatch] = {}
         self.ready = threading.Event()
         self._producer: Producer | None = None
+        self.audit = Audit()
         self._watcher: CatalogWatcher | None = None
         self._next_tick_ms = 0
 
@@ -85,6 +87,7 @@ class ActivationService:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
         self._producer = kafka.producer(s)
+        self.audit = Audit(KafkaAudit(self._producer, self.names))
         self._watcher = CatalogWatcher(s)
         self._watcher.view = CatalogView(load_catalog(s))
         self._sync(self._watcher.view, altered=set())
@@ -248,6 +251,7 @@ class ActivationService:
         running = max(int(tasks), sum(1 for p in w.tasks.values() if p.poll() is None))
         RUNNABLE_GROUPS.labels(w.queue.name).set(runnable)
         TASKS_RUNNING.labels(w.queue.name).set(running)
+        WAITING_READERS.labels(w.queue.name).set(int(waiting))
         obs = QueueObservation(
             now_ms=now_wall,
             ready_groups=runnable,
@@ -303,6 +307,7 @@ class ActivationService:
         w.last_activation_ms = self.clock.now_ms()
         w.activations += 1
         TASKS_STARTED.labels(w.queue.name).inc()
+        self._audit("activation_start", w, task_id)
         log.info("activated %s on %s (%d running)", task_id, w.queue.name, len(w.tasks))
 
     def _reap(self, w: QueueWatch) -> bool:
@@ -311,6 +316,7 @@ class ActivationService:
             code = w.tasks.pop(tid).returncode
             self.redis.zrem(self.names.tasks_key(w.queue.name), tid)
             log.info("task %s on %s exited with %s", tid, w.queue.name, code)
+            self._audit("activation_stop", w, f"{tid} exited with {code}")
         return bool(exited)
 
     def _notify(self, w: QueueWatch, d: Decision) -> None:
@@ -328,6 +334,7 @@ class ActivationService:
         )
         self._producer.poll(0)
         w.notifications += 1
+        self._audit("queue_activation", w, d.reason)
         w.last_activation_ms = self.clock.now_ms()
         log.info("QUEUE_ACTIVATION event for %s (%s)", w.queue.name, d.reason)
 
@@ -383,6 +390,18 @@ class ActivationService:
         )
         self._producer.flush(5)
         log.warning("queue %s disabled after %d rollbacks in a row", w.queue.name, rollbacks)
+        self._audit("queue_disabled", w, f"{rollbacks} rollbacks in a row")
+
+    def _audit(self, kind: AuditKind, w: QueueWatch, reason: str) -> None:
+        if self.audit.enabled:
+            event = AuditEvent(
+                kind=kind,
+                event_ms=self.clock.now_ms(),
+                instance=self.settings.instance,
+                queue=w.queue.name,
+                reason=reason,
+            )
+            self.audit.emit([event])
 
     # ----------------------------------------------------------------- views
     def monitors(self) -> list[dict[str, Any]]:

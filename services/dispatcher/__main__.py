@@ -19,7 +19,7 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    serve_metrics(settings.metrics_port)
+    serve_metrics(settings.metrics_port, host=settings.metrics_host)
     Dispatcher(settings).run(stop)
 
 

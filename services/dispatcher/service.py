@@ -12,16 +12,35 @@ import logging
 import threading
 import time
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import (
+    TIMESTAMP_NOT_AVAILABLE,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+)
+from prometheus_client import Histogram
 
 from ksb import kafka
+from ksb.audit import Audit, KafkaAudit, dispatcher_events
 from ksb.catalog import CatalogView
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
 from ksb.endpoint import decode_endpoint, encode_endpoint
 from ksb.engine import Engine, Outputs
 from ksb.errors import ProtocolError
-from ksb.metrics import COMMITS, ERRORS, HEALTHY, REQUESTS, TXN_SECONDS
+from ksb.metrics import (
+    COMMITS,
+    ERRORS,
+    HEALTHY,
+    PURGE_REASONS,
+    PURGES,
+    QUEUE_DEPTH,
+    REQUESTS,
+    TIME_IN_QUEUE,
+    TXN_SECONDS,
+)
 from ksb.names import Names
 from ksb.protocol import (
     CommitOutcome,
@@ -50,6 +69,8 @@ class Dispatcher:
         self._consumer: Consumer | None = None
         self._watcher: CatalogWatcher | None = None
         self.engine: Engine | None = None
+        self.audit = Audit()
+        self._queue_metrics = _QueueMetrics()
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -59,9 +80,11 @@ class Dispatcher:
             s, transactional_id=self.names.dispatcher_txn_id, extra={"linger.ms": 1}
         )
         self._producer.init_transactions(60)
+        # Audit events go through the transactional producer: they commit with what they describe.
+        self.audit = Audit(KafkaAudit(self._producer, self.names))
         self._rebuild()
         self._consumer = kafka.consumer(s, group=self.names.dispatcher_group)
-        self._consumer.subscribe([self.names.requests])
+        self._consumer.subscribe([self.names.requests, self.names.inbound])
         self.ready.set()
         log.info("dispatcher ready (instance %s)", self.settings.instance)
 
@@ -85,6 +108,8 @@ class Dispatcher:
         finally:
             c.close()
         self.engine = engine
+        self._queue_metrics.declare(view)
+        self._queue_metrics.export_depth(engine)
         log.info(
             "rebuilt: catalog v%d, %d endpoints, %d messages in queues",
             view.version,
@@ -111,6 +136,7 @@ class Dispatcher:
         assert self._consumer and self._producer and self.engine and self._watcher
         if self._watcher.poll(0):
             self.engine.catalog = self._watcher.view
+            self._queue_metrics.declare(self._watcher.view)
             log.info("catalog v%d applied", self._watcher.view.version)
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
@@ -132,6 +158,7 @@ class Dispatcher:
             p.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata())
         p.commit_transaction(30)
         TXN_SECONDS.observe(time.perf_counter() - started)
+        self._queue_metrics.export_depth(self.engine)
         return len(records)
 
     def _handle(self, m: Message, now: int) -> Outputs:
@@ -149,7 +176,7 @@ class Dispatcher:
                 raw=raw,
             )
         REQUESTS.labels(request.kind).inc()
-        out = self.engine.handle(request, now)
+        out = self.engine.handle(request, now, sent_ms=_sent_ms(m))
         for e in out.errors:
             ERRORS.labels(e.code).inc()
         if isinstance(request, CommitRequest) and request.receipt is not None:
@@ -159,6 +186,8 @@ class Dispatcher:
     def _emit(self, out: Outputs) -> None:
         p = self._producer
         assert p is not None
+        if out.received or out.purged or out.dead_letters:
+            self._queue_metrics.observe(out, self.clock.now_ms())
         for w in out.queue:
             value = None if w.value is None else dumps(w.value)
             p.produce(
@@ -174,6 +203,22 @@ class Dispatcher:
             p.produce(topic, key=d.message.message_id.encode(), value=dumps(d))
         if len(p) > 50_000:
             p.poll(0)
+        self._emit_remote(out)
+        if self.audit.enabled:
+            self.audit.emit(dispatcher_events(out, self.clock.now_ms(), self.settings.instance))
+
+    def _emit_remote(self, out: Outputs) -> None:
+        """Cross-instance records, in the same transaction as the queue writes they belong with.
+
+        A transmission record is durable the moment the SEND is, and an acknowledgement is written
+        only together with the queue write of what it acknowledges, so neither can get ahead.
+        """
+        p = self._producer
+        assert p is not None
+        for t in out.transmissions:
+            p.produce(self.names.transmission, key=t.conversation_id.encode(), value=dumps(t))
+        for a in out.acks:
+            p.produce(Names(a.to_instance).acks, key=a.conversation_id.encode(), value=dumps(a))
 
     def _recover(self, exc: KafkaException) -> None:
         """A failed transaction: abort it, rebuild state from Kafka, and rewind to committed offsets."""
@@ -188,7 +233,7 @@ class Dispatcher:
             self._consumer.close()
         self._rebuild()
         self._consumer = kafka.consumer(self.settings, group=self.names.dispatcher_group)
-        self._consumer.subscribe([self.names.requests])
+        self._consumer.subscribe([self.names.requests, self.names.inbound])
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -200,6 +245,52 @@ class Dispatcher:
         if self._producer is not None:
             self._producer.flush(5)
             self._producer = None
+
+
+class _QueueMetrics:
+    """Per-queue figures the dispatcher is the authority for: depth, time in queue, purges.
+
+    Label children are cached, so the hot path is a dict lookup and an observe per message.
+    """
+
+    def __init__(self) -> None:
+        self._time_in_queue: dict[tuple[str, int], Histogram] = {}
+        self._declared: set[str] = set()
+
+    def declare(self, view: CatalogView) -> None:
+        """Create every queue's depth and purge series at 0, so "none yet" reads as 0, not absent."""
+        for name in view.queues:
+            if name not in self._declared:
+                self._declared.add(name)
+                for reason in PURGE_REASONS:
+                    PURGES.labels(name, reason)
+        COMMITS.labels("applied")
+        COMMITS.labels("refused")
+
+    def export_depth(self, engine: Engine) -> None:
+        depth = engine.depth
+        for name in self._declared | depth.keys():
+            QUEUE_DEPTH.labels(name).set(depth.get(name, 0))
+
+    def observe(self, out: Outputs, now_ms: int) -> None:
+        for info in out.received:
+            key = (info.queue, info.priority)
+            child = self._time_in_queue.get(key)
+            if child is None:
+                child = self._time_in_queue[key] = TIME_IN_QUEUE.labels(
+                    info.queue, str(info.priority)
+                )
+            child.observe(max(0, now_ms - info.enqueued_ms) / 1000)
+        for info in out.purged:
+            PURGES.labels(info.queue, "conversation_closed").inc()
+        for d in out.dead_letters:
+            PURGES.labels(d.message.queue, "dead_letter").inc()
+
+
+def _sent_ms(m: Message) -> int | None:
+    """The request record's timestamp (the producer's create time): when the client sent it."""
+    kind, ts = m.timestamp()
+    return ts if kind != TIMESTAMP_NOT_AVAILABLE and ts > 0 else None
 
 
 def _is_record(m: Message) -> bool:
@@ -217,15 +308,24 @@ def _load_endpoint(engine: Engine, m: Message) -> None:
         engine.load_endpoint(decode_endpoint(value))
 
 
+def value_queue(m: Message) -> str:
+    """The queue a queue-topic record belongs to, from its topic name."""
+    return (m.topic() or "").rsplit(".queue.", 1)[-1]
+
+
 def _load_queue(engine: Engine, m: Message) -> None:
     key = (m.key() or b"").decode()
-    if key.startswith("commit/"):
-        return
     try:
         value = parse_queue_record(m.value())
     except ProtocolError:
         return
+    if key.startswith("commit/") and value is None:
+        return  # an outcome's tombstone
     if isinstance(value, CommitOutcome):
+        if value.applied and value.token:
+            # Fences survive a restart for as long as the outcome is not compacted away.
+            fence = (value_queue(m), value.group)
+            engine.fences[fence] = max(engine.fences.get(fence, 0), value.token)
         return
     msg: QueueMessage | None = value
     engine.load_queue_record(key, msg, m.partition() or 0)

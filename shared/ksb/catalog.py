@@ -203,9 +203,16 @@ class Catalog(_Model):
     priorities: tuple[BrokerPriority, ...] = ()
     event_notifications: tuple[EventNotification, ...] = ()
     honor_broker_priority: bool = True
+    sla_targets_ms: dict[int, int] = Field(default_factory=dict)
+    """Time-in-queue target per priority level (1-10), in ms: the Spark SLA job counts breaches."""
 
     @model_validator(mode="after")
     def _references_resolve(self) -> Catalog:
+        for level, target in self.sla_targets_ms.items():
+            if not 1 <= level <= 10 or target < 0:
+                raise ValueError(
+                    f"sla_targets_ms.{level}: a level 1-10 with a target >= 0 ms, got {target}"
+                )
         _unique("message_types", [m.name for m in self.message_types])
         _unique("contracts", [c.name for c in self.contracts])
         _unique("queues", [q.name for q in self.queues])

@@ -522,6 +522,33 @@ def monitors(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON"
     _print_rows("Queue monitors", shown)
 
 
+def read_transmission(settings: Settings) -> dict[str, Any]:
+    """The transmitter's view: unacknowledged messages and connections (sys.transmission_queue)."""
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        raw = r.get(Names(settings.instance).transmission_view_key)
+    finally:
+        r.close()
+    if not raw:
+        return {"messages": [], "connections": []}
+    view: dict[str, Any] = json.loads(raw)
+    return view
+
+
+@app.command("transmission")
+@_reported
+def transmission(
+    as_json: Annotated[bool, typer.Option("--json", help="the view as JSON")] = False,
+) -> None:
+    """Messages waiting for another broker instance: priority, status, last failure; connections."""
+    view = read_transmission(_settings())
+    if as_json:
+        _echo_json(view)
+        return
+    _print_rows("Transmission queue", view.get("messages", []))
+    _print_rows("Connections", view.get("connections", []))
+
+
 @app.command("tasks")
 @_reported
 def tasks(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] = False) -> None:

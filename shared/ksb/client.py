@@ -8,6 +8,7 @@ with what it received, as ONE commit record: the dispatcher applies it all or no
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -17,6 +18,7 @@ import redis
 from confluent_kafka import KafkaError, Message
 
 from ksb import kafka
+from ksb.audit import Audit, AuditEvent, KafkaAudit
 from ksb.errors import KsbError, LockLost
 from ksb.locks import Lease
 from ksb.names import Names
@@ -51,6 +53,7 @@ class KsbClient:
         self.settings = settings or load_settings()
         self.names = Names(self.settings.instance)
         self._producer = kafka.producer(self.settings, extra={"linger.ms": 2})
+        self.audit = Audit(KafkaAudit(self._producer, self.names))
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
         self._lock = threading.Lock()
@@ -254,7 +257,33 @@ class Transaction:
             fresh = fresh[:top]
         for m in fresh:
             self._received[m.message_id] = m
+        if fresh and self._client.audit.enabled:
+            targeted = conversation_group_id is not None or conversation_handle is not None
+            self._audit_receive(reader, self._lease.group, fresh, targeted)
         return fresh
+
+    def _audit_receive(
+        self, reader: QueueReader, group: str, got: list[QueueMessage], targeted: bool
+    ) -> None:
+        level, ready = reader.levels(group)
+        first = got[0]
+        event = AuditEvent(
+            kind="receive",
+            event_ms=int(time.time() * 1000),
+            instance=self._client.settings.instance,
+            queue=reader.queue,
+            service=first.service_name,
+            conversation_id=first.conversation_id,
+            conversation_handle=first.conversation_handle,
+            group=group,
+            priority=level,
+            ready_priority=ready,
+            targeted=targeted,
+            message_ids=tuple(m.message_id for m in got),
+            count=len(got),
+            reader=reader.holder,
+        )
+        self._client.audit.emit([event])
 
     def get_conversation_group(self, queue: str, *, waitfor_ms: int = 0) -> str | None:
         """Lock the highest-priority unlocked group with messages and return its id."""
@@ -358,10 +387,28 @@ class Transaction:
         if self._lease is None or self._reader is None:
             return
         if self._received:
+            if self._client.audit.enabled:
+                self._audit_rollback(self._reader, self._lease.group)
             limit_reached = self._reader.note_rollback(list(self._received))
             if limit_reached:
                 self._dead_letter(limit_reached)
         self._reader.release(self._lease, None)
+
+    def _audit_rollback(self, reader: QueueReader, group: str) -> None:
+        got = list(self._received.values())
+        event = AuditEvent(
+            kind="rollback",
+            event_ms=int(time.time() * 1000),
+            instance=self._client.settings.instance,
+            queue=reader.queue,
+            service=got[0].service_name,
+            group=group,
+            priority=max(m.priority for m in got),
+            message_ids=tuple(self._received),
+            count=len(got),
+            reader=reader.holder,
+        )
+        self._client.audit.emit([event])
 
     def _dead_letter(self, message_ids: list[str]) -> None:
         """Still holding the lock: move messages past their rollback limit aside before anyone

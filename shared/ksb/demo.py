@@ -38,7 +38,7 @@ from rich.table import Table
 from ksb import kafka
 from ksb.catalog import END_DIALOG, ERROR, Catalog, load_catalog_file
 from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
+from ksb.client import KsbClient, Transaction
 from ksb.endpoint import decode_endpoint
 from ksb.errors import KsbError
 from ksb.localstack import LocalStack, LocalStackError, start_stack
@@ -235,6 +235,18 @@ def order_service(
                 tx.end_conversation(m.conversation_handle)
         pipeline.add(tx.commit_async(), functools.partial(stats.add, "requests_replied", replied))
     pipeline.drain()
+
+
+def accept_order_lines(tx: Transaction, messages: list[QueueMessage]) -> None:
+    """The order service as an activation procedure (docker-compose's external activator runs it):
+    accept each line in the same transaction and end conversations the client has ended."""
+    for m in messages:
+        if m.message_type_name == ORDER_LINE:
+            line = json.loads(m.message_body)
+            reply = {"order_id": line["order_id"], "line": line["line"], "status": "accepted"}
+            tx.send(m.conversation_handle, LINE_ACCEPTED, json.dumps(reply))
+        elif m.message_type_name in (END_DIALOG, ERROR):
+            tx.end_conversation(m.conversation_handle)
 
 
 def order_client_replies(

@@ -21,6 +21,7 @@ from ksb.catalog import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, MessageTyp
 from ksb.endpoint import Endpoint, State
 from ksb.errors import CatalogError, ConversationError, KsbError, ProtocolError, ValidationFailed
 from ksb.protocol import (
+    AckRecord,
     AnyRequest,
     BeginRequest,
     CommitOutcome,
@@ -29,6 +30,7 @@ from ksb.protocol import (
     DeadLetterRequest,
     EndRequest,
     ErrorRecord,
+    InboundMessage,
     QueueMessage,
     Receipt,
     ReplayRequest,
@@ -36,8 +38,9 @@ from ksb.protocol import (
     TimerRequest,
     encode_body,
 )
+from ksb.sequencing import ReceiveWindow
 
-__all__ = ["Engine", "Inflight", "Outputs", "QueueWrite", "partition_for"]
+__all__ = ["Engine", "Inflight", "Outputs", "QueueWrite", "partition_for", "target_handle"]
 
 _TARGET_NS = uuid.UUID("6b7a1c2e-5f44-4f0e-9a51-0c1b7d1e3a10")
 _VALIDATION_CODE = {"NONE": "N", "EMPTY": "E", "WELL_FORMED_JSON": "J", "SCHEMA": "S"}
@@ -73,6 +76,13 @@ class Inflight:
     message_type: str
     retained: QueueMessage | None = None
     """The message itself, kept only for RETENTION queues, which rewrite it as received."""
+    priority: int = 5
+    enqueued_ms: int = 0
+    """Level and enqueue time, for the time-in-queue figures the dispatcher exports at receipt."""
+    message_id: str = ""
+    service: str = ""
+    sent_ms: int | None = None
+    """For the audit events (ksb.audit): which message, which service, and when it was sent."""
 
 
 @dataclass
@@ -81,12 +91,24 @@ class Outputs:
     endpoints: list[Endpoint] = field(default_factory=list)
     errors: list[ErrorRecord] = field(default_factory=list)
     dead_letters: list[DeadLetterRecord] = field(default_factory=list)
+    received: list[Inflight] = field(default_factory=list)
+    """Messages a commit received (for metrics; nothing is written for them beyond `queue`)."""
+    purged: list[Inflight] = field(default_factory=list)
+    """Unreceived messages that left their queue because their conversation closed."""
+    transmissions: list[InboundMessage] = field(default_factory=list)
+    """Messages for another broker instance: written to this instance's transmission topic."""
+    acks: list[AckRecord] = field(default_factory=list)
+    """Acknowledgements of inbound messages: written to ``ksb.<to_instance>.acks``."""
 
     def extend(self, other: Outputs) -> None:
         self.queue.extend(other.queue)
         self.endpoints.extend(other.endpoints)
         self.errors.extend(other.errors)
         self.dead_letters.extend(other.dead_letters)
+        self.received.extend(other.received)
+        self.purged.extend(other.purged)
+        self.transmissions.extend(other.transmissions)
+        self.acks.extend(other.acks)
 
 
 class _Stage:
@@ -99,6 +121,7 @@ class _Stage:
         self.gone_inflight: set[str] = set()
         self.new_retained: dict[str, Inflight] = {}
         self.out = Outputs()
+        self.sent_ms: int | None = None
 
     def endpoint(self, handle: str) -> Endpoint:
         if handle in self.endpoints:
@@ -133,23 +156,39 @@ class Engine:
         self.max_body_bytes = max_body_bytes
         self.endpoints: dict[str, Endpoint] = {}
         self.inflight: dict[str, Inflight] = {}
+        self.depth: dict[str, int] = {}
+        """Unreceived messages per queue: `inflight` counted by queue, kept in step with it."""
         self.fences: dict[tuple[str, str], int] = {}
         self.retained: dict[str, Inflight] = {}
         self._by_handle: dict[str, set[str]] = {}
         self._timers: list[tuple[int, str, str]] = []
         self._order = 0
+        # Remote dialogs: one receive window per local endpoint whose far side is on another
+        # instance. Only `Endpoint.recv_seq` is durable; a window is rebuilt from it on demand.
+        self._windows: dict[str, ReceiveWindow[InboundMessage]] = {}
+        self._window_clock = _StepClock()
+        # Remote endpoints that were CLOSED: a late retransmission must not begin them again.
+        self._closed_remote: set[str] = set()
+        self._last_purge_ms = 0
+        # The dispatcher's periodic task (the seed's every-tick rule): early arrivals not picked up
+        # within 10 s are dropped on the next 5 s tick.
+        self.inbound_stale_ms = 10_000
+        self.purge_every_ms = 5_000
 
     # ------------------------------------------------------------------ rebuild from Kafka
     def load_endpoint(self, ep: Endpoint) -> None:
         if ep.state is State.CLOSED:
             self.endpoints.pop(ep.handle, None)
+            self._windows.pop(ep.handle, None)
+            if ep.far_instance is not None:
+                self._closed_remote.add(ep.handle)
             return
         self.endpoints[ep.handle] = ep
         self._arm(ep)
 
     def load_queue_record(self, key: str, value: QueueMessage | None, partition: int) -> None:
         if value is None:
-            old = self.inflight.pop(key, None) or self.retained.pop(key, None)
+            old = self._pop_inflight(key) or self.retained.pop(key, None)
             if old is not None:
                 self._unindex(key, old)
             return
@@ -160,18 +199,26 @@ class Engine:
             value.conversation_handle,
             value.message_type_name,
             value if self._retains(value.queue) else None,
+            priority=value.priority,
+            enqueued_ms=value.enqueued_ms,
+            message_id=key,
+            service=value.service_name,
+            sent_ms=value.sent_ms,
         )
         self._by_handle.setdefault(info.handle, set()).add(key)
         if value.status != 1:
-            self.inflight.pop(key, None)
+            self._pop_inflight(key)
             self.retained[key] = info
             return
-        self.inflight[key] = info
+        self._add_inflight(key, info)
         self._order = max(self._order, value.queuing_order + 1)
 
     # ------------------------------------------------------------------ requests
-    def handle(self, request: AnyRequest, now_ms: int) -> Outputs:
+    def handle(self, request: AnyRequest, now_ms: int, *, sent_ms: int | None = None) -> Outputs:
+        """Apply one request. ``sent_ms``, the request record's timestamp, is stamped on the
+        messages it enqueues so that end-to-end latency can be measured when they are received."""
         stage = _Stage(self)
+        stage.sent_ms = sent_ms
         try:
             if isinstance(request, CommitRequest):
                 self._commit(stage, request, now_ms)
@@ -179,6 +226,8 @@ class Engine:
                 self._dead_letter(stage, request, now_ms)
             elif isinstance(request, ReplayRequest):
                 self._replay(stage, request)
+            elif isinstance(request, InboundMessage):
+                self._inbound(stage, request, now_ms)
             else:
                 self._action(stage, request, now_ms)
         except KsbError as exc:
@@ -212,20 +261,24 @@ class Engine:
                     ),
                 )
             )
+            out.queue.append(_forget_outcome(out.queue[-1]))
         return out
 
     def _merge(self, stage: _Stage) -> None:
         for mid in stage.gone_inflight:
-            info = self.inflight.pop(mid, None) or self.retained.pop(mid, None)
+            info = self._pop_inflight(mid) or self.retained.pop(mid, None)
             if info is not None and mid not in stage.new_retained:
                 self._unindex(mid, info)
         for mid, info in stage.new_inflight.items():
-            self.inflight[mid] = info
+            self._add_inflight(mid, info)
             self._by_handle.setdefault(info.handle, set()).add(mid)
         self.retained.update(stage.new_retained)
         for ep in stage.endpoints.values():
             if ep.state is State.CLOSED:
                 self.endpoints.pop(ep.handle, None)
+                self._windows.pop(ep.handle, None)
+                if ep.far_instance is not None:
+                    self._closed_remote.add(ep.handle)
             else:
                 self.endpoints[ep.handle] = ep
                 self._arm(ep)
@@ -257,10 +310,8 @@ class Engine:
         contract = cat.contract(req.contract)
         target = cat.services.get(req.to_service)
         if target is None:
-            raise CatalogError(
-                f"unknown target service {req.to_service!r} (no local service, no route)",
-                code="unknown_service",
-            )
+            self._begin_remote(stage, req, now)
+            return
         if contract.name not in target.contracts:
             raise CatalogError(
                 f"service {target.name!r} does not accept contract {contract.name!r}",
@@ -288,6 +339,56 @@ class Engine:
                 created_ms=now,
                 updated_ms=now,
                 lifetime_deadline_ms=lifetime,
+            )
+        )
+
+    def _begin_remote(self, stage: _Stage, req: BeginRequest, now: int) -> None:
+        """A target on another instance: the route names it; the far endpoint is not ours to make.
+
+        The target's acceptance of the contract is checked by the target's dispatcher when the
+        first message arrives (it answers with an Error message if it refuses).
+        """
+        cat = self.catalog
+        route = cat.routes.get(req.to_service)
+        if route is None:
+            raise CatalogError(
+                f"unknown target service {req.to_service!r} (no local service, no route)",
+                code="unknown_service",
+            )
+        if req.to_broker_instance is not None and req.to_broker_instance != route.broker_instance:
+            raise CatalogError(
+                f"no route to service {req.to_service!r} on broker instance "
+                f"{req.to_broker_instance!r} (the route names {route.broker_instance!r})",
+                code="unknown_service",
+            )
+        if route.broker_instance == self.instance:
+            raise CatalogError(
+                f"route {route.name!r} points service {req.to_service!r} at this instance, "
+                "which does not host it",
+                code="unknown_service",
+            )
+        local = cat.service(req.from_service)
+        contract = cat.contract(req.contract)
+        group = req.conversation_group_id or str(uuid.uuid4())
+        if req.related_conversation is not None:
+            group = stage.endpoint(req.related_conversation).group
+        stage.put(
+            Endpoint(
+                handle=req.handle,
+                conversation_id=req.handle,
+                is_initiator=True,
+                state=State.STARTED_OUTBOUND,
+                local_service=local.name,
+                remote_service=req.to_service,
+                contract=contract.name,
+                queue=local.queue,
+                group=group,
+                priority=cat.priorities.level(contract.name, local.name, req.to_service),
+                far_handle=target_handle(req.handle),
+                created_ms=now,
+                updated_ms=now,
+                lifetime_deadline_ms=now + req.lifetime_s * 1000 if req.lifetime_s else None,
+                far_instance=route.broker_instance,
             )
         )
 
@@ -364,6 +465,9 @@ class Engine:
     def _deliver(
         self, stage: _Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
     ) -> None:
+        if sender.far_instance is not None:
+            self._deliver_remote(stage, sender, mtype, body, now)
+            return
         receiver = (
             self._ensure_target(stage, sender, now)
             if sender.is_initiator
@@ -387,6 +491,155 @@ class Engine:
             now,
         )
         sender.send_seq += 1
+
+    def _deliver_remote(
+        self, stage: _Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
+    ) -> None:
+        """Validate here (the target would refuse the same body), then hand to the transmitter."""
+        sender.state = ep_rules.after_send(sender)
+        sender.updated_ms = now
+        try:
+            mtype.validate_body(body)
+        except ValidationFailed as exc:
+            # As a remote target would: the dialog fails on both sides. Our side gets the Error
+            # message now; the far side is told with an Error in the conversation's order.
+            self._enqueue(
+                stage, sender, ERROR, "X", _error_body(VALIDATION_ERROR, exc.reason), -1, now
+            )
+            self._transmit(stage, sender, ERROR, _error_body(VALIDATION_ERROR, exc.reason), now)
+            sender.state = ep_rules.after_peer_error(sender)
+            sender.error_code, sender.error_description = VALIDATION_ERROR, exc.reason
+            return
+        self._transmit(stage, sender, mtype.name, body, now)
+
+    def _transmit(
+        self, stage: _Stage, sender: Endpoint, message_type: str, body: bytes, now: int
+    ) -> None:
+        """One transmission record, numbered in the sender's direction of the conversation."""
+        assert sender.far_instance is not None
+        stage.out.transmissions.append(
+            InboundMessage(
+                kind="inbound",
+                message_id=str(uuid.uuid4()),
+                conversation_id=sender.conversation_id,
+                from_instance=self.instance,
+                to_instance=sender.far_instance,
+                from_service=sender.local_service,
+                to_service=sender.remote_service,
+                contract=sender.contract,
+                message_type=message_type,
+                from_initiator=sender.is_initiator,
+                seq=sender.send_seq,
+                priority=sender.priority,
+                enqueued_ms=now,
+                **encode_body(body),
+            )
+        )
+        sender.send_seq += 1
+        sender.updated_ms = now
+
+    # ------------------------------------------------------------------ inbound (remote senders)
+    def _inbound(self, stage: _Stage, msg: InboundMessage, now: int) -> None:
+        """A message from another instance: dedupe and order per direction, enqueue, acknowledge.
+
+        Nothing here raises after the window has moved, so the window and the stage stay in step;
+        a failed Kafka transaction rebuilds the whole engine (and so every window) anyway.
+        """
+        if msg.to_instance != self.instance:
+            raise ConversationError(
+                f"inbound message {msg.message_id} is for broker instance {msg.to_instance!r}, "
+                f"not {self.instance!r} (forwarding is not built)",
+                code="wrong_instance",
+            )
+        handle = target_handle(msg.conversation_id) if msg.from_initiator else msg.conversation_id
+        receiver = self._inbound_endpoint(stage, msg, handle, now)
+        if receiver is None:
+            # The conversation is over here (or never existed): acknowledge so the sender stops.
+            stage.out.acks.append(_ack(msg, msg.seq, self.instance))
+            return
+        window = self._windows.get(handle)
+        if window is None:
+            window = ReceiveWindow(self._window_clock, next_seq=receiver.recv_seq)
+            self._windows[handle] = window
+        self._window_clock.now = now
+        for item in window.offer(msg.seq, msg):
+            self._accept(stage, receiver, item, now)
+        receiver.recv_seq = window.next_seq
+        receiver.updated_ms = now
+        stage.out.acks.append(_ack(msg, window.ack_seq, self.instance))
+
+    def _inbound_endpoint(
+        self, stage: _Stage, msg: InboundMessage, handle: str, now: int
+    ) -> Endpoint | None:
+        if handle in self._closed_remote and handle not in stage.endpoints:
+            return None
+        existing = stage.maybe_endpoint(handle)
+        if existing is not None or not msg.from_initiator:
+            return existing
+        # The first message from a remote initiator creates the target endpoint, as locally; the
+        # level comes from OUR catalog (levels never travel).
+        cat = self.catalog
+        service = cat.services.get(msg.to_service)
+        ep = Endpoint(
+            handle=handle,
+            conversation_id=msg.conversation_id,
+            is_initiator=False,
+            state=State.STARTED_INBOUND,
+            local_service=msg.to_service,
+            remote_service=msg.from_service,
+            contract=msg.contract,
+            queue=service.queue if service is not None else "",
+            group=str(uuid.uuid4()),
+            priority=cat.priorities.level(msg.contract, msg.to_service, msg.from_service),
+            far_handle=msg.conversation_id,
+            created_ms=now,
+            updated_ms=now,
+            far_instance=msg.from_instance,
+        )
+        stage.put(ep)
+        reason = None
+        if service is None:
+            reason = (
+                f"service {msg.to_service!r} is not hosted on broker instance {self.instance!r}"
+            )
+        elif msg.contract not in service.contracts:
+            reason = f"service {msg.to_service!r} does not accept contract {msg.contract!r}"
+        if reason is not None:
+            # Refuse the dialog: the initiator gets an Error; this side closes at once.
+            stage.out.errors.append(
+                ErrorRecord(
+                    request_id=msg.request_id, code="dialog_refused", reason=reason, handle=handle
+                )
+            )
+            self._transmit(stage, ep, ERROR, _error_body(CONTRACT_REFUSED, reason), now)
+            ep.recv_seq = msg.seq + 1 if msg.seq == 0 else 0
+            ep.state = State.CLOSED
+            return None
+        return ep
+
+    def _accept(self, stage: _Stage, receiver: Endpoint, msg: InboundMessage, now: int) -> None:
+        """One in-order inbound message: into the queue, and the state change it implies."""
+        if msg.message_type == END_DIALOG:
+            if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR):
+                # We ended first (or failed): the far side's EndDialog closes us; nobody reads it.
+                receiver.state = State.CLOSED
+                self._drop_queued(stage, receiver)
+                return
+            self._enqueue(stage, receiver, END_DIALOG, "E", b"", msg.seq, now)
+            receiver.state = ep_rules.after_peer_ended(receiver)
+            return
+        if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR, State.CLOSED):
+            return  # Service Broker drops messages for a conversation this side has given up
+        if msg.message_type == ERROR:
+            body = msg.body_bytes()
+            self._enqueue(stage, receiver, ERROR, "X", body, msg.seq, now)
+            receiver.state = ep_rules.after_peer_error(receiver)
+            code, desc = _parse_error(body)
+            receiver.error_code, receiver.error_description = code, desc
+            return
+        mtype = self.catalog.message_types.get(msg.message_type)
+        validation = _VALIDATION_CODE[mtype.validation.value] if mtype is not None else "N"
+        self._enqueue(stage, receiver, msg.message_type, validation, msg.body_bytes(), msg.seq, now)
 
     def _enqueue(
         self,
@@ -415,6 +668,7 @@ class Engine:
             message_type_name=message_type,
             validation=validation,
             enqueued_ms=now,
+            sent_ms=stage.sent_ms,
             **encode_body(body),
         )
         stage.out.queue.append(QueueWrite(queue.name, part, message_id, msg))
@@ -425,6 +679,11 @@ class Engine:
             receiver.handle,
             message_type,
             msg if queue.retention == "ON" else None,
+            priority=receiver.priority,
+            enqueued_ms=now,
+            message_id=message_id,
+            service=receiver.local_service,
+            sent_ms=stage.sent_ms,
         )
         receiver.outstanding += 1
         receiver.updated_ms = now
@@ -451,6 +710,9 @@ class Engine:
         if req.cleanup:
             ep.state = State.CLOSED
             self._drop_queued(stage, ep)
+            return
+        if ep.far_instance is not None:
+            self._end_remote(stage, ep, req, now)
             return
         peer = self._peer(stage, ep, now)
         new_state = ep_rules.after_end(ep)
@@ -480,6 +742,39 @@ class Engine:
         if ep.state is State.CLOSED:
             self._drop_queued(stage, ep)
 
+    def _add_inflight(self, mid: str, info: Inflight) -> None:
+        old = self.inflight.get(mid)
+        if old is not None:
+            self.depth[old.queue] -= 1
+        self.inflight[mid] = info
+        self.depth[info.queue] = self.depth.get(info.queue, 0) + 1
+
+    def _pop_inflight(self, mid: str) -> Inflight | None:
+        info = self.inflight.pop(mid, None)
+        if info is not None:
+            self.depth[info.queue] -= 1
+        return info
+
+    def _end_remote(self, stage: _Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
+        """END toward another instance: the EndDialog (or Error) travels like any message.
+
+        Unlike a local dialog, the far side cannot see our receipt of its EndDialog, so a side that
+        ends second (DISCONNECTED_INBOUND) also sends an EndDialog: that is what closes the first.
+        """
+        new_state = ep_rules.after_end(ep)
+        if ep.state is State.STARTED_OUTBOUND and ep.send_seq == 0:
+            new_state = State.CLOSED  # nothing was ever sent: there is no far side to tell
+        elif ep.state is not State.ERROR:
+            if req.error_code is not None:
+                body = _error_body(req.error_code, req.error_description or "")
+                self._transmit(stage, ep, ERROR, body, now)
+                new_state = State.CLOSED  # nothing more can come that this side would accept
+            else:
+                self._transmit(stage, ep, END_DIALOG, b"", now)
+        ep.state = new_state
+        if ep.state is State.CLOSED:
+            self._drop_queued(stage, ep)
+
     def _unindex(self, mid: str, info: Inflight) -> None:
         mids = self._by_handle.get(info.handle)
         if mids is not None:
@@ -505,6 +800,8 @@ class Engine:
             received_now = mid in stage.new_retained
             if mid in stage.gone_inflight and not received_now:
                 continue
+            if not received_now and (mid in self.inflight or mid in stage.new_inflight):
+                stage.out.purged.append(info)
             stage.gone_inflight.add(mid)
             stage.new_inflight.pop(mid, None)
             stage.new_retained.pop(mid, None)
@@ -541,6 +838,7 @@ class Engine:
                     ),
                 )
             )
+            stage.out.queue.append(_forget_outcome(stage.out.queue[-1]))
             if r.token:
                 self.fences[(r.queue, r.group)] = r.token
 
@@ -565,6 +863,7 @@ class Engine:
                     code="wrong_group",
                 )
             stage.gone_inflight.add(mid)
+            stage.out.received.append(info)
             if info.retained is not None:
                 # RETENTION ON: the message stays, marked received, until its conversation ends.
                 kept = info.retained.model_copy(update={"status": 0})
@@ -629,6 +928,11 @@ class Engine:
             m.conversation_handle,
             m.message_type_name,
             again if queue.retention == "ON" else None,
+            priority=m.priority,
+            enqueued_ms=m.enqueued_ms,
+            message_id=m.message_id,
+            service=m.service_name,
+            sent_ms=m.sent_ms,
         )
 
     # ------------------------------------------------------------------ timers
@@ -641,8 +945,19 @@ class Engine:
     def next_deadline_ms(self) -> int | None:
         return self._timers[0][0] if self._timers else None
 
+    def purge_windows(self, now_ms: int, max_age_ms: int) -> int:
+        """Drop early arrivals held longer than `max_age_ms` (the dispatcher's per-tick task).
+
+        Safe because they were never acknowledged: the sender retransmits them once the gap
+        before them is filled. Returns how many were dropped.
+        """
+        return sum(len(w.drop_older_than(now_ms, max_age_ms)) for w in self._windows.values())
+
     def tick(self, now_ms: int) -> Outputs:
         """Fire every due conversation timer and lifetime; stale heap entries are skipped."""
+        if self._windows and now_ms - self._last_purge_ms >= self.purge_every_ms:
+            self._last_purge_ms = now_ms
+            self.purge_windows(now_ms, self.inbound_stale_ms)
         out = Outputs()
         while self._timers and self._timers[0][0] <= now_ms:
             deadline, handle, kind = heapq.heappop(self._timers)
@@ -696,8 +1011,16 @@ class Engine:
 
     def leaked(self, now_ms: int, idle_ms: int) -> Iterable[Endpoint]:
         for ep in self.endpoints.values():
-            if ep.state in (State.DISCONNECTED_INBOUND, State.DISCONNECTED_OUTBOUND) or now_ms - ep.updated_ms > idle_ms:
+            if (
+                ep.state in (State.DISCONNECTED_INBOUND, State.DISCONNECTED_OUTBOUND)
+                or now_ms - ep.updated_ms > idle_ms
+            ):
                 yield ep
+
+
+def _forget_outcome(outcome: QueueWrite) -> QueueWrite:
+    """An outcome is read once, right after it is written; its tombstone lets compaction drop it."""
+    return QueueWrite(outcome.queue, outcome.partition, outcome.key, None)
 
 
 def target_handle(conversation_id: str) -> str:
@@ -711,9 +1034,44 @@ def _error_body(code: int, description: str) -> bytes:
     return json.dumps({"code": code, "description": description}).encode()
 
 
+class _StepClock:
+    """The engine's notion of now for receive windows: set from each request's `now_ms`."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def now_ms(self) -> int:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:  # pragma: no cover - part of the Clock protocol
+        raise NotImplementedError("the engine never sleeps")
+
+
+def _ack(msg: InboundMessage, ack_seq: int, instance: str) -> AckRecord:
+    return AckRecord(
+        conversation_id=msg.conversation_id,
+        from_initiator=msg.from_initiator,
+        ack_seq=ack_seq,
+        from_instance=instance,
+        to_instance=msg.from_instance,
+    )
+
+
+def _parse_error(body: bytes) -> tuple[int | None, str | None]:
+    import json
+
+    try:
+        d = json.loads(body)
+        return int(d["code"]), str(d.get("description", ""))
+    except (ValueError, KeyError, TypeError):
+        return None, body.decode(errors="replace")
+
+
 def _request_handle(request: AnyRequest) -> str | None:
     if isinstance(request, DeadLetterRequest | ReplayRequest):
         return request.message.conversation_handle
+    if isinstance(request, InboundMessage):
+        return None
     if isinstance(request, SendRequest):
         return request.handles[0]
     if isinstance(request, CommitRequest):

@@ -99,6 +99,7 @@ def core_topics(names: Names, settings: Settings) -> list[TopicSpec]:
         TopicSpec(names.audit, 1),
         TopicSpec(names.transmission, 1),
         TopicSpec(names.inbound, 1),
+        TopicSpec(names.acks, 1),
         TopicSpec(names.activation, 1),
     ]
 

@@ -315,7 +315,15 @@ def _java_cmd(libs: Path, k: _KafkaLayout, main: str, *args: str) -> list[str]:
 def _format_kafka_storage(libs: Path, k: _KafkaLayout) -> None:
     cluster_id = _kafka_cluster_id()
     cmd = _java_cmd(
-        libs, k, "kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(k.properties)
+        # `--cluster-id=ID`, not `-t ID`: a random id starting with "-" (1 in 64) would be read as
+        # an option and the format would fail.
+        libs,
+        k,
+        "kafka.tools.StorageTool",
+        "format",
+        f"--cluster-id={cluster_id}",
+        "-c",
+        str(k.properties),
     )
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     if result.returncode != 0:

@@ -38,12 +38,22 @@ class Names:
         return f"{self.prefix}.audit"
 
     @property
+    def sla(self) -> str:
+        """The Spark audit job's output: SLA windows, inversion counts, activation reactions."""
+        return f"{self.prefix}.sla"
+
+    @property
     def transmission(self) -> str:
         return f"{self.prefix}.transmission"
 
     @property
     def inbound(self) -> str:
         return f"{self.prefix}.inbound"
+
+    @property
+    def acks(self) -> str:
+        """Acknowledgements of what this instance transmitted, written by the receiving dispatchers."""
+        return f"{self.prefix}.acks"
 
     @property
     def activation(self) -> str:
@@ -54,6 +64,11 @@ class Names:
 
     def dead_letters(self, queue_name: str) -> str:
         return f"{self.prefix}.dlq.{queue_name}"
+
+    @property
+    def external_activator_app(self) -> str:
+        """Faust app id (and consumer group) of the external activator that reads `activation`."""
+        return f"{self.prefix}.external_activator"
 
     @property
     def dispatcher_group(self) -> str:
@@ -109,4 +124,10 @@ class Names:
 
     @property
     def suppress_key(self) -> str:
+        """Zset destination instance -> suppression deadline (ms): no connection attempt before it."""
         return f"ksb:{self.instance}:suppress"
+
+    @property
+    def transmission_view_key(self) -> str:
+        """JSON view of the transmission queue and connections (like sys.transmission_queue)."""
+        return f"ksb:{self.instance}:transmission"

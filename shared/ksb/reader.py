@@ -76,23 +76,29 @@ class QueueReader:
 
     # ----------------------------------------------------------------- following the topic
     def _follow(self) -> None:
+        """The follower thread: a failure in one round is logged and retried, never fatal, since
+        every pending commit waits on this thread."""
         while not self._stop.is_set():
-            self._renew()
             try:
-                msgs = kafka.consume_batch(self._consumer, 1000, 0.05)
-            except Exception:  # the consumer was closed under us during shutdown
+                self._follow_once()
+            except Exception:
                 if self._stop.is_set():
-                    return
-                raise
-            if not msgs:
-                continue
-            outcomes: list[tuple[CommitOutcome, int, int]] = []
-            with self._cond:
-                for m in msgs:
-                    self._apply(m, outcomes)
-                self._cond.notify_all()
-            for outcome, partition, offset in outcomes:
-                self._resolve(outcome, partition, offset)
+                    return  # the consumer was closed under us during shutdown
+                log.exception("reader of %s: follower round failed; retrying", self.queue)
+                time.sleep(0.1)
+
+    def _follow_once(self) -> None:
+        self._renew()
+        msgs = kafka.consume_batch(self._consumer, 1000, 0.05)
+        if not msgs:
+            return
+        outcomes: list[tuple[CommitOutcome, int, int]] = []
+        with self._cond:
+            for m in msgs:
+                self._apply(m, outcomes)
+            self._cond.notify_all()
+        for outcome, partition, offset in outcomes:
+            self._resolve(outcome, partition, offset)
 
     def _apply(self, m: Message, outcomes: list[tuple[CommitOutcome, int, int]]) -> None:
         err = m.error()
@@ -271,6 +277,13 @@ class QueueReader:
                     return
                 self._cond.wait(remaining)
 
+    def levels(self, group: str) -> tuple[int, int | None]:
+        """The group's level, and the highest level among the other ready groups this process does
+        not hold: what this reader saw when it RECEIVEd, for the audit's receive events."""
+        with self._cond:
+            top = next(iter(self.index.candidates(self.held)), None)
+            return self.index.level_of(group), None if top is None else self.index.level_of(top)
+
     def messages(
         self, lease: Lease, top: int | None, handle: str | None = None
     ) -> list[QueueMessage]:
@@ -278,9 +291,13 @@ class QueueReader:
             return self.index.take(lease.group, top, handle)
 
     def release(self, lease: Lease, after: tuple[int, int] | None) -> None:
-        """Give a group back without a commit (rollback): nothing to wait for."""
-        mark = after if after is not None else (partition_for(lease.group, self.partitions), -1)
-        self.locks.release(lease, mark)
+        """Give a group back without a commit (rollback).
+
+        Nothing new was committed, so the next holder must still read as far as the last commit
+        did: pass on the position this lease was given (unknown stays unknown, which makes the next
+        holder catch up with the partition's end).
+        """
+        self.locks.release(lease, after if after is not None else lease.after)
         with self._cond:
             self.held.discard(lease.group)
             self._leases.pop(lease.group, None)

@@ -40,9 +40,12 @@ class ServiceProcess:
     log_path: Path
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    _log_start: int = 0
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Readiness is looked for only in what this run writes, so a reused log cannot fool it.
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}"],
@@ -58,14 +61,14 @@ class ServiceProcess:
     def wait_ready(self, marker: str = "ready", timeout_s: float = 60) -> None:
         """Wait for the service to log ``marker`` (each service logs it when it takes work)."""
         deadline = time.monotonic() + timeout_s
-        start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        start = self._log_start
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}"
                 )
             text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-            if marker in text[start:] or marker in text:
+            if marker in text[start:]:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} not ready in {timeout_s}s:\n{self.tail()}")

@@ -62,7 +62,7 @@ def run_service(
 def _loop(
     name: str, settings: Settings, ticker: Ticker, clock: Clock, stop: threading.Event
 ) -> None:
-    port = serve_metrics(settings.metrics_port)
+    port = serve_metrics(settings.metrics_port, host=settings.metrics_host)
     HEALTHY.labels(name).set(1)
     log.info(
         "%s ready (instance %s, tick %d ms, metrics port %s)",

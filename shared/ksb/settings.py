@@ -38,11 +38,20 @@ class Settings(BaseSettings):
     session_timeout_ms: int = Field(6_000, ge=500)
     leak_idle_s: int = Field(3600, ge=1)
     metrics_port: int = Field(0, ge=0)
+    metrics_host: str = "127.0.0.1"
     tick_ms: int = Field(5_000, ge=1)
     activated_idle_ms: int = Field(2_000, ge=0)
     activation_check_ms: int = Field(100, ge=10)
     activation_empty_grace_ms: int = Field(5_000, ge=0)
     poison_rollbacks: int = Field(5, ge=1)
+    # The external activator (python -m services.external_activator): its per-queue YAML file.
+    external_activator_config: str = ""
+    # The Spark audit job (python -m ksb.spark): where it checkpoints and writes, and its windows.
+    spark_checkpoint_dir: str = "var/spark/checkpoints"
+    spark_output_dir: str = "var/spark"
+    spark_window_s: int = Field(10, ge=1)
+    spark_watermark_s: int = Field(30, ge=0)
+    spark_trigger_s: int = Field(5, ge=1)
 
 
 def load_settings(**overrides: object) -> Settings:
