@@ -7,9 +7,11 @@ independent by using `unique` names for topics, groups and transactional ids.
 
 from __future__ import annotations
 
+import os
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,17 +21,43 @@ try:
 except ModuleNotFoundError:  # a plain checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))
 
-from ksb.localstack import LocalStack, start_stack
+from ksb.localstack import start_stack
+
+
+@dataclass(frozen=True)
+class Stack:
+    """What the integration tests need of a stack: where Kafka and Redis answer."""
+
+    kafka_bootstrap: str
+    redis_url: str
 
 
 @pytest.fixture(scope="session")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    """One Kafka + Redis for the whole session, stopped at the end even after failures."""
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One Kafka + Redis for the whole session, stopped at the end even after failures.
+
+    Local processes by default (this machine has no Docker engine); ``KSB_TEST_STACK=containers``
+    runs the same Kafka (KRaft) and Redis as testcontainers on a machine that has one.
+    """
+    if os.environ.get("KSB_TEST_STACK") == "containers":
+        yield from _container_stack()
+        return
     running = start_stack(tmp_path_factory.mktemp("stack"))
     try:
-        yield running
+        yield Stack(running.kafka_bootstrap, running.redis_url)
     finally:
         running.stop()
+
+
+def _container_stack() -> Iterator[Stack]:
+    from testcontainers.community.kafka import KafkaContainer
+    from testcontainers.community.redis import RedisContainer
+
+    kafka_image = KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft()
+    with kafka_image as kafka_c, RedisContainer("redis:7") as redis_c:
+        host = redis_c.get_container_host_ip()
+        port = redis_c.get_exposed_port(6379)
+        yield Stack(kafka_c.get_bootstrap_server(), f"redis://{host}:{port}/0")
 
 
 @pytest.fixture(autouse=True)

@@ -12,10 +12,10 @@ import pytest
 from ksb.catalog import Catalog, parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
-from ksb.localstack import LocalStack
 from ksb.runner import ServiceProcess
 from ksb.settings import Settings
 from services.dispatcher import Dispatcher
+from tests.conftest import Stack
 
 # A small catalog most tests share: a request/reply contract between two services.
 BASIC_CATALOG: dict[str, Any] = {
@@ -56,7 +56,7 @@ BASIC_CATALOG: dict[str, Any] = {
 
 
 @pytest.fixture
-def settings(stack: LocalStack, unique: str) -> Settings:
+def settings(stack: Stack, unique: str) -> Settings:
     return Settings(
         instance=f"t{unique}",
         kafka_bootstrap=stack.kafka_bootstrap,

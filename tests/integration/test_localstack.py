@@ -14,19 +14,19 @@ from confluent_kafka import Consumer, KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from ksb.localstack import LocalStack
+from tests.conftest import Stack
 
 pytestmark = pytest.mark.integration
 
 
-def _create_topic(stack: LocalStack, name: str, partitions: int) -> None:
+def _create_topic(stack: Stack, name: str, partitions: int) -> None:
     admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
     futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
     futures[name].result(timeout=30)
 
 
 def _consume_all(
-    stack: LocalStack, topic: str, group: str, *, isolation: str, expect: int, wait_s: float = 10.0
+    stack: Stack, topic: str, group: str, *, isolation: str, expect: int, wait_s: float = 10.0
 ) -> list[Message]:
     """Read from the start until `expect` records arrived, then a short settle to catch extras."""
     consumer = Consumer(
@@ -62,7 +62,7 @@ def _consume_all(
     return got
 
 
-def test_topic_with_three_partitions_round_trips_a_record(stack: LocalStack, unique: str) -> None:
+def test_topic_with_three_partitions_round_trips_a_record(stack: Stack, unique: str) -> None:
     topic = f"t-{unique}"
     _create_topic(stack, topic, 3)
 
@@ -78,7 +78,7 @@ def test_topic_with_three_partitions_round_trips_a_record(stack: LocalStack, uni
     assert [(m.partition(), m.key(), m.value()) for m in got] == [(2, b"k", b"hello")]
 
 
-def test_read_committed_sees_committed_and_not_aborted(stack: LocalStack, unique: str) -> None:
+def test_read_committed_sees_committed_and_not_aborted(stack: Stack, unique: str) -> None:
     topic = f"tx-{unique}"
     _create_topic(stack, topic, 3)
     producer = Producer(
@@ -103,7 +103,7 @@ def test_read_committed_sees_committed_and_not_aborted(stack: LocalStack, unique
     assert sorted(m.value() or b"" for m in raw) == [b"aborted", b"committed"]
 
 
-def test_redis_ping_set_get(stack: LocalStack, unique: str) -> None:
+def test_redis_ping_set_get(stack: Stack, unique: str) -> None:
     client = redis.Redis.from_url(stack.redis_url)
     try:
         assert client.ping() is True

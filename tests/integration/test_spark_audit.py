@@ -24,10 +24,10 @@ from ksb import kafka
 from ksb.audit import AuditEvent
 from ksb.catalog import Catalog
 from ksb.client import KsbClient
-from ksb.localstack import LocalStack
 from ksb.names import Names
 from ksb.report import load_outputs
 from ksb.settings import Settings
+from tests.conftest import Stack
 
 from .conftest import ThreadDispatcher
 
@@ -224,7 +224,7 @@ def test_dispatcher_events_produce_sla_rows(
     catalog: Catalog,
     dispatcher: ThreadDispatcher,
     client: KsbClient,
-    stack: LocalStack,
+    stack: Stack,
     tmp_path: Path,
 ) -> None:
     n = 5

@@ -14,12 +14,12 @@ import redis
 from ksb.catalog import Catalog, parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
-from ksb.localstack import LocalStack
 from ksb.names import Names
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
 from ksb.ticker import Intervals
 from services.transmitter import Transmitter, TransmitterOptions
+from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import (
     check_exactly_once_in_order,
@@ -94,7 +94,7 @@ class Instance:
 
 
 @pytest.fixture
-def pair(stack: LocalStack, unique: str) -> Iterator[tuple[Instance, Instance]]:
+def pair(stack: Stack, unique: str) -> Iterator[tuple[Instance, Instance]]:
     def settings(name: str) -> Settings:
         return Settings(
             instance=f"t{unique}{name}",
