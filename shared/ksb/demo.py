@@ -88,6 +88,7 @@ class DemoOptions:
     workdir: Path
     catalog: Path
     timeout_s: float
+    spark: bool = True
 
 
 def parse_args(argv: list[str] | None) -> DemoOptions:
@@ -113,6 +114,12 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
     parser.add_argument(
         "--timeout", type=float, default=180.0, help="seconds the dialogs may take (default 180)"
     )
+    parser.add_argument(
+        "--no-spark",
+        dest="spark",
+        action="store_false",
+        help="do not run the Spark audit/SLA job (local mode) beside the services",
+    )
     a = parser.parse_args(argv)
     for name in ("dialogs", "messages_per_dialog", "window"):
         if getattr(a, name) < 1:
@@ -123,6 +130,7 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
         window=a.window,
         keep_running=a.keep_running,
         workdir=a.workdir.resolve(),
+        spark=a.spark,
         catalog=a.catalog.resolve(),
         timeout_s=a.timeout,
     )
@@ -343,6 +351,10 @@ def _read(settings: Settings, topic: str, fold: Callable[[Message], None]) -> No
 # --------------------------------------------------------------------------- processes
 
 
+SPARK_JOB = "spark-audit"
+SPARK_MODULE = "ksb.spark"
+
+
 def available_services() -> list[str]:
     return [n for n in SERVICE_NAMES if (REPO_ROOT / "services" / n / "__main__.py").is_file()]
 
@@ -355,11 +367,13 @@ def running_services(
     procs: list[ServiceProcess] = []
     try:
         for name in names:
-            proc = ServiceProcess(name, settings, logs / f"{name}.log")
+            module = SPARK_MODULE if name == SPARK_JOB else None
+            proc = ServiceProcess(name, settings, logs / f"{name}.log", module=module)
             procs.append(proc)
             proc.start()
         for proc in procs:
-            proc.wait_ready("ready", timeout_s=90)
+            marker = "audit job running" if proc.module == SPARK_MODULE else "ready"
+            proc.wait_ready(marker, timeout_s=180)
             assert proc.proc is not None
             say(f"  {proc.name} ready (pid {proc.proc.pid}, log {proc.log_path})")
         yield procs
@@ -640,6 +654,17 @@ def _summarise(
     return Outcome(ok=not problems, summary=summary)
 
 
+def _report_sla(out_dir: Path, wait_s: float = 40.0) -> None:
+    """The Spark job closes an SLA window once the watermark passes it: wait a little for the
+    first Parquet files, then say where `make report` will find them."""
+    deadline = time.monotonic() + wait_s
+    files: list[Path] = []
+    while time.monotonic() < deadline and not files:
+        files = list(out_dir.rglob("*.parquet")) if out_dir.exists() else []
+        time.sleep(1.0)
+    say(f"spark audit job: {len(files)} Parquet file(s) of SLA/audit output under {out_dir}")
+
+
 def _print_env(stack: LocalStack, settings: Settings) -> None:
     say("")
     say("The stack and services keep running; press Ctrl-C to stop them all.")
@@ -678,9 +703,13 @@ def demo(opts: DemoOptions) -> int:
             f"(pid {stack.redis_pid}), up in {time.perf_counter() - t0:.1f}s"
         )
         settings = load_settings(
-            instance=INSTANCE, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url
+            instance=INSTANCE,
+            kafka_bootstrap=stack.kafka_bootstrap,
+            redis_url=stack.redis_url,
+            spark_checkpoint_dir=str(opts.workdir / "spark" / "checkpoints"),
+            spark_output_dir=str(opts.workdir / "spark"),
         )
-        names = available_services()
+        names = available_services() + ([SPARK_JOB] if opts.spark else [])
         say(f"starting services: {', '.join(names)}")
         with running_services(settings, names, opts.workdir / "logs") as services:
             pids = [f"kafka={stack.kafka_pid}", f"redis={stack.redis_pid}"]
@@ -699,6 +728,8 @@ def demo(opts: DemoOptions) -> int:
             )
             outcome = run_dialogs(opts, settings, catalog, services)
             print(outcome.summary, flush=True)
+            if opts.spark:
+                _report_sla(opts.workdir / "spark" / INSTANCE)
             say("demo OK" if outcome.ok else "demo FAILED")
             if opts.keep_running:
                 _print_env(stack, settings)

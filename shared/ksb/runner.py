@@ -41,6 +41,8 @@ class ServiceProcess:
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     _log_start: int = 0
+    module: str | None = None
+    """Run this module instead of ``services.<name>`` (the Spark job is ``ksb.spark``)."""
 
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,7 +50,7 @@ class ServiceProcess:
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{self.name}"],
+            [sys.executable, "-m", self.module or f"services.{self.name}"],
             cwd=REPO_ROOT,
             env=service_env(self.settings, **self.extra_env),
             stdout=log,

@@ -139,7 +139,7 @@ def test_demo_runs_clean_and_reports(demo_dir: Path) -> None:
 
 def test_keep_running_stops_everything_on_sigint(demo_dir: Path) -> None:
     proc = subprocess.Popen(
-        _demo_cmd(demo_dir, "--keep-running"),
+        _demo_cmd(demo_dir, "--keep-running", "--no-spark"),
         cwd=REPO_ROOT,
         env=_env(),
         stdout=subprocess.PIPE,
