@@ -27,6 +27,7 @@ RUN useradd --create-home --uid 10001 ksb \
     && mkdir -p /var/lib/ksb/spark && chown -R ksb /var/lib/ksb
 USER ksb
 ENV PYTHONUNBUFFERED=1 \
+    SPARK_HOME=/usr/local/lib/python3.11/site-packages/pyspark \
     KSB_SPARK_JARS=/opt/ksb/spark-jars \
     KSB_METRICS_PORT=9100 \
     KSB_METRICS_HOST=0.0.0.0

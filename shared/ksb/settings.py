@@ -30,6 +30,8 @@ class Settings(BaseSettings):
     redis_url: str = "redis://127.0.0.1:6379/0"
     request_partitions: int = Field(1, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=0)
+    fragment_bytes: int = Field(262_144, ge=1024)
+    """Inbound records longer than this cross instances as fragments (`ksb.fragments`)."""
     lock_ttl_ms: int = Field(30_000, ge=100)
     txn_timeout_ms: int = Field(10_000, ge=1000)
     batch_max: int = Field(500, ge=1)
@@ -48,6 +50,8 @@ class Settings(BaseSettings):
     external_activator_config: str = ""
     # The Spark audit job (python -m ksb.spark): where it checkpoints and writes, and its windows.
     spark_checkpoint_dir: str = "var/spark/checkpoints"
+    spark_master: str = "local[2]"
+    spark_driver_host: str = "127.0.0.1"
     spark_output_dir: str = "var/spark"
     spark_window_s: int = Field(10, ge=1)
     spark_watermark_s: int = Field(30, ge=0)

@@ -59,7 +59,12 @@ def main() -> int:
         sla_targets_ms=_targets(s),
     )
     port = serve_metrics(s.metrics_port, host=s.metrics_host)
-    spark = build_session(f"ksb-audit-{s.instance}")
+    # Local mode by default (inside `make run`); docker-compose points it at its Spark cluster.
+    spark = build_session(
+        f"ksb-audit-{s.instance}",
+        master=s.spark_master,
+        conf={"spark.driver.host": s.spark_driver_host},
+    )
     job = AuditJob(spark, config, exporter=SlaExporter())
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

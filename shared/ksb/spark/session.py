@@ -52,7 +52,9 @@ def build_session(
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.streaming.noDataMicroBatches.enabled", "true")
-        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config(
+            "spark.driver.bindAddress", "0.0.0.0" if not master.startswith("local") else "127.0.0.1"
+        )
         .config("spark.driver.host", "127.0.0.1")
     )
     for key, value in (conf or {}).items():
