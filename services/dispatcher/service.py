@@ -30,6 +30,7 @@ from ksb.clock import Clock, SystemClock
 from ksb.endpoint import decode_endpoint, encode_endpoint
 from ksb.engine import Engine, Outputs
 from ksb.errors import ProtocolError
+from ksb.fragments import Reassembler
 from ksb.metrics import (
     COMMITS,
     ERRORS,
@@ -43,16 +44,22 @@ from ksb.metrics import (
 )
 from ksb.names import Names
 from ksb.protocol import (
+    AnyRequest,
     CommitOutcome,
     CommitRequest,
+    FragmentRecord,
     QueueMessage,
     dumps,
+    parse_inbound,
     parse_queue_record,
     parse_request,
 )
 from ksb.settings import Settings
 
-__all__ = ["Dispatcher"]
+__all__ = ["REASSEMBLY_STALE_MS", "Dispatcher"]
+
+REASSEMBLY_STALE_MS = 60_000
+"""A large inbound message still missing fragments this long after its first one is forgotten."""
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -71,6 +78,8 @@ class Dispatcher:
         self.engine: Engine | None = None
         self.audit = Audit()
         self._queue_metrics = _QueueMetrics()
+        self._pieces = Reassembler()
+        """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -108,6 +117,7 @@ class Dispatcher:
         finally:
             c.close()
         self.engine = engine
+        self._pieces = Reassembler()
         self._queue_metrics.declare(view)
         self._queue_metrics.export_depth(engine)
         log.info(
@@ -144,6 +154,8 @@ class Dispatcher:
         msgs = kafka.consume_batch(self._consumer, self.settings.batch_max, wait_s)
         records = [m for m in msgs if _is_record(m)]
         now = self.clock.now_ms()
+        if len(self._pieces):
+            self._pieces.purge(now, REASSEMBLY_STALE_MS)
         deadline = self.engine.next_deadline_ms()
         if not records and (deadline is None or deadline > now):
             return 0
@@ -165,7 +177,13 @@ class Dispatcher:
         assert self.engine is not None
         raw = m.value()
         try:
-            request = parse_request(raw)
+            request: AnyRequest | None
+            if m.topic() == self.names.inbound:
+                request = self._inbound(raw, now)
+                if request is None:
+                    return Outputs()
+            else:
+                request = parse_request(raw)
         except ProtocolError as exc:
             ERRORS.labels(exc.code).inc()
             return Engine.malformed(
@@ -182,6 +200,18 @@ class Dispatcher:
         if isinstance(request, CommitRequest) and request.receipt is not None:
             COMMITS.labels("refused" if out.errors else "applied").inc()
         return out
+
+    def _inbound(self, raw: bytes | None, now: int) -> AnyRequest | None:
+        """An ``inbound`` record: a whole message, or a fragment (None until the last arrives)."""
+        got = parse_inbound(raw)
+        if not isinstance(got, FragmentRecord):
+            return got
+        if got.to_instance != self.settings.instance:
+            return None  # passing through: the forwarder's
+        try:
+            return self._pieces.offer(got, now)
+        except ValueError as exc:
+            raise ProtocolError(f"fragments of {got.message_id} do not join: {exc}") from exc
 
     def _emit(self, out: Outputs) -> None:
         p = self._producer

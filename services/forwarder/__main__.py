@@ -1,16 +1,24 @@
-"""`python -m services.forwarder`: run the forwarder's periodic timer until SIGTERM or SIGINT."""
+"""`python -m services.forwarder`: run the forwarder until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
-from ksb.metrics import export_transport_defaults
-from ksb.service import configure_logging, run_service
+import signal
+import threading
+
+from ksb.service import configure_logging
 from ksb.settings import load_settings
+from ksb.ticker import Intervals
+from services.forwarder.service import Forwarder
 
 
 def main() -> None:
     configure_logging("forwarder")
-    export_transport_defaults("forwarder")  # zeros until issue 5 moves messages
-    run_service("forwarder", load_settings())
+    settings = load_settings()
+    intervals = Intervals.from_env()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _s, _f: stop.set())
+    Forwarder(settings, intervals=intervals).run(stop)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from ksb import kafka
-from ksb.catalog import CatalogView
+from ksb.catalog import CatalogView, Route
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
+from ksb.fragments import wire_records
 from ksb.metrics import (
     CONNECTIONS,
     HEALTHY,
@@ -36,12 +37,12 @@ from ksb.metrics import (
     serve_metrics,
 )
 from ksb.names import Names
-from ksb.protocol import AckRecord, InboundMessage, dumps
+from ksb.protocol import AckRecord, InboundMessage
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
 from ksb.ticker import Intervals, Ticker
 from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import LOCAL_ADDRESS, Links
+from ksb.transport import LOCAL_ADDRESS, Links, route_for, route_problem
 
 __all__ = ["Transmitter", "TransmitterOptions"]
 
@@ -64,6 +65,8 @@ class TransmitterOptions:
 class _Connection:
     address: str
     producer: Producer
+    topic: str
+    """The next hop's ``inbound`` topic: the destination's own, or a forwarder's."""
 
 
 class Transmitter:
@@ -189,21 +192,12 @@ class Transmitter:
 
     # ----------------------------------------------------------------- routes
     def _route_problem(self, record: InboundMessage) -> str | None:
-        route = self.catalog.routes.get(record.to_service)
-        if route is None:
-            return f"no route to service {record.to_service!r}"
-        if route.broker_instance != record.to_instance:
-            return (
-                f"the route to {record.to_service!r} names broker instance "
-                f"{route.broker_instance!r}, the dialog is with {record.to_instance!r}"
-            )
-        return None
+        return route_problem(
+            self.catalog, record.to_service, record.to_instance, self.clock.now_ms()
+        )
 
-    def _address(self, destination: str) -> str | None:
-        for route in self.catalog.routes.values():
-            if route.broker_instance == destination:
-                return self._bootstrap(route.address)
-        return None
+    def _route(self, destination: str) -> Route | None:
+        return route_for(self.catalog, destination, self.clock.now_ms())
 
     def _bootstrap(self, address: str) -> str:
         return self.settings.kafka_bootstrap if address == LOCAL_ADDRESS else address
@@ -212,8 +206,13 @@ class Transmitter:
         """Catalog or route change: re-resolve routes, drop links whose address changed."""
         self.queue.reclassify(self._route_problem, self.catalog.catalog.honor_broker_priority)
         for dest, conn in list(self._conns.items()):
-            if self._address(dest) != conn.address:
-                log.info("route to %s changed: closing its connection", dest)
+            route = self._route(dest)
+            if (
+                route is None
+                or self._bootstrap(route.address) != conn.address
+                or (Names(route.next_hop).inbound != conn.topic)
+            ):
+                log.info("route to %s changed or expired: closing its connection", dest)
                 self._close(dest)
 
     # ----------------------------------------------------------------- transport
@@ -223,11 +222,12 @@ class Transmitter:
             self._connect(dest, now)
 
     def _connect(self, dest: str, now: int) -> None:
-        address = self._address(dest)
-        if address is None:
-            self._failures[dest] = f"no route names broker instance {dest!r}"
+        route = self._route(dest)
+        if route is None:
+            self._failures[dest] = f"no usable route names broker instance {dest!r}"
             return
-        inbound = Names(dest).inbound
+        address = self._bootstrap(route.address)
+        inbound = Names(route.next_hop).inbound
         p = kafka.producer(
             self.settings,
             extra={
@@ -240,14 +240,16 @@ class Transmitter:
             md = p.list_topics(inbound, timeout=self.options.connect_timeout_s)
             tmd = md.topics.get(inbound)
             if tmd is None or tmd.error is not None or not tmd.partitions:
-                raise _ConnectFailed(f"instance {dest!r} has no inbound topic at {address}")
+                raise _ConnectFailed(
+                    f"instance {route.next_hop!r} has no inbound topic at {address}"
+                )
         except (KafkaException, _ConnectFailed) as exc:
             reason = f"connect to {dest} at {address} failed: {exc}"
             log.warning("%s", reason)
             self._failures[dest] = reason
             self.links.on_failed_connect(dest, address, reason, now)
             return
-        self._conns[dest] = _Connection(address, p)
+        self._conns[dest] = _Connection(address, p, inbound)
         self._ack_consumer(address)
         self.links.on_connected(dest, address, now)
         self._failures.pop(dest, None)
@@ -271,12 +273,14 @@ class Transmitter:
         batch = self.queue.take(now, live, self.options.batch)
         for record in batch:
             dest = record.to_instance
-            self._conns[dest].producer.produce(
-                Names(dest).inbound,
-                key=record.conversation_id.encode(),
-                value=dumps(record),
-                on_delivery=self._delivered(dest),
-            )
+            conn = self._conns[dest]
+            for value in wire_records(record, self.settings.fragment_bytes):
+                conn.producer.produce(
+                    conn.topic,
+                    key=record.conversation_id.encode(),
+                    value=value,
+                    on_delivery=self._delivered(dest),
+                )
             self.links.on_activity(dest, now, sent=1)
 
     def _delivered(self, dest: str) -> Any:

@@ -189,12 +189,29 @@ class Route(_Model):
     broker_instance: str
     address: str = "LOCAL"
     lifetime_s: int | None = Field(default=None, ge=1)
+    """LIFETIME: the route expires this long after the catalog version declaring it was applied."""
+    via: str | None = Field(default=None, min_length=1)
+    """The next hop's broker instance when it is not `broker_instance` (a forwarder); `address`
+    is then that hop's cluster."""
+
+    def expires_ms(self, applied_ms: int | None) -> int | None:
+        """When this route stops being usable (Unix ms), or None if it never does."""
+        if self.lifetime_s is None or applied_ms is None:
+            return None
+        return applied_ms + self.lifetime_s * 1000
+
+    @property
+    def next_hop(self) -> str:
+        """The instance whose ``inbound`` topic takes the messages sent on this route."""
+        return self.via or self.broker_instance
 
 
 class Catalog(_Model):
     """A whole catalog as declared; ``version`` is assigned when it is applied."""
 
     version: int = 0
+    applied_ms: int | None = None
+    """When this version was applied (Unix ms; set by `apply_catalog`): route lifetimes count from it."""
     message_types: tuple[MessageType, ...] = ()
     contracts: tuple[Contract, ...] = ()
     queues: tuple[Queue, ...] = ()

@@ -7,8 +7,9 @@ and every service sees either all of it or none; compaction keeps only the newes
 from __future__ import annotations
 
 import json
+import time
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Message, TopicPartition
 
 from ksb import kafka
 from ksb.catalog import Catalog, CatalogView, parse_catalog
@@ -24,7 +25,12 @@ def _decode(m: Message) -> Catalog | None:
     value = m.value()
     if m.key() != _KEY or value is None:
         return None
-    return parse_catalog(json.loads(value))
+    cat = parse_catalog(json.loads(value))
+    if cat.applied_ms is None:  # a record written before applied_ms existed: its Kafka timestamp
+        kind, ts = m.timestamp()
+        if kind != TIMESTAMP_NOT_AVAILABLE:
+            cat = cat.model_copy(update={"applied_ms": ts})
+    return cat
 
 
 def load_catalog(settings: Settings) -> Catalog:
@@ -58,7 +64,9 @@ def apply_catalog(settings: Settings, catalog: Catalog) -> Catalog:
     kafka.ensure_topics(admin, [kafka.queue_topic(names, q) for q in catalog.queues])
     kafka.ensure_topics(admin, [kafka.dead_letter_topic(names, q) for q in catalog.queues])
     current = load_catalog(settings)
-    versioned = catalog.model_copy(update={"version": current.version + 1})
+    versioned = catalog.model_copy(
+        update={"version": current.version + 1, "applied_ms": int(time.time() * 1000)}
+    )
     p = kafka.producer(settings)
     p.produce(names.catalog, key=_KEY, value=versioned.model_dump_json(by_alias=True).encode())
     if p.flush(30) != 0:

@@ -300,7 +300,7 @@ def _alter_queue(queue: dict[str, Any], statement: AlterQueue) -> None:
 
 
 def _definitions(catalog: Catalog) -> dict[str, Any]:
-    return catalog.model_dump(mode="json", by_alias=True, exclude={"version"})
+    return catalog.model_dump(mode="json", by_alias=True, exclude={"version", "applied_ms"})
 
 
 # --------------------------------------------------------------------------- endpoints

@@ -546,11 +546,9 @@ class Engine:
         a failed Kafka transaction rebuilds the whole engine (and so every window) anyway.
         """
         if msg.to_instance != self.instance:
-            raise ConversationError(
-                f"inbound message {msg.message_id} is for broker instance {msg.to_instance!r}, "
-                f"not {self.instance!r} (forwarding is not built)",
-                code="wrong_instance",
-            )
+            # Passing through: the forwarder reads the same topic and sends it on; the final
+            # receiver acknowledges it, so a record nobody forwards is retransmitted by its origin.
+            return
         handle = target_handle(msg.conversation_id) if msg.from_initiator else msg.conversation_id
         receiver = self._inbound_endpoint(stage, msg, handle, now)
         if receiver is None:

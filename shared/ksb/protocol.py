@@ -28,7 +28,9 @@ __all__ = [
     "DeadLetterRequest",
     "EndRequest",
     "ErrorRecord",
+    "FragmentRecord",
     "InboundMessage",
+    "InboundRecord",
     "QueueMessage",
     "Receipt",
     "ReplayRequest",
@@ -38,6 +40,7 @@ __all__ = [
     "decode_body",
     "encode_body",
     "new_id",
+    "parse_inbound",
     "parse_queue_record",
     "parse_request",
 ]
@@ -231,6 +234,49 @@ class AckRecord(_Wire):
     ack_seq: int
     from_instance: str
     to_instance: str
+
+
+class FragmentRecord(_Wire):
+    """One piece of an ``inbound`` record too large for one Kafka record (topic ``inbound``).
+
+    The transport splits the serialized `InboundMessage` into ``count`` pieces of at most the
+    fragment size; ``data_b64`` is piece ``index`` (from 0). The receiving side joins them by
+    ``message_id`` before its dispatcher sees the message; ``to_instance`` lets a forwarder tell
+    pieces passing through from its own.
+    """
+
+    kind: Literal["fragment"] = "fragment"
+    message_id: str
+    conversation_id: str
+    from_instance: str
+    to_instance: str
+    index: int = Field(ge=0)
+    count: int = Field(ge=1)
+    data_b64: str
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> FragmentRecord:
+        if self.index >= self.count:
+            raise ValueError(f"fragment index {self.index} is not below count {self.count}")
+        return self
+
+
+InboundRecord = Annotated[InboundMessage | FragmentRecord, Field(discriminator="kind")]
+_INBOUND = TypeAdapter(InboundRecord)
+
+
+def parse_inbound(raw: bytes | None) -> InboundMessage | FragmentRecord:
+    """Decode an ``inbound`` topic record: a whole message or one fragment of one."""
+    if raw is None:
+        raise ProtocolError("empty record value (a tombstone is not an inbound record)")
+    try:
+        return _INBOUND.validate_json(raw)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err["loc"]) or "(record)"
+            parts.append(f"{loc}: {err['msg']}")
+        raise ProtocolError("malformed inbound record: " + "; ".join(parts)) from exc
 
 
 Request = Annotated[

@@ -21,6 +21,7 @@ from typing import Any
 from ksb.protocol import AckRecord, InboundMessage
 from ksb.sequencing import Backoff, Retransmitter
 from ksb.transmission import Pending, TransmissionScheduler
+from ksb.transport import ROUTE_EXPIRED
 
 __all__ = ["Direction", "TransmissionQueue"]
 
@@ -175,7 +176,7 @@ class TransmissionQueue:
         )[:limit]:
             r = h.record
             if h.no_route is not None:
-                status = "NO_ROUTE"
+                status = "ROUTE_EXPIRED" if h.no_route.startswith(ROUTE_EXPIRED) else "NO_ROUTE"
             elif mid in effective:
                 status = "RETRY" if h.sent_once else "PENDING"
             else:

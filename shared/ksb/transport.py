@@ -1,7 +1,7 @@
 """The transport's pure bookkeeping: which remote instances are connected, suppressed or idle.
 
 On Kafka a *connection* to another broker instance is a producer to that instance's ``inbound``
-topic (on the cluster the route's address names; ``LOCAL`` is our own cluster) plus a consumer of
+topic (or its route's ``via`` hop's, a forwarder) (on the cluster the route's address names; ``LOCAL`` is our own cluster) plus a consumer of
 our ``acks`` topic on that same cluster, where the remote dispatcher acknowledges what it received.
 Opening it means building the producer and reading the remote ``inbound`` topic's metadata: that
 is the handshake that proves the address is a Kafka cluster hosting that instance.
@@ -19,12 +19,50 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ksb.catalog import CatalogView, Route
 from ksb.ticker import Intervals, Suppression, idle_to_close
 
-__all__ = ["LOCAL_ADDRESS", "Link", "Links"]
+__all__ = ["LOCAL_ADDRESS", "ROUTE_EXPIRED", "Link", "Links", "route_for", "route_problem"]
 
 LOCAL_ADDRESS = "LOCAL"
 """A route address meaning the cluster this instance runs on."""
+
+ROUTE_EXPIRED = "route expired"
+"""How the reason for a message held behind an expired route begins (status ``ROUTE_EXPIRED``)."""
+
+
+def route_problem(view: CatalogView, to_service: str, to_instance: str, now_ms: int) -> str | None:
+    """Why a message for `to_service` on `to_instance` cannot be sent now (None: it can).
+
+    A route with a LIFETIME expires that long after its catalog version was applied and stays
+    expired until a newer version that still declares it is applied (which restarts the count).
+    """
+    route = view.routes.get(to_service)
+    if route is None:
+        return f"no route to service {to_service!r}"
+    if route.broker_instance != to_instance:
+        return (
+            f"the route to {to_service!r} names broker instance "
+            f"{route.broker_instance!r}, the dialog is with {to_instance!r}"
+        )
+    expires = route.expires_ms(view.catalog.applied_ms)
+    if expires is not None and now_ms >= expires:
+        return (
+            f"{ROUTE_EXPIRED}: route {route.name!r} (LIFETIME {route.lifetime_s} s) expired at "
+            f"{expires}; apply a catalog that renews it"
+        )
+    return None
+
+
+def route_for(view: CatalogView, destination: str, now_ms: int) -> Route | None:
+    """A usable (unexpired) route to broker instance `destination`: its address and next hop."""
+    for route in view.routes.values():
+        if route.broker_instance != destination:
+            continue
+        expires = route.expires_ms(view.catalog.applied_ms)
+        if expires is None or now_ms < expires:
+            return route
+    return None
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -18,12 +19,14 @@ from ksb.names import Names
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
 from ksb.ticker import Intervals
+from services.forwarder import Forwarder
 from services.transmitter import Transmitter, TransmitterOptions
 from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import (
     check_exactly_once_in_order,
     endpoints,
+    read_topic,
     receive_all,
     wait_endpoint,
 )
@@ -264,3 +267,137 @@ def test_cut_link_mid_stream_then_restore(pair: tuple[Instance, Instance]) -> No
     received = receive_all(b.client, "TargetQueue", 300, timeout_s=120)
     check_exactly_once_in_order([json.loads(m.message_body) for m in received], 10, 30)
     _wait_view_empty(a.settings, timeout_s=60)
+
+
+def _wait_view(settings: Settings, check: Any, timeout_s: float = 30) -> dict[str, Any]:
+    r = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            raw = r.get(Names(settings.instance).transmission_view_key)
+            view = json.loads(raw) if raw else {"messages": [], "connections": []}
+            if check(view):
+                return dict(view)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"view never matched: {view}")
+            time.sleep(0.1)
+    finally:
+        r.close()
+
+
+def test_expired_route_holds_messages_until_renewed(pair: tuple[Instance, Instance]) -> None:
+    a, b = pair
+    ca, _ = _catalogs()
+    ca["routes"][0]["broker_instance"] = b.settings.instance
+    ca["routes"][0]["lifetime_s"] = 3
+    v = apply_catalog(a.settings, parse_catalog(ca)).version
+    _wait_catalog(a.dispatcher, v)
+    h = a.client.begin_dialog(I, T, C)
+    a.client.send(h, "//t/Request", "0")
+    a.client.flush()
+    assert [m.message_body for m in receive_all(b.client, "TargetQueue", 1, timeout_s=30)] == [b"0"]
+    time.sleep(3.5)  # the route's LIFETIME is over
+    a.client.send(h, "//t/Request", "1")
+    a.client.flush()
+    view = _wait_view(a.settings, lambda v: any(m["seq"] == 1 for m in v["messages"]))
+    held = next(m for m in view["messages"] if m["seq"] == 1)
+    assert held["status"] == "ROUTE_EXPIRED" and "route expired" in held["last_failure"]
+    assert receive_all(b.client, "TargetQueue", 1, timeout_s=1.5) == []
+    apply_catalog(a.settings, parse_catalog(ca))  # renewed: three more seconds
+    assert [m.message_body for m in receive_all(b.client, "TargetQueue", 1, timeout_s=30)] == [b"1"]
+    _wait_view_empty(a.settings)
+
+
+class ThreadForwarder:
+    def __init__(self, settings: Settings) -> None:
+        self.forwarder = Forwarder(settings, intervals=Intervals(tick_ms=100))
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self.forwarder.run, args=(self.stop_event,))
+        self.thread.start()
+        if not self.forwarder.ready.wait(60):
+            raise TimeoutError("forwarder not ready")
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join(30)
+
+
+def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
+    stack: Stack, unique: str
+) -> None:
+    """A -> B -> C: B hosts neither service; its forwarder passes both directions on."""
+
+    def settings(name: str) -> Settings:
+        return Settings(
+            instance=f"t{unique}{name}",
+            kafka_bootstrap=stack.kafka_bootstrap,
+            redis_url=stack.redis_url,
+            lock_ttl_ms=15_000,
+        )
+
+    sa, sb, sc = settings("A"), settings("B"), settings("C")
+    ca, cc = _catalogs()
+    ca["routes"] = [
+        {"name": "t", "service_name": T, "broker_instance": sc.instance, "via": sb.instance}
+    ]
+    cc["routes"] = [
+        {"name": "i", "service_name": I, "broker_instance": sa.instance, "via": sb.instance}
+    ]
+    cb = {
+        **BASIC_CATALOG,
+        "routes": [
+            {"name": "t", "service_name": T, "broker_instance": sc.instance},
+            {"name": "i", "service_name": I, "broker_instance": sa.instance},
+        ],
+    }
+    apply_catalog(sb, parse_catalog(cb))
+    b_dispatcher = ThreadDispatcher(sb)  # reads the same inbound topic and leaves these alone
+    b_forwarder = ThreadForwarder(sb)
+    c = Instance(sc, cc)
+    a = Instance(sa, ca)
+    try:
+        handles = [a.client.begin_dialog(I, T, C) for _ in range(5)]
+        for k in range(40):
+            if k == 10:
+                b_forwarder.stop()  # whatever it held is gone; nothing was acknowledged
+            if k == 20:
+                b_forwarder = ThreadForwarder(sb)
+            for i, h in enumerate(handles):
+                a.client.send(h, "//t/Request", json.dumps({"conv": i, "n": k}))
+            a.client.flush()
+            time.sleep(0.05)
+        got = receive_all(c.client, "TargetQueue", 200, timeout_s=90)
+        check_exactly_once_in_order([json.loads(m.message_body) for m in got], 5, 40)
+        assert len({m.message_id for m in got}) == 200
+        with c.client.transaction() as tx:  # and back: C -> B -> A
+            tx.send(got[0].conversation_handle, "//t/Reply", "back")
+        reply = receive_all(a.client, "InitiatorQueue", 1, timeout_s=30)
+        assert [m.message_body for m in reply] == [b"back"]
+        big = json.dumps({"blob": "x" * 600_000})  # fragments, joined and split again at B
+        a.client.send(handles[0], "//t/Request", big)
+        a.client.flush()
+        assert [m.message_body for m in receive_all(c.client, "TargetQueue", 1)] == [big.encode()]
+        _wait_view_empty(a.settings, timeout_s=60)
+    finally:
+        a.close()
+        c.close()
+        b_forwarder.stop()
+        b_dispatcher.stop()
+
+
+def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance]) -> None:
+    a, b = pair
+    # about 1 MB of JSON (the contract validates it), over the 256 KiB default fragment size
+    body = json.dumps({"blob": os.urandom(499_990).hex()})
+    h = a.client.begin_dialog(I, T, C)
+    a.client.send(h, "//t/Request", body)
+    a.client.send(h, "//t/Request", '"small, after it"')
+    a.client.flush()
+    got = receive_all(b.client, "TargetQueue", 2, timeout_s=60)
+    assert [m.message_body for m in got] == [body.encode(), b'"small, after it"']
+    kinds = [
+        json.loads(v or b"{}")["kind"]
+        for _k, v in read_topic(b.settings, Names(b.settings.instance).inbound)
+    ]
+    assert kinds.count("fragment") >= 4 and kinds.count("inbound") >= 1
+    _wait_view_empty(a.settings)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from ksb.catalog import CatalogView, parse_catalog
 from ksb.protocol import AckRecord, InboundMessage
 from ksb.sequencing import Backoff
 from ksb.ticker import Intervals
 from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import Links
+from ksb.transport import ROUTE_EXPIRED, Links, route_for, route_problem
 
 T0 = 1_700_000_000_000
 
@@ -95,3 +98,54 @@ def test_no_route_is_held_with_its_reason_until_reclassified() -> None:
     q.reclassify(lambda _m: None, honor_broker_priority=False)
     assert [m.seq for m in q.take(T0, {"B"}, 10)] == [0]
     assert q.rows(T0, {})[0]["status"] == "SENT"
+
+
+def _view(
+    lifetime_s: int | None, applied_ms: int | None = T0, via: str | None = None
+) -> CatalogView:
+    route: dict[str, Any] = {
+        "name": "r",
+        "service_name": "T",
+        "broker_instance": "B",
+        "lifetime_s": lifetime_s,
+    }
+    if via is not None:
+        route["via"] = via
+    return CatalogView(parse_catalog({"routes": [route], "applied_ms": applied_ms}))
+
+
+def test_route_lifetime_counts_from_the_applied_catalog() -> None:
+    view = _view(5)
+    assert route_problem(view, "T", "B", T0 + 4_999) is None
+    reason = route_problem(view, "T", "B", T0 + 5_000)
+    assert reason is not None and reason.startswith(ROUTE_EXPIRED) and "'r'" in reason
+    assert route_for(view, "B", T0 + 4_999) is not None
+    assert route_for(view, "B", T0 + 5_000) is None
+    # a newer version declaring the route again renews it; no LIFETIME never expires
+    assert route_problem(_view(5, T0 + 10_000), "T", "B", T0 + 12_000) is None
+    assert route_problem(_view(None), "T", "B", T0 + 10**9) is None
+    assert route_problem(view, "X", "B", T0) == "no route to service 'X'"
+    assert "names broker instance 'B'" in (route_problem(view, "T", "C", T0) or "")
+
+
+def test_route_via_a_forwarder_names_the_next_hop() -> None:
+    assert _view(None, via="F").routes["T"].next_hop == "F"
+    assert _view(None).routes["T"].next_hop == "B"
+
+
+def test_expired_route_holds_messages_until_renewed() -> None:
+    q = TransmissionQueue()
+    view = _view(5)
+    for seq in range(2):
+        m = _msg(seq)
+        q.add(m, route_problem(view, m.to_service, m.to_instance, T0))
+    assert [m.seq for m in q.take(T0, {"B"}, 10)] == [0, 1]
+    q.add(_msg(2), route_problem(view, "T", "B", T0 + 6_000))
+    assert q.take(T0 + 6_000, {"B"}, 10) == []
+    rows = q.rows(T0 + 6_000, {})
+    held = next(r for r in rows if r["seq"] == 2)
+    assert held["status"] == "ROUTE_EXPIRED" and held["last_failure"].startswith(ROUTE_EXPIRED)
+    assert q.pending_destinations() == set()
+    renewed = _view(5, T0 + 7_000)
+    q.reclassify(lambda r: route_problem(renewed, r.to_service, r.to_instance, T0 + 7_000), True)
+    assert [m.seq for m in q.take(T0 + 7_000, {"B"}, 10)] == [2]

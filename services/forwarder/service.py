@@ -1,0 +1,200 @@
+"""The forwarder service: passes on ``inbound`` records addressed to other broker instances.
+
+A sender whose route names this instance as its next hop (``via``) writes to our ``inbound``
+topic records whose ``to_instance`` is someone else; our dispatcher leaves those alone and this
+service picks them up. It reads ``inbound`` from its end (what arrived while it was down is not
+ours to recover: nobody acknowledged it, so the origin sends it again), holds records in memory
+only (`ksb.forwarding.ForwardQueue`), and copies each one unchanged to the next hop's ``inbound``
+topic on the cluster our own route names, first in first out at priority 5. Every 5th tick it
+drops what it could not forward within `Intervals.forwarder_stale_ms`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import OFFSET_END, KafkaError, Message, Producer, TopicPartition
+
+from ksb import kafka
+from ksb.catalog import CatalogView
+from ksb.catalog_store import CatalogWatcher, load_catalog
+from ksb.clock import Clock, SystemClock
+from ksb.errors import ProtocolError
+from ksb.forwarding import ForwardQueue, next_hop
+from ksb.fragments import Reassembler, wire_records
+from ksb.metrics import CONNECTIONS, HEALTHY, export_transport_defaults, serve_metrics
+from ksb.names import Names
+from ksb.protocol import FragmentRecord, parse_inbound
+from ksb.settings import Settings
+from ksb.ticker import Intervals, Ticker
+from ksb.transport import LOCAL_ADDRESS
+
+__all__ = ["Forwarder", "ForwarderOptions"]
+
+log = logging.getLogger("ksb.forwarder")
+
+
+@dataclass(frozen=True)
+class ForwarderOptions:
+    """Knobs beyond `Settings` and `Intervals`, with production defaults; tests shorten them."""
+
+    batch: int = 500
+    delivery_timeout_ms: int = 5_000
+
+
+class Forwarder:
+    """Forwarding for `settings.instance`; `run(stop)` until stopped."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        intervals: Intervals | None = None,
+        options: ForwarderOptions | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.names = Names(settings.instance)
+        self.intervals = intervals or Intervals(tick_ms=settings.tick_ms)
+        self.options = options or ForwarderOptions()
+        self.clock = clock or SystemClock()
+        self.ready = threading.Event()
+        self.queue = ForwardQueue()
+        self.catalog = CatalogView(load_catalog(settings))
+        self._producers: dict[str, Producer] = {}  # bootstrap servers -> producer
+        self._reports: list[tuple[str, str | None]] = []  # (message id, error) from callbacks
+        self._pieces = Reassembler()  # fragments of large messages passing through
+
+    def run(self, stop: threading.Event) -> None:
+        s = self.settings
+        kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
+        watcher = CatalogWatcher(s)
+        watcher.view = self.catalog
+        inbound = kafka.consumer(s, read_committed=False)
+        md = inbound.list_topics(self.names.inbound, timeout=10).topics[self.names.inbound]
+        inbound.assign(
+            [TopicPartition(self.names.inbound, p, OFFSET_END) for p in sorted(md.partitions)]
+        )
+        ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
+        ticker.every(5, "drop_stale", lambda _t: self._drop_stale())
+        export_transport_defaults("forwarder")
+        port = serve_metrics(s.metrics_port, host=s.metrics_host)
+        HEALTHY.labels("forwarder").set(1)
+        self.ready.set()
+        log.info(
+            "forwarder ready (instance %s, tick %d ms, metrics port %s)",
+            s.instance,
+            self.intervals.tick_ms,
+            port or "off",
+        )
+        try:
+            while not stop.is_set():
+                if watcher.poll(0):
+                    self.catalog = watcher.view
+                self._poll_inbound(inbound)
+                ticker.poll(self.clock.now_ms())
+                self._forward()
+        finally:
+            HEALTHY.labels("forwarder").set(0)
+            log.info(
+                "forwarder stopped after %d tick(s): %d forwarded, %d dropped, %d held (dropped)",
+                ticker.tick,
+                self.queue.forwarded,
+                self.queue.dropped,
+                len(self.queue),
+            )
+            inbound.close()
+            watcher.close()
+            for p in self._producers.values():
+                p.flush(2)
+            self._producers.clear()
+
+    def _poll_inbound(self, c: Any) -> None:
+        now = self.clock.now_ms()
+        for m in c.consume(self.options.batch, 0.02):
+            if m.error() is not None or m.value() is None:
+                _log_error(m)
+                continue
+            try:
+                got = parse_inbound(m.value())
+                if got.to_instance == self.settings.instance:
+                    continue  # ours: the dispatcher's
+                record = self._pieces.offer(got, now) if isinstance(got, FragmentRecord) else got
+            except (ProtocolError, ValueError):
+                continue  # the dispatcher reports unreadable records
+            if record is not None:
+                self.queue.add(record, now)
+
+    def _forward(self) -> None:
+        for p in self._producers.values():
+            p.poll(0)
+        for mid, err in self._reports:
+            if err is None:
+                self.queue.delivered(mid)
+            else:
+                self.queue.failed(mid, err)
+        self._reports.clear()
+        now = self.clock.now_ms()
+        for record in self.queue.take(self.options.batch):
+            hop = next_hop(self.catalog, record, self.settings.instance, now)
+            if isinstance(hop, str):
+                self.queue.failed(record.message_id, hop)
+                continue
+            local = hop.address == LOCAL_ADDRESS
+            address = self.settings.kafka_bootstrap if local else hop.address
+            values = wire_records(record, self.settings.fragment_bytes)
+            report = self._report(record.message_id, len(values))
+            for value in values:
+                self._producer(address).produce(
+                    Names(hop.next_hop).inbound,
+                    key=record.conversation_id.encode(),
+                    value=value,
+                    on_delivery=report,
+                )
+        CONNECTIONS.labels("forwarder").set(len(self._producers))
+
+    def _producer(self, address: str) -> Producer:
+        p = self._producers.get(address)
+        if p is None:
+            p = kafka.producer(
+                self.settings,
+                extra={
+                    "bootstrap.servers": address,
+                    "message.timeout.ms": self.options.delivery_timeout_ms,
+                },
+            )
+            self._producers[address] = p
+        return p
+
+    def _report(self, message_id: str, records: int) -> Any:
+        """One outcome per message: failed at the first failed record, delivered after the last."""
+        left = [records]
+
+        def report(err: KafkaError | None, _msg: Message) -> None:
+            if left[0] <= 0:
+                return
+            if err is not None:
+                left[0] = 0
+                self._reports.append((message_id, err.str()))
+                return
+            left[0] -= 1
+            if left[0] == 0:
+                self._reports.append((message_id, None))
+
+        return report
+
+    def _drop_stale(self) -> None:
+        now = self.clock.now_ms()
+        self._pieces.purge(now, self.intervals.forwarder_stale_ms)
+        dropped = self.queue.drop_stale(now, self.intervals.forwarder_stale_ms)
+        if dropped:
+            log.info("dropped %d message(s) not forwarded in time (the origins resend)", dropped)
+
+
+def _log_error(m: Message) -> None:
+    err = m.error()
+    if err is not None and err.code() != KafkaError._PARTITION_EOF:
+        log.warning("consumer error: %s", err)
