@@ -9,8 +9,11 @@ from pathlib import Path
 from types import FrameType
 
 from bench.activation import ActivationOptions
+from bench.priorities import PriorityOptions
 from bench.report import format_table, write_json
+from bench.spark_audit import SparkOptions
 from bench.suite import Options, run
+from bench.transmission import SchedulerOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "var" / "bench" / "results.json"
@@ -38,6 +41,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         type=int,
         help="conversation groups in the activation burst (default 200)",
     )
+    parser.add_argument(
+        "--no-priority", action="store_true", help="skip the priorities section (run by default)"
+    )
+    parser.add_argument(
+        "--no-spark", action="store_true", help="skip the Spark audit section (run by default)"
+    )
     parser.add_argument("--quick", action="store_true", help="small counts, for a CI smoke run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")
     a = parser.parse_args(argv)
@@ -60,8 +69,36 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         activation=None
         if a.no_activation
         else ActivationOptions(rounds=1 if a.quick else 3, dialogs=a.activation_dialogs or 200),
+        priorities=None if a.no_priority else _priority_options(a.quick),
+        spark=None if a.no_spark else _spark_options(a.quick),
     )
     return opts, a.out
+
+
+def _priority_options(quick: bool) -> tuple[PriorityOptions, SchedulerOptions]:
+    if not quick:
+        return PriorityOptions(), SchedulerOptions()
+    return (
+        PriorityOptions(
+            idle_probes=20,
+            backlog=500,
+            backlog_groups=50,
+            saturated_probes=30,
+            throughput_messages=500,
+            throughput_groups=50,
+            throughput_rounds=1,
+            timeout_s=60.0,
+        ),
+        SchedulerOptions(
+            slots=10_000, backlog=1_000, conversations=100, throughput_messages=10_000
+        ),
+    )
+
+
+def _spark_options(quick: bool) -> SparkOptions:
+    if not quick:
+        return SparkOptions()
+    return SparkOptions(lag_probes=8, warmup_probes=2, events=10_000, warmup_events=500)
 
 
 def _terminate(signum: int, _frame: FrameType | None) -> None:
@@ -77,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"results written to {out}")
     activation = results["activation"]
     verified = results["ksb"]["verified_exactly_once_in_order"]
-    return 0 if verified and (activation is None or activation["verified_exactly_once"]) else 1
+    if activation is not None and not activation["verified_exactly_once"]:
+        verified = False
+    for section in ("priorities", "spark_audit"):
+        if results[section] is not None and "error" in results[section]:
+            verified = False
+    return 0 if verified else 1
 
 
 if __name__ == "__main__":

@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.activation import format_lines as activation_lines
+from bench.priorities import format_lines as priority_lines
+from bench.spark_audit import format_lines as spark_lines
+from bench.transmission import format_lines as scheduler_lines
 
 __all__ = ["format_table", "write_json"]
 
@@ -82,6 +85,19 @@ def format_table(r: dict[str, Any]) -> str:
     )
     if r.get("activation") is not None:
         lines.extend(activation_lines(r["activation"]))
+    prio = r.get("priorities")
+    if prio is not None:
+        if "error" in prio:
+            lines.append(f"priorities: FAILED: {prio['error']}")
+        else:
+            lines.extend(priority_lines(prio["receive"]))
+            lines.extend(scheduler_lines(prio["transmission_scheduler"]))
+    spark = r.get("spark_audit")
+    if spark is not None:
+        if "error" in spark:
+            lines.append(f"spark audit: FAILED: {spark['error']}")
+        else:
+            lines.extend(spark_lines(spark))
     return "\n".join(lines)
 
 

@@ -6,26 +6,33 @@ Every process started here is stopped on the way out, including after an error o
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.activation import ActivationOptions, run_activation
 from bench.e2e import bench_catalog, run_ksb
+from bench.priorities import PriorityOptions, run_priorities
 from bench.raw_kafka import run_raw
+from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import peak_rss_kb
+from bench.transmission import SchedulerOptions, run_scheduler
 from ksb.catalog_store import apply_catalog
 from ksb.localstack import start_stack
 from ksb.runner import ServiceProcess
 from ksb.settings import Settings
 
 __all__ = ["Options", "run"]
+
+log = logging.getLogger("bench")
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,10 @@ class Options:
     log_dir: Path
     activation: ActivationOptions | None = None
     """The activation section (bench/activation.py) on the same stack; None skips it."""
+    priorities: tuple[PriorityOptions, SchedulerOptions] | None = None
+    """The priorities section (bench/priorities.py, bench/transmission.py); None skips it."""
+    spark: SparkOptions | None = None
+    """The Spark audit section (bench/spark_audit.py); None skips it."""
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -65,6 +76,8 @@ def run(opts: Options) -> dict[str, Any]:
         phase("stack_start")
         dispatcher: ServiceProcess | None = None
         activation: dict[str, Any] | None = None
+        priorities: dict[str, Any] | None = None
+        spark: dict[str, Any] | None = None
         try:
             settings = Settings(
                 instance=f"bench{uuid.uuid4().hex[:8]}",
@@ -105,6 +118,22 @@ def run(opts: Options) -> dict[str, Any]:
                 dispatcher.stop()  # idle from here on: keep it out of the activation figures
                 activation = run_activation(settings, opts.activation, Path(tmp)).as_json()
                 phase("activation")
+            dispatcher.stop()  # the later sections run their own: keep this one out of them
+            if opts.priorities is not None:
+                receive_opts, scheduler_opts = opts.priorities
+                priorities = _section(
+                    lambda: {
+                        "receive": run_priorities(settings, receive_opts, Path(tmp)),
+                        "transmission_scheduler": run_scheduler(scheduler_opts),
+                    }
+                )
+                phase("priorities")
+            if opts.spark is not None:
+                spark_opts = opts.spark
+                spark = _section(
+                    lambda: run_spark_audit(settings, spark_opts, Path(tmp) / "spark", Path(tmp))
+                )
+                phase("spark")
         finally:
             if dispatcher is not None:
                 if dispatcher.proc is not None and "dispatcher" not in rss_kb:
@@ -112,7 +141,12 @@ def run(opts: Options) -> dict[str, Any]:
                 dispatcher.stop()
                 opts.log_dir.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(dispatcher.log_path, opts.log_dir / "dispatcher.log")
-            for name in ("activation.log", "act-dispatcher.log"):
+            for name in (
+                "activation.log",
+                "act-dispatcher.log",
+                "prio-dispatcher.log",
+                "spark-job.log",
+            ):
                 if (Path(tmp) / name).exists():
                     opts.log_dir.mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(Path(tmp) / name, opts.log_dir / name)
@@ -147,10 +181,21 @@ def run(opts: Options) -> dict[str, Any]:
             "latency_unloaded_p99": ksb.probe.p99_ms / raw.probe.p99_ms,
         },
         "activation": activation,
+        "priorities": priorities,
+        "spark_audit": spark,
         "peak_rss_kb": rss_kb,
         "phase_seconds": phases,
         "wall_seconds": time.monotonic() - started,
     }
+
+
+def _section(run_it: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run an optional section; a failure is reported in its place, not lost with every figure."""
+    try:
+        return run_it()
+    except Exception as exc:
+        log.exception("bench section failed")
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _cpus() -> int:
