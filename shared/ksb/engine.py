@@ -11,6 +11,7 @@ Every request is handled as a small transaction over a staging area, so a reques
 from __future__ import annotations
 
 import heapq
+import json
 import uuid
 import zlib
 from collections.abc import Iterable
@@ -1027,8 +1028,6 @@ def target_handle(conversation_id: str) -> str:
 
 
 def _error_body(code: int, description: str) -> bytes:
-    import json
-
     return json.dumps({"code": code, "description": description}).encode()
 
 
@@ -1041,8 +1040,9 @@ class _StepClock:
     def now_ms(self) -> int:
         return self.now
 
-    def sleep(self, seconds: float) -> None:  # pragma: no cover - part of the Clock protocol
-        raise NotImplementedError("the engine never sleeps")
+    def sleep(self, seconds: float) -> None:
+        """Part of the Clock protocol; the engine never blocks, so sleeping only moves time on."""
+        self.now += round(seconds * 1000)
 
 
 def _ack(msg: InboundMessage, ack_seq: int, instance: str) -> AckRecord:
