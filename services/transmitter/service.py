@@ -25,6 +25,7 @@ import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from ksb import kafka
+from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog import CatalogView, Route
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
@@ -96,6 +97,8 @@ class Transmitter:
         self._failures: dict[str, str] = {}  # destination -> last failure, for the view
         self._delivery_errors: list[tuple[str, str]] = []
         self._view_due_ms = 0
+        # Audit events (transmit, acknowledge, suppression) for the Spark audit; never fatal.
+        self.audit = Audit(KafkaAudit(kafka.producer(settings), self.names))
 
     # ----------------------------------------------------------------- the loop
     def run(self, stop: threading.Event) -> None:
@@ -141,6 +144,7 @@ class Transmitter:
                 c.close()
             for conn in self._conns.values():
                 conn.producer.flush(2)
+            self.audit.flush(2)
             # Drop the clients now: librdkafka keeps reconnecting for as long as one is alive.
             self._conns.clear()
             self._acks.clear()
@@ -179,7 +183,14 @@ class Transmitter:
                 except ValueError:
                     continue
                 if self.queue.ack(ack):
-                    self.links.on_activity(ack.from_instance, self.clock.now_ms())
+                    now = self.clock.now_ms()
+                    self.links.on_activity(ack.from_instance, now)
+                    self._audit(
+                        "acknowledge",
+                        now,
+                        conversation_id=ack.conversation_id,
+                        service=ack.from_instance,
+                    )
             timeout_s = 0
 
     def _ack_consumer(self, bootstrap: str) -> None:
@@ -248,6 +259,7 @@ class Transmitter:
             log.warning("%s", reason)
             self._failures[dest] = reason
             self.links.on_failed_connect(dest, address, reason, now)
+            self._audit("suppression", now, service=dest, reason=reason)
             return
         self._conns[dest] = _Connection(address, p, inbound)
         self._ack_consumer(address)
@@ -266,6 +278,7 @@ class Transmitter:
                 self._close(dest)
                 self.links.on_disconnect(dest, reason, now)
                 self.links.suppression.on_disconnect(dest, now)
+                self._audit("suppression", now, service=dest, reason=reason)
         self._delivery_errors.clear()
         live = set(self._conns)
         if not live:
@@ -282,6 +295,21 @@ class Transmitter:
                     on_delivery=self._delivered(dest),
                 )
             self.links.on_activity(dest, now, sent=1)
+            self._audit(
+                "transmit",
+                now,
+                service=record.to_service,
+                conversation_id=record.conversation_id,
+                message_id=record.message_id,
+                priority=record.priority,
+                enqueued_ms=record.enqueued_ms,
+                time_in_queue_ms=max(0, now - record.enqueued_ms),
+            )
+
+    def _audit(self, kind: AuditKind, now: int, **fields: Any) -> None:
+        self.audit.emit(
+            [AuditEvent(kind=kind, event_ms=now, instance=self.settings.instance, **fields)]
+        )
 
     def _delivered(self, dest: str) -> Any:
         def report(err: KafkaError | None, _msg: Message) -> None:

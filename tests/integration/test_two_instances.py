@@ -143,6 +143,19 @@ def test_request_reply_across_instances(pair: tuple[Instance, Instance]) -> None
     wait_endpoint(b.settings, m.conversation_handle, "CLOSED", timeout_s=30)
     # the transmission view drains: everything was acknowledged
     _wait_view_empty(a.settings)
+    # the transmitter reports what it sent and what was acknowledged to the audit topic
+    kinds = _audit_kinds(a.settings, {"transmit", "acknowledge"})
+    assert {"transmit", "acknowledge"} <= kinds
+
+
+def _audit_kinds(settings: Settings, wanted: set[str], timeout_s: float = 15) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_topic(settings, Names(settings.instance).audit)
+        kinds = {json.loads(v)["kind"] for _k, v in records if v}
+        if wanted <= kinds or time.monotonic() > deadline:
+            return kinds
+        time.sleep(0.2)
 
 
 def _wait_view_empty(settings: Settings, timeout_s: float = 30) -> dict[str, Any]:
