@@ -301,9 +301,10 @@ class Transmitter:
                 service=record.to_service,
                 conversation_id=record.conversation_id,
                 message_id=record.message_id,
-                priority=record.priority,
+                priority=self.queue.last_take.get(record.message_id, (record.priority, False))[0],
                 enqueued_ms=record.enqueued_ms,
                 time_in_queue_ms=max(0, now - record.enqueued_ms),
+                starvation_exception=self.queue.last_take.get(record.message_id, (0, False))[1],
             )
 
     def _audit(self, kind: AuditKind, now: int, **fields: Any) -> None:

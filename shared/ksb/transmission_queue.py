@@ -57,6 +57,8 @@ class TransmissionQueue:
         self._by_dir: dict[Direction, dict[int, str]] = {}
         self._retx: dict[Direction, Retransmitter] = {}
         self._acked: dict[Direction, int] = {}
+        self.last_take: dict[str, tuple[int, bool]] = {}
+        """Per message of the last `take`: (effective level, sent as a starvation exception)."""
 
     def __len__(self) -> int:
         return len(self._held)
@@ -98,10 +100,12 @@ class TransmissionQueue:
     def take(self, now_ms: int, destinations: Container[str], n: int) -> list[InboundMessage]:
         """Up to n messages for connected destinations, in schedule order, marked as sent."""
         out: list[InboundMessage] = []
+        self.last_take = {}
         while len(out) < n:
             s = self.scheduler.next(now_ms, destinations)
             if s is None:
                 break
+            self.last_take[s.pending.message_id] = (s.effective_level, s.starvation_exception)
             held = self._held[s.pending.message_id]
             if not held.sent_once:
                 held.sent_once = True
