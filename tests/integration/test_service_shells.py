@@ -28,7 +28,7 @@ def test_shell_starts_ticks_and_exits_zero_on_sigterm(
         proc.wait_ready(f"{name} ready", timeout_s=30)
         time.sleep(0.3)
         assert proc.alive(), proc.tail()
-        proc.stop(grace_s=1.0)  # past the grace it is SIGKILLed and the exit code is negative
+        proc.stop(grace_s=10.0)  # past the grace it is SIGKILLed and the exit code is negative
         assert proc.proc is not None
         assert proc.proc.returncode == 0, proc.tail()
         assert f"{name} stopped after" in proc.tail()
