@@ -170,8 +170,12 @@ def test_endpoints_leaked_errors_and_queue_peek(
     assert any(row["handle"] == first.conversation_handle for row in everything)
 
     leaks = json.loads(ok(ksb(settings, "endpoints", "--leaked", "--json")))
-    assert {row["handle"]: row["role"] for row in leaks} == {cleaned: "initiator"}
-    assert "still CONVERSING" in leaks[0]["reason"]
+    by_handle = {row["handle"]: row for row in leaks}
+    # The far side was cleaned up: reported at once. (The one-sided end may also show up already
+    # if this machine is slow enough for its 5 s grace to pass; it is checked below.)
+    assert by_handle[cleaned]["role"] == "initiator"
+    assert "still CONVERSING" in by_handle[cleaned]["reason"]
+    assert set(by_handle) <= {cleaned, ended_target}
 
     time.sleep(ONE_SIDED_GRACE_MS / 1000 + 0.5)
     leaks = json.loads(ok(ksb(settings, "endpoints", "--leaked", "--json")))
