@@ -41,6 +41,9 @@ class _Group:
     conversations: dict[str, _Conversation] = field(default_factory=dict)
     level: int = 0
     size: int = 0
+    since: int = 0
+    """Queuing order of the message that made the group ready: FIFO among equal levels, the same
+    for every reader whatever order it read the queue's partitions in."""
 
 
 class QueueIndex:
@@ -67,7 +70,9 @@ class QueueIndex:
         self.messages[m.message_id] = m
         g = self._groups.get(m.conversation_group_id)
         if g is None:
-            g = self._groups[m.conversation_group_id] = _Group()
+            g = self._groups[m.conversation_group_id] = _Group(since=m.queuing_order)
+        else:
+            g.since = min(g.since, m.queuing_order)
         c = g.conversations.get(m.conversation_handle)
         if c is None:
             c = g.conversations[m.conversation_handle] = _Conversation(m.priority, m.queuing_order)
@@ -110,7 +115,8 @@ class QueueIndex:
     def candidates(self, exclude: Container[str] = ()) -> Iterator[str]:
         """Groups with ready messages, highest priority first, then in the order they became ready."""
         for level in sorted(self._levels, reverse=True):
-            for group_id in list(self._levels[level]):
+            groups = self._groups
+            for group_id in sorted(self._levels[level], key=lambda g: groups[g].since):
                 if group_id not in exclude:
                     yield group_id
 

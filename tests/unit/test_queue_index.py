@@ -139,3 +139,12 @@ def test_receive_order_holds_for_random_mixes(
         received += len(batch)
         last_group_level = level
     assert received == len(msgs)
+
+
+def test_equal_levels_come_in_queuing_order_whatever_the_arrival_order() -> None:
+    """Readers fold a queue's partitions in any interleaving; all must agree on the order."""
+    early, late = msg("g-early", "a", 0), msg("g-late", "b", 0)
+    ix = QueueIndex("Q")
+    ix.apply(late.message_id, late, partition=1, offset=0)
+    ix.apply(early.message_id, early, partition=0, offset=0)
+    assert list(ix.candidates()) == ["g-early", "g-late"]
