@@ -30,9 +30,9 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from bench.prometheus import Prometheus
 from ksb import kafka
 from ksb.audit import AuditEvent
+from ksb.local_prometheus import Prometheus
 from ksb.localstack import free_port
 from ksb.names import Names
 from ksb.runner import ServiceProcess

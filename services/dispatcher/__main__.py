@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import logging
-import signal
-import threading
-
 from ksb.metrics import serve_metrics
+from ksb.service import configure_logging, stop_on_signals
 from ksb.settings import load_settings
 from services.dispatcher.service import Dispatcher
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s dispatcher %(levelname)s %(message)s"
-    )
+    configure_logging("dispatcher")
     settings = load_settings()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     serve_metrics(settings.metrics_port, host=settings.metrics_host)
     Dispatcher(settings).run(stop)
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import signal
-import threading
-
-from ksb.service import configure_logging
+from ksb.service import configure_logging, stop_on_signals
 from ksb.settings import load_settings
 from ksb.ticker import Intervals
 from services.transmitter.service import Transmitter
@@ -15,9 +12,7 @@ def main() -> None:
     configure_logging("transmitter")
     settings = load_settings()
     intervals = Intervals.from_env()
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _s, _f: stop.set())
+    stop = stop_on_signals()
     Transmitter(settings, intervals=intervals).run(stop)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from confluent_kafka import KafkaError, Message, Producer
 from pydantic import BaseModel, ConfigDict
@@ -168,21 +168,7 @@ def dispatcher_events(out: Outputs, now_ms: int, instance: str) -> list[AuditEve
         v = w.value
         if isinstance(v, QueueMessage):
             if v.status == 1:
-                events.append(
-                    AuditEvent(
-                        kind="enqueue",
-                        event_ms=now_ms,
-                        instance=instance,
-                        queue=v.queue,
-                        service=v.service_name,
-                        conversation_id=v.conversation_id,
-                        conversation_handle=v.conversation_handle,
-                        group=v.conversation_group_id,
-                        priority=v.priority,
-                        message_id=v.message_id,
-                        enqueued_ms=v.enqueued_ms,
-                    )
-                )
+                events.append(_message_event("enqueue", v, now_ms, instance))
         elif isinstance(v, CommitOutcome) and not v.applied:
             events.append(
                 AuditEvent(
@@ -213,21 +199,14 @@ def dispatcher_events(out: Outputs, now_ms: int, instance: str) -> list[AuditEve
                 )
             )
     for d in out.dead_letters:
-        m = d.message
+        time_in_queue = max(0, now_ms - d.message.enqueued_ms)
         events.append(
-            AuditEvent(
-                kind="dead_letter",
-                event_ms=now_ms,
-                instance=instance,
-                queue=m.queue,
-                service=m.service_name,
-                conversation_id=m.conversation_id,
-                conversation_handle=m.conversation_handle,
-                group=m.conversation_group_id,
-                priority=m.priority,
-                message_id=m.message_id,
-                enqueued_ms=m.enqueued_ms,
-                time_in_queue_ms=max(0, now_ms - m.enqueued_ms),
+            _message_event(
+                "dead_letter",
+                d.message,
+                now_ms,
+                instance,
+                time_in_queue_ms=time_in_queue,
                 reason=d.reason,
             )
         )
@@ -242,3 +221,23 @@ def dispatcher_events(out: Outputs, now_ms: int, instance: str) -> list[AuditEve
             )
         )
     return events
+
+
+def _message_event(
+    kind: AuditKind, m: QueueMessage, now_ms: int, instance: str, **extra: Any
+) -> AuditEvent:
+    """An event about one queued message, with the message's own identifying fields."""
+    return AuditEvent(
+        kind=kind,
+        event_ms=now_ms,
+        instance=instance,
+        queue=m.queue,
+        service=m.service_name,
+        conversation_id=m.conversation_id,
+        conversation_handle=m.conversation_handle,
+        group=m.conversation_group_id,
+        priority=m.priority,
+        message_id=m.message_id,
+        enqueued_ms=m.enqueued_ms,
+        **extra,
+    )

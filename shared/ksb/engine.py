@@ -307,7 +307,7 @@ class Engine:
                 f"handle {req.handle!r} is already in use", code="duplicate_handle"
             )
         cat = self.catalog
-        local = cat.service(req.from_service)
+        cat.service(req.from_service)  # an unknown sender is refused before anything else
         contract = cat.contract(req.contract)
         target = cat.services.get(req.to_service)
         if target is None:
@@ -318,30 +318,7 @@ class Engine:
                 f"service {target.name!r} does not accept contract {contract.name!r}",
                 code="contract_not_accepted",
             )
-        group = req.conversation_group_id or str(uuid.uuid4())
-        if req.related_conversation is not None:
-            group = stage.endpoint(req.related_conversation).group
-        conversation_id = req.handle
-        level = cat.priorities.level(contract.name, local.name, target.name)
-        lifetime = now + req.lifetime_s * 1000 if req.lifetime_s else None
-        stage.put(
-            Endpoint(
-                handle=req.handle,
-                conversation_id=conversation_id,
-                is_initiator=True,
-                state=State.STARTED_OUTBOUND,
-                local_service=local.name,
-                remote_service=target.name,
-                contract=contract.name,
-                queue=local.queue,
-                group=group,
-                priority=level,
-                far_handle=target_handle(conversation_id),
-                created_ms=now,
-                updated_ms=now,
-                lifetime_deadline_ms=lifetime,
-            )
-        )
+        self._put_initiator(stage, req, now, remote_service=target.name, far_instance=None)
 
     def _begin_remote(self, stage: _Stage, req: BeginRequest, now: int) -> None:
         """A target on another instance: the route names it; the far endpoint is not ours to make.
@@ -368,6 +345,22 @@ class Engine:
                 "which does not host it",
                 code="unknown_service",
             )
+        self._put_initiator(
+            stage, req, now, remote_service=req.to_service, far_instance=route.broker_instance
+        )
+
+    def _put_initiator(
+        self,
+        stage: _Stage,
+        req: BeginRequest,
+        now: int,
+        *,
+        remote_service: str,
+        far_instance: str | None,
+    ) -> None:
+        """The initiator endpoint, in the related conversation's group (or the named or a new one),
+        with the level its own catalog assigns; the conversation id is the initiator's handle."""
+        cat = self.catalog
         local = cat.service(req.from_service)
         contract = cat.contract(req.contract)
         group = req.conversation_group_id or str(uuid.uuid4())
@@ -380,16 +373,16 @@ class Engine:
                 is_initiator=True,
                 state=State.STARTED_OUTBOUND,
                 local_service=local.name,
-                remote_service=req.to_service,
+                remote_service=remote_service,
                 contract=contract.name,
                 queue=local.queue,
                 group=group,
-                priority=cat.priorities.level(contract.name, local.name, req.to_service),
+                priority=cat.priorities.level(contract.name, local.name, remote_service),
                 far_handle=target_handle(req.handle),
                 created_ms=now,
                 updated_ms=now,
                 lifetime_deadline_ms=now + req.lifetime_s * 1000 if req.lifetime_s else None,
-                far_instance=route.broker_instance,
+                far_instance=far_instance,
             )
         )
 

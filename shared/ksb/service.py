@@ -21,7 +21,7 @@ from ksb.metrics import HEALTHY, serve_metrics
 from ksb.settings import Settings
 from ksb.ticker import Ticker, TickSchedule
 
-__all__ = ["configure_logging", "run_service"]
+__all__ = ["configure_logging", "run_service", "stop_on_signals"]
 
 log = logging.getLogger("ksb.service")
 
@@ -31,6 +31,15 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 def configure_logging(name: str) -> None:
     """One line format for every service, with its name, so interleaved logs stay readable."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+
+
+def stop_on_signals() -> threading.Event:
+    """For a service's `main`: an event that SIGTERM or SIGINT sets, so the loop stops taking work
+    and drains instead of dying mid-transaction."""
+    stop = threading.Event()
+    for sig in _SIGNALS:
+        signal.signal(sig, lambda _s, _f: stop.set())
+    return stop
 
 
 def run_service(

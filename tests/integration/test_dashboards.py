@@ -22,9 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,12 +30,12 @@ from typing import Any
 
 import prometheus_client
 import pytest
-import yaml
 
 import ksb.metrics  # noqa: F401  (registers the services' metrics in the default registry)
 from ksb.catalog import parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
+from ksb.local_prometheus import Prometheus
 from ksb.localstack import free_port
 from ksb.runner import REPO_ROOT, ServiceProcess, service_env
 from ksb.settings import Settings
@@ -46,7 +43,6 @@ from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import receive_all
 
 DASHBOARDS = REPO_ROOT / "infra" / "grafana" / "dashboards"
-PROMETHEUS = "/usr/bin/prometheus"
 SHELLS = ("transmitter", "transport", "forwarder")
 SPARK_MAIN = REPO_ROOT / "shared" / "ksb" / "spark" / "__main__.py"
 # What `python -m ksb.spark` exports (sample names as Prometheus stores them).
@@ -135,80 +131,9 @@ def test_every_panel_metric_is_exported_and_spark_panels_are_tagged_exactly() ->
 
 
 # ----------------------------------------------------------------------------- the live check
-class Prometheus:
-    """Debian's prometheus on a free port, scraping `jobs` (name -> metrics port) every second."""
-
-    def __init__(self, workdir: Path, jobs: dict[str, int]) -> None:
-        workdir.mkdir(parents=True, exist_ok=True)
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [
-                {"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
-                for name, port in jobs.items()
-            ],
-        }
-        (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
-        self.jobs = jobs
-        self.port = free_port()
-        self.log_path = workdir / "prometheus.log"
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                [
-                    PROMETHEUS,
-                    f"--config.file={workdir / 'prometheus.yml'}",
-                    f"--storage.tsdb.path={workdir / 'tsdb'}",
-                    f"--web.listen-address=127.0.0.1:{self.port}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def wait_ready(self, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"prometheus exited:\n{self.log_path.read_text()}"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=2):
-                    return
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
-        raise TimeoutError(f"prometheus not ready:\n{self.log_path.read_text()}")
-
-    def query(self, expr: str) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
-            {"query": expr}
-        )
-        try:
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                body: dict[str, Any] = json.load(resp)
-        except urllib.error.HTTPError as exc:  # 400 for a query that does not parse
-            body = json.load(exc)
-        return body
-
-    def wait_targets_up(self, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        up: set[str] = set()
-        while time.monotonic() < deadline:
-            result = self.query("up == 1")["data"]["result"]
-            up = {r["metric"]["job"] for r in result}
-            if up >= set(self.jobs):
-                return
-            time.sleep(0.5)
-        raise TimeoutError(f"targets not up: {sorted(set(self.jobs) - up)}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 def problem(prom: Prometheus, q: PanelQuery, *, need_data: bool) -> str | None:
     """Why `q` fails (None if it passes): a parse/eval error, or no finite sample."""
-    body = prom.query(q.expr)
+    body = prom.answer(q.expr)
     if body.get("status") != "success":
         return f"{q}: {body.get('errorType')}: {body.get('error')}"
     if not need_data:

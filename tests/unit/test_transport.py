@@ -152,34 +152,14 @@ def test_expired_route_holds_messages_until_renewed() -> None:
 
 
 def test_take_reports_effective_level_and_starvation_exceptions() -> None:
-    from ksb.protocol import InboundMessage
-    from ksb.transmission_queue import TransmissionQueue
-
-    def rec(mid: str, conv: str, level: int, at: int) -> InboundMessage:
-        return InboundMessage(
-            kind="inbound",
-            message_id=mid,
-            conversation_id=conv,
-            from_instance="a",
-            to_instance="b",
-            from_service="S",
-            to_service="T",
-            contract="C",
-            message_type="M",
-            from_initiator=True,
-            seq=0,
-            priority=level,
-            enqueued_ms=at,
-        )
-
     q = TransmissionQueue(max_wait_ms=1_000)
-    q.add(rec("old", "c1", 1, 0))
-    q.add(rec("new", "c2", 10, 1_500))
+    q.add(_msg(0, "old", level=1, dest="b", t=0))
+    q.add(_msg(0, "new", level=10, dest="b", t=1_500))
     [first] = q.take(2_000, {"b"}, 1)
-    assert first.message_id == "old" and q.last_take["old"] == (1, True)  # waited past 1 s
+    assert first.message_id == "old-0" and q.last_take["old-0"] == (1, True)  # waited past 1 s
     [second] = q.take(2_000, {"b"}, 1)
-    assert second.message_id == "new" and q.last_take == {"new": (10, False)}
+    assert second.message_id == "new-0" and q.last_take == {"new-0": (10, False)}
     off = TransmissionQueue(honor_broker_priority=False)
-    off.add(rec("x", "c3", 9, 0))
+    off.add(_msg(0, "x", level=9, dest="b", t=0))
     off.take(0, {"b"}, 1)
-    assert off.last_take["x"] == (5, False)  # HONOR_BROKER_PRIORITY OFF: sent at 5
+    assert off.last_take["x-0"] == (5, False)  # HONOR_BROKER_PRIORITY OFF: sent at 5

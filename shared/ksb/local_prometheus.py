@@ -1,4 +1,7 @@
-"""A real Prometheus for the benchmarks: Debian's binary, a temp dir, a free port, 1 s scrapes."""
+"""A real Prometheus on loopback (Debian's binary, a temp dir, a free port, 1 s scrapes).
+
+The dashboard test and the Spark audit benchmark both use it to read what the services export.
+"""
 
 from __future__ import annotations
 
@@ -67,13 +70,22 @@ class Prometheus:
                 time.sleep(0.2)
         raise TimeoutError(f"prometheus not ready in {timeout_s}s")
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """An instant query's result vector (raises on an error answer)."""
+    def answer(self, expr: str) -> dict[str, Any]:
+        """The API's whole answer to an instant query, error answers included (400 for a query
+        that does not parse), so a caller can report why a query failed."""
         url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode(
             {"query": expr}
         )
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            body: dict[str, Any] = json.load(resp)
+        try:
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                body: dict[str, Any] = json.load(resp)
+        except urllib.error.HTTPError as exc:
+            body = json.load(exc)
+        return body
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query's result vector (raises on an error answer)."""
+        body = self.answer(expr)
         if body.get("status") != "success":
             raise RuntimeError(f"prometheus query {expr!r}: {body.get('error')}")
         result: list[dict[str, Any]] = body["data"]["result"]
