@@ -43,7 +43,7 @@ from ksb.sequencing import Backoff
 from ksb.settings import Settings
 from ksb.ticker import Intervals, Ticker
 from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import LOCAL_ADDRESS, Links, route_for, route_problem
+from ksb.transport import LOCAL_ADDRESS, Links, delivery_problem, route_for
 
 __all__ = ["Transmitter", "TransmitterOptions"]
 
@@ -203,12 +203,18 @@ class Transmitter:
 
     # ----------------------------------------------------------------- routes
     def _route_problem(self, record: InboundMessage) -> str | None:
-        return route_problem(
-            self.catalog, record.to_service, record.to_instance, self.clock.now_ms()
+        return delivery_problem(
+            self.catalog,
+            record.to_service,
+            record.to_instance,
+            self.settings.instance,
+            self.clock.now_ms(),
         )
 
     def _route(self, destination: str) -> Route | None:
-        return route_for(self.catalog, destination, self.clock.now_ms())
+        return route_for(
+            self.catalog, destination, self.clock.now_ms(), instance=self.settings.instance
+        )
 
     def _bootstrap(self, address: str) -> str:
         return self.settings.kafka_bootstrap if address == LOCAL_ADDRESS else address

@@ -475,6 +475,10 @@ class Engine:
             # The receiving side refuses the message and fails the dialog, as a target would.
             self._fail_dialog(stage, sender, receiver, VALIDATION_ERROR, exc.reason, now)
             return
+        if self._must_park(sender, receiver):
+            self._transmit(stage, sender, mtype.name, body, now, to_instance=self.instance)
+            return
+        receiver.recv_seq = sender.send_seq + 1
         self._enqueue(
             stage,
             receiver,
@@ -506,18 +510,40 @@ class Engine:
             return
         self._transmit(stage, sender, mtype.name, body, now)
 
+    def _must_park(self, sender: Endpoint, receiver: Endpoint) -> bool:
+        """Whether a local message goes through the transmission queue instead of straight in.
+
+        Local delivery skips the transmission queue unless the target queue is disabled; and once
+        one message of a direction waits there, every later one of that direction waits behind
+        it (the receiver's `recv_seq` lags the sender's `send_seq`), so order is never broken.
+        """
+        queue = self.catalog.queues.get(receiver.queue)
+        disabled = queue is not None and queue.status == "OFF"
+        return disabled or receiver.recv_seq < sender.send_seq
+
     def _transmit(
-        self, stage: _Stage, sender: Endpoint, message_type: str, body: bytes, now: int
+        self,
+        stage: _Stage,
+        sender: Endpoint,
+        message_type: str,
+        body: bytes,
+        now: int,
+        *,
+        to_instance: str | None = None,
     ) -> None:
-        """One transmission record, numbered in the sender's direction of the conversation."""
-        assert sender.far_instance is not None
+        """One transmission record, numbered in the sender's direction of the conversation.
+
+        `to_instance` is this instance for a local message held in the transmission queue.
+        """
+        destination = to_instance or sender.far_instance
+        assert destination is not None
         stage.out.transmissions.append(
             InboundMessage(
                 kind="inbound",
                 message_id=str(uuid.uuid4()),
                 conversation_id=sender.conversation_id,
                 from_instance=self.instance,
-                to_instance=sender.far_instance,
+                to_instance=destination,
                 from_service=sender.local_service,
                 to_service=sender.remote_service,
                 contract=sender.contract,
@@ -549,8 +575,15 @@ class Engine:
             # The conversation is over here (or never existed): acknowledge so the sender stops.
             stage.out.acks.append(_ack(msg, msg.seq, self.instance))
             return
+        queue = self.catalog.queues.get(receiver.queue)
+        if queue is not None and queue.status == "OFF":
+            # Not acknowledged: it stays in the sender's transmission queue and is sent again
+            # after the queue is enabled.
+            return
         window = self._windows.get(handle)
-        if window is None:
+        if window is None or window.next_seq != receiver.recv_seq:
+            # (A local dialog also moves `recv_seq` on direct deliveries, so a cached window can
+            # be behind it; the durable number wins.)
             window = ReceiveWindow(self._window_clock, next_seq=receiver.recv_seq)
             self._windows[handle] = window
         self._window_clock.now = now
@@ -717,6 +750,11 @@ class Engine:
                 State.ERROR,
             )
         ):
+            if self._must_park(ep, peer):
+                self._park_end(stage, ep, req, now)
+                ep.state = new_state
+                return
+            peer.recv_seq = ep.send_seq + 1
             if req.error_code is not None:
                 desc = req.error_description or ""
                 self._enqueue(
@@ -733,6 +771,15 @@ class Engine:
         ep.state = new_state
         if ep.state is State.CLOSED:
             self._drop_queued(stage, ep)
+
+    def _park_end(self, stage: _Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
+        """A local END behind parked messages: its EndDialog or Error waits in line with them,
+        and the peer's state changes when it is accepted (`_accept`), as for a remote peer."""
+        if req.error_code is not None:
+            body = _error_body(req.error_code, req.error_description or "")
+            self._transmit(stage, ep, ERROR, body, now, to_instance=self.instance)
+        else:
+            self._transmit(stage, ep, END_DIALOG, b"", now, to_instance=self.instance)
 
     def _add_inflight(self, mid: str, info: Inflight) -> None:
         old = self.inflight.get(mid)

@@ -6,8 +6,9 @@ goes next across all destinations (priority, starvation prevention, HONOR_BROKER
 `Retransmitter` per conversation direction decides what to send again and when. Acknowledgements
 are cumulative, so an acknowledged message leaves at once, wherever it is (waiting or in flight).
 
-A message whose target service has no route is held aside with that reason in the view and is
-reconsidered on every reclassification (catalog change, every 2nd tick); it never stops the rest.
+A message whose target service has no route (or, for a local message, whose target queue is
+disabled) is held aside with that reason in the view and is reconsidered on every reclassification
+(catalog change, every 2nd tick); it never stops the rest.
 After a reconnection everything unacknowledged for that destination is queued again at once rather
 than waiting out its backoff, because the likely reason it went unacknowledged was the broken link.
 """
@@ -21,7 +22,7 @@ from typing import Any
 from ksb.protocol import AckRecord, InboundMessage
 from ksb.sequencing import Backoff, Retransmitter
 from ksb.transmission import Pending, TransmissionScheduler
-from ksb.transport import ROUTE_EXPIRED
+from ksb.transport import QUEUE_DISABLED, ROUTE_EXPIRED
 
 __all__ = ["Direction", "TransmissionQueue"]
 
@@ -180,7 +181,7 @@ class TransmissionQueue:
         )[:limit]:
             r = h.record
             if h.no_route is not None:
-                status = "ROUTE_EXPIRED" if h.no_route.startswith(ROUTE_EXPIRED) else "NO_ROUTE"
+                status = _held_status(h.no_route)
             elif mid in effective:
                 status = "RETRY" if h.sent_once else "PENDING"
             else:
@@ -203,6 +204,14 @@ class TransmissionQueue:
                 }
             )
         return rows
+
+
+def _held_status(reason: str) -> str:
+    if reason.startswith(ROUTE_EXPIRED):
+        return "ROUTE_EXPIRED"
+    if reason.startswith(QUEUE_DISABLED):
+        return "QUEUE_DISABLED"
+    return "NO_ROUTE"
 
 
 def _order(r: InboundMessage) -> tuple[int, str, bool, int]:

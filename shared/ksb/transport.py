@@ -22,13 +22,48 @@ from typing import Any
 from ksb.catalog import CatalogView, Route
 from ksb.ticker import Intervals, Suppression, idle_to_close
 
-__all__ = ["LOCAL_ADDRESS", "ROUTE_EXPIRED", "Link", "Links", "route_for", "route_problem"]
+__all__ = [
+    "LOCAL_ADDRESS",
+    "QUEUE_DISABLED",
+    "ROUTE_EXPIRED",
+    "Link",
+    "Links",
+    "delivery_problem",
+    "route_for",
+    "route_problem",
+]
 
 LOCAL_ADDRESS = "LOCAL"
 """A route address meaning the cluster this instance runs on."""
 
 ROUTE_EXPIRED = "route expired"
 """How the reason for a message held behind an expired route begins (status ``ROUTE_EXPIRED``)."""
+
+
+QUEUE_DISABLED = "target queue disabled"
+"""How the reason for a local message held behind a disabled queue begins (status ``QUEUE_DISABLED``)."""
+
+
+def delivery_problem(
+    view: CatalogView, to_service: str, to_instance: str, instance: str, now_ms: int
+) -> str | None:
+    """Why a transmission record cannot be sent now (None: it can).
+
+    A record for this very `instance` is a local message that the dispatcher held back because
+    its target queue was disabled (or an earlier one of its conversation was held): it needs no
+    route, only the queue enabled again. Anything else needs a usable route.
+    """
+    if to_instance != instance:
+        return route_problem(view, to_service, to_instance, now_ms)
+    service = view.services.get(to_service)
+    if service is None:
+        return f"service {to_service!r} is no longer hosted on this instance"
+    queue = view.queues.get(service.queue)
+    if queue is not None and queue.status == "OFF":
+        return (
+            f"{QUEUE_DISABLED}: queue {queue.name!r} has STATUS = OFF; ALTER QUEUE ... STATUS = ON"
+        )
+    return None
 
 
 def route_problem(view: CatalogView, to_service: str, to_instance: str, now_ms: int) -> str | None:
@@ -54,8 +89,15 @@ def route_problem(view: CatalogView, to_service: str, to_instance: str, now_ms: 
     return None
 
 
-def route_for(view: CatalogView, destination: str, now_ms: int) -> Route | None:
-    """A usable (unexpired) route to broker instance `destination`: its address and next hop."""
+def route_for(
+    view: CatalogView, destination: str, now_ms: int, *, instance: str | None = None
+) -> Route | None:
+    """A usable (unexpired) route to broker instance `destination`: its address and next hop.
+
+    `instance` (ours) always has one, to our own cluster: held-back local messages go that way.
+    """
+    if destination == instance:
+        return Route(name="(local)", service_name="*", broker_instance=instance)
     for route in view.routes.values():
         if route.broker_instance != destination:
             continue

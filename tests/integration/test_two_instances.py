@@ -414,3 +414,52 @@ def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance])
     ]
     assert kinds.count("fragment") >= 4 and kinds.count("inbound") >= 1
     _wait_view_empty(a.settings)
+
+
+@pytest.fixture
+def solo(stack: Stack, unique: str) -> Iterator[Instance]:
+    """One instance with a transmitter: local dialogs whose target queue gets disabled."""
+    s = Settings(
+        instance=f"t{unique}S",
+        kafka_bootstrap=stack.kafka_bootstrap,
+        redis_url=stack.redis_url,
+        lock_ttl_ms=15_000,
+    )
+    inst = Instance(s, _with_target_queue(BASIC_CATALOG, "OFF"))
+    try:
+        yield inst
+    finally:
+        inst.close()
+
+
+def _with_target_queue(catalog: dict[str, Any], status: str) -> dict[str, Any]:
+    queues = [
+        {**q, "status": status} if q["name"] == "TargetQueue" else q for q in catalog["queues"]
+    ]
+    return {**catalog, "queues": queues}
+
+
+def test_local_messages_wait_in_the_transmission_queue_while_the_target_queue_is_disabled(
+    solo: Instance,
+) -> None:
+    """Issue 3: a local message that cannot be delivered waits in the transmission queue with the
+    reason, ordered by its level, and is delivered exactly once, in order, after ALTER QUEUE ON."""
+    handles = _flow(solo, 4, 5)
+    rows = _wait_view(solo.settings, lambda v: len(v["messages"]) == 20)["messages"]
+    assert {r["status"] for r in rows} == {"QUEUE_DISABLED"}
+    assert all("'TargetQueue'" in r["last_failure"] for r in rows)
+    assert {r["to_instance"] for r in rows} == {solo.settings.instance}
+    with solo.client.transaction() as tx:
+        assert tx.receive("TargetQueue", waitfor_ms=300) == []  # nothing reached the queue
+    # For the sender nothing failed: its SENDs were accepted, the dialog goes on.
+    assert endpoints(solo.settings)[handles[0]].state.name == "CONVERSING"
+    apply_catalog(solo.settings, parse_catalog(_with_target_queue(BASIC_CATALOG, "ON")))
+    # Sent after the queue came back, but behind the held ones of its conversation.
+    solo.client.send(handles[0], "//t/Request", json.dumps({"conv": 0, "n": 5}))
+    solo.client.flush()
+    got = receive_all(solo.client, "TargetQueue", 21, timeout_s=60)
+    bodies = [json.loads(m.message_body) for m in got]
+    assert [b["n"] for b in bodies if b["conv"] == 0] == [0, 1, 2, 3, 4, 5]
+    check_exactly_once_in_order([b for b in bodies if b["n"] < 5], 4, 5)
+    assert len({m.message_id for m in got}) == 21
+    _wait_view_empty(solo.settings)
