@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -89,8 +91,11 @@ class Transmitter:
         self.ready = threading.Event()
         self.links = Links(self.intervals)
         self.queue = TransmissionQueue(
-            max_wait_ms=self.options.max_wait_ms, backoff=self.options.backoff
+            max_wait_ms=self.options.max_wait_ms,
+            backoff=self.options.backoff,
+            max_held_bytes=settings.transmitter_memory_bytes,
         )
+        self._tx_position = 0  # next offset of `transmission` the main consumer will read
         self.catalog = CatalogView(load_catalog(settings))
         self._conns: dict[str, _Connection] = {}
         self._acks: dict[str, Consumer] = {}  # bootstrap servers -> consumer of our acks topic
@@ -113,6 +118,8 @@ class Transmitter:
         ticker.every(1, "retransmit", lambda _t: self._retransmit())
         ticker.every(2, "connect", lambda _t: self._connect_pending())
         ticker.every(2, "reclassify", lambda _t: self._reclassify())
+        ticker.every(2, "reregister", lambda _t: self._reregister())
+        ticker.every(2, "trim_caches", lambda _t: self._trim_caches())
         ticker.every(5, "close_idle", lambda _t: self._close_idle())
         ticker.every(5, "cleanup_acked", lambda _t: self._poll_acks(0))
         self.links.restore_suppression(_load_suppression(r, self.names), self.clock.now_ms())
@@ -168,9 +175,36 @@ class Transmitter:
             except ValueError as exc:
                 log.warning("unreadable transmission record at %s: %s", m.offset(), exc)
                 continue
-            self.queue.add(record, self._route_problem(record))
+            offset = m.offset() or 0
+            self.queue.add(record, self._route_problem(record), offset=offset)
+            self._tx_position = offset + 1
             n += 1
         return n
+
+    def _reregister(self) -> None:
+        """Dialogs set aside at the memory limit get their records back once memory frees up:
+        re-read `transmission` from the earliest one up to where the main consumer is."""
+        start = self.queue.replay_from()
+        if start is None or start >= self._tx_position:
+            return
+        c = kafka.consumer(self.settings)
+        try:
+            c.assign([TopicPartition(self.names.transmission, 0, start)])
+            held = self.queue.reregister(_records_until(c, self._tx_position), self._route_problem)
+        finally:
+            c.close()
+        log.info(
+            "re-registered %d message(s) of dialogs set aside for memory; %d direction(s) still wait",
+            held,
+            self.queue.unclassified,
+        )
+
+    def _trim_caches(self) -> None:
+        """Forget failure reasons of destinations that have nothing left to send."""
+        pending = self.queue.destinations()
+        for dest in list(self._failures):
+            if dest not in pending:
+                del self._failures[dest]
 
     def _poll_acks(self, timeout_s: float) -> None:
         for c in list(self._acks.values()):
@@ -376,6 +410,33 @@ def _load_suppression(r: redis.Redis, names: Names) -> dict[str, int]:
     except redis.RedisError:
         return {}
     return {k.decode(): int(v) for k, v in raw}
+
+
+def _records_until(
+    c: Consumer, end: int, timeout_s: float = 30
+) -> Iterator[tuple[int, InboundMessage]]:
+    """(offset, record) from the consumer's position up to `end` (exclusive), readable ones only."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for m in c.consume(500, 0.2):
+            if m.error() is not None or m.value() is None:
+                continue
+            offset = m.offset() or 0
+            if offset >= end:
+                return
+            record = _parse(m.value() or b"")
+            if record is not None:
+                yield offset, record
+            if offset + 1 >= end:
+                return
+    raise TimeoutError(f"could not re-read the transmission topic up to offset {end}")
+
+
+def _parse(raw: bytes) -> InboundMessage | None:
+    try:
+        return InboundMessage.model_validate_json(raw)
+    except ValueError:
+        return None
 
 
 def _log_error(m: Message) -> None:

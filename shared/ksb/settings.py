@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(1_048_576, ge=0)
     fragment_bytes: int = Field(262_144, ge=1024)
     """Inbound records longer than this cross instances as fragments (`ksb.fragments`)."""
+    transmitter_memory_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    """What the transmitter may hold in memory; beyond it, dialogs wait unclassified (issue 5)."""
     lock_ttl_ms: int = Field(30_000, ge=100)
     txn_timeout_ms: int = Field(10_000, ge=1000)
     batch_max: int = Field(500, ge=1)

@@ -11,11 +11,20 @@ disabled) is held aside with that reason in the view and is reconsidered on ever
 (catalog change, every 2nd tick); it never stops the rest.
 After a reconnection everything unacknowledged for that destination is queued again at once rather
 than waiting out its backoff, because the likely reason it went unacknowledged was the broken link.
+
+Memory is bounded (`max_held_bytes`). A record that does not fit *unclassifies* its dialog
+direction: the queue keeps only where that direction's first missing record lies in the
+``transmission`` topic and skips every later record of it, so what is held is always a prefix of
+each direction and nothing is reordered. When the held bytes fall back under half the budget, a
+reclassification re-reads the topic from the earliest such offset (`replay_from`, `reregister`):
+the directions get their records back in order, as many as fit. That is Service Broker's
+reclassification after a resource limit: a pause for those dialogs, never a loss or a duplicate
+(the topic keeps every record until it is acknowledged, and acknowledged ones are skipped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +33,7 @@ from ksb.sequencing import Backoff, Retransmitter
 from ksb.transmission import Pending, TransmissionScheduler
 from ksb.transport import QUEUE_DISABLED, ROUTE_EXPIRED
 
-__all__ = ["Direction", "TransmissionQueue"]
+__all__ = ["WAITING_FOR_MEMORY", "Direction", "TransmissionQueue", "held_size"]
 
 Direction = tuple[str, bool]
 """(conversation id, sent by the initiator): one numbered stream of messages."""
@@ -40,6 +49,28 @@ class _Held:
     no_route: str | None = None
 
 
+@dataclass(frozen=True)
+class _Unclassified:
+    """A dialog direction set aside for lack of memory: its first record not held, and where."""
+
+    offset: int
+    first: InboundMessage
+
+
+WAITING_FOR_MEMORY = (
+    "transmitter memory limit reached: this dialog direction is unclassified from this message "
+    "on and is re-registered when memory frees up"
+)
+
+RECORD_OVERHEAD_BYTES = 512
+"""Bookkeeping per held record beyond its body (model, dict entries, scheduler entry)."""
+
+
+def held_size(record: InboundMessage) -> int:
+    """What holding `record` costs against the memory budget."""
+    return len(record.body or "") + len(record.body_b64 or "") + RECORD_OVERHEAD_BYTES
+
+
 class TransmissionQueue:
     """Unacknowledged outbound messages, their order, their retransmission and their view."""
 
@@ -49,8 +80,12 @@ class TransmissionQueue:
         honor_broker_priority: bool = True,
         max_wait_ms: int = 10_000,
         backoff: Backoff | None = None,
+        max_held_bytes: int | None = None,
     ) -> None:
         self._max_wait_ms = max_wait_ms
+        self._max_held_bytes = max_held_bytes
+        self.held_bytes = 0
+        self._unclassified: dict[Direction, _Unclassified] = {}
         self._backoff = backoff or Backoff()
         self.scheduler = TransmissionScheduler(honor_broker_priority, max_wait_ms)
         self._honor = honor_broker_priority
@@ -65,16 +100,79 @@ class TransmissionQueue:
         return len(self._held)
 
     # -- input --------------------------------------------------------------------------------
-    def add(self, record: InboundMessage, route_problem: str | None = None) -> bool:
-        """A record from the transmission topic; False if it was already acknowledged or known."""
+    def add(
+        self, record: InboundMessage, route_problem: str | None = None, *, offset: int = -1
+    ) -> bool:
+        """A record from the transmission topic at `offset`; False if it is not held now: already
+        acknowledged or known, or its direction is (or just became) unclassified for memory."""
         d = (record.conversation_id, record.from_initiator)
         if record.seq <= self._acked.get(d, -1) or record.message_id in self._held:
             return False
+        if d in self._unclassified:
+            return False
+        if not self._fits(record):
+            self._unclassified[d] = _Unclassified(offset, record)
+            return False
+        self._hold(d, record, route_problem)
+        return True
+
+    def _fits(self, record: InboundMessage) -> bool:
+        if self._max_held_bytes is None:
+            return True
+        return self.held_bytes + held_size(record) <= self._max_held_bytes
+
+    def _hold(self, d: Direction, record: InboundMessage, route_problem: str | None) -> None:
+        self.held_bytes += held_size(record)
         self._held[record.message_id] = _Held(record, no_route=route_problem)
         self._by_dir.setdefault(d, {})[record.seq] = record.message_id
         if route_problem is None:
             self.scheduler.add(_pending(record))
-        return True
+
+    # -- reclassification after a memory limit ---------------------------------------------------
+    @property
+    def unclassified(self) -> int:
+        """Dialog directions waiting for memory."""
+        return len(self._unclassified)
+
+    def replay_from(self) -> int | None:
+        """Where to re-read the topic to re-register unclassified dialogs, or None: nothing is
+        waiting, or memory has not come back (under half the budget) yet."""
+        if not self._unclassified:
+            return None
+        if self._max_held_bytes is not None and self.held_bytes * 2 > self._max_held_bytes:
+            return None
+        return min(u.offset for u in self._unclassified.values())
+
+    def reregister(
+        self, records: Iterable[tuple[int, InboundMessage]], route_problem: RouteOf
+    ) -> int:
+        """Re-read records (offset order, from `replay_from` up to what `add` has seen): give each
+        unclassified direction back its records in order while they fit. A direction that fits
+        to the end is classified again; one that does not keeps its new first offset."""
+        waiting = self._unclassified
+        self._unclassified = {}
+        stopped: dict[Direction, _Unclassified] = {}
+        held = 0
+        try:
+            for offset, record in records:
+                d = (record.conversation_id, record.from_initiator)
+                u = waiting.get(d)
+                if u is None or offset < u.offset or d in stopped:
+                    continue
+                if record.seq <= self._acked.get(d, -1) or record.message_id in self._held:
+                    continue
+                if not self._fits(record):
+                    stopped[d] = _Unclassified(offset, record)
+                    continue
+                self._hold(d, record, route_problem(record))
+                held += 1
+        except BaseException:
+            # A read that broke off: every direction still waits (what was held is skipped
+            # as known on the next pass), so nothing is lost.
+            self._unclassified = {**waiting, **stopped}
+            raise
+        self._unclassified = stopped
+        return held
 
     def ack(self, ack: AckRecord) -> int:
         """Forget every message the ack covers; returns how many left the queue."""
@@ -89,8 +187,11 @@ class TransmissionQueue:
         done = [s for s in seqs if s <= ack.ack_seq]
         for s in done:
             mid = seqs.pop(s)
-            self._held.pop(mid, None)
+            gone = self._held.pop(mid, None)
+            if gone is not None:
+                self.held_bytes -= held_size(gone.record)
             self.scheduler.remove(mid)
+
         if not seqs:
             self._by_dir.pop(d, None)
             if retx is not None and retx.unacked == 0:
@@ -166,6 +267,10 @@ class TransmissionQueue:
             depth[h.record.priority] = depth.get(h.record.priority, 0) + 1
         return depth
 
+    def destinations(self) -> set[str]:
+        """Every destination with an unacknowledged message, waiting or not."""
+        return {h.record.to_instance for h in self._held.values()}
+
     def pending_destinations(self) -> set[str]:
         return {h.record.to_instance for mid, h in self._held.items() if mid in self.scheduler}
 
@@ -174,7 +279,10 @@ class TransmissionQueue:
     ) -> list[dict[str, Any]]:
         """Like sys.transmission_queue: one row per unacknowledged message, next to go first."""
         effective = {r.message_id: r.effective_level for r in self.scheduler.waiting(now_ms)}
-        rows: list[dict[str, Any]] = []
+        rows = [
+            _row(u.first, now_ms, "WAITING_FOR_MEMORY", WAITING_FOR_MEMORY, None)
+            for u in self._unclassified.values()
+        ]
         for mid, h in sorted(
             self._held.items(),
             key=lambda kv: (-kv[1].record.priority, _order(kv[1].record)),
@@ -187,23 +295,27 @@ class TransmissionQueue:
             else:
                 status = "SENT"
             reason = h.no_route or failures.get(r.to_instance)
-            rows.append(
-                {
-                    "message_id": mid,
-                    "conversation_id": r.conversation_id,
-                    "from_initiator": r.from_initiator,
-                    "seq": r.seq,
-                    "to_service": r.to_service,
-                    "to_instance": r.to_instance,
-                    "message_type": r.message_type,
-                    "priority": r.priority,
-                    "effective_priority": effective.get(mid),
-                    "status": status,
-                    "waited_ms": now_ms - r.enqueued_ms,
-                    "last_failure": reason,
-                }
-            )
+            rows.append(_row(r, now_ms, status, reason, effective.get(mid)))
         return rows
+
+
+def _row(
+    r: InboundMessage, now_ms: int, status: str, reason: str | None, effective: int | None
+) -> dict[str, Any]:
+    return {
+        "message_id": r.message_id,
+        "conversation_id": r.conversation_id,
+        "from_initiator": r.from_initiator,
+        "seq": r.seq,
+        "to_service": r.to_service,
+        "to_instance": r.to_instance,
+        "message_type": r.message_type,
+        "priority": r.priority,
+        "effective_priority": effective,
+        "status": status,
+        "waited_ms": now_ms - r.enqueued_ms,
+        "last_failure": reason,
+    }
 
 
 def _held_status(reason: str) -> str:

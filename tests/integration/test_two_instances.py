@@ -463,3 +463,54 @@ def test_local_messages_wait_in_the_transmission_queue_while_the_target_queue_is
     check_exactly_once_in_order([b for b in bodies if b["n"] < 5], 4, 5)
     assert len({m.message_id for m in got}) == 21
     _wait_view_empty(solo.settings)
+
+
+@pytest.fixture
+def tight_pair(stack: Stack, unique: str) -> Iterator[tuple[Instance, Instance]]:
+    """A and B where A's transmitter may hold only ~16 messages of 1 KB in memory."""
+
+    def settings(name: str, **extra: Any) -> Settings:
+        return Settings(
+            instance=f"t{unique}{name}",
+            kafka_bootstrap=stack.kafka_bootstrap,
+            redis_url=stack.redis_url,
+            lock_ttl_ms=15_000,
+            **extra,
+        )
+
+    sa, sb = settings("A", transmitter_memory_bytes=24_576), settings("B")
+    ca, cb = _catalogs()
+    ca["routes"][0]["broker_instance"] = sb.instance
+    cb["routes"][0]["broker_instance"] = sa.instance
+    b = Instance(sb, cb)
+    a = Instance(sa, ca)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def test_memory_limit_unclassifies_dialogs_and_loses_nothing(
+    tight_pair: tuple[Instance, Instance],
+) -> None:
+    """Issue 5: over its memory budget the transmitter sets dialogs aside (WAITING_FOR_MEMORY in
+    the view) and re-registers them from the topic as acks free memory: exactly once, in order."""
+    a, b = tight_pair
+    pad = "x" * 1_000
+    handles = [a.client.begin_dialog(I, T, C) for _ in range(10)]
+    for k in range(20):
+        for i, h in enumerate(handles):
+            a.client.send(h, "//t/Request", json.dumps({"conv": i, "n": k, "pad": pad}))
+    a.client.flush()
+    seen = _wait_view(
+        a.settings,
+        lambda v: any(m["status"] == "WAITING_FOR_MEMORY" for m in v["messages"]),
+    )
+    waiting = [m for m in seen["messages"] if m["status"] == "WAITING_FOR_MEMORY"]
+    assert waiting and "memory limit" in waiting[0]["last_failure"]
+    got = receive_all(b.client, "TargetQueue", 200, timeout_s=120)
+    bodies = [json.loads(m.message_body) for m in got]
+    check_exactly_once_in_order([{"conv": x["conv"], "n": x["n"]} for x in bodies], 10, 20)
+    assert len({m.message_id for m in got}) == 200
+    _wait_view_empty(a.settings, timeout_s=60)
