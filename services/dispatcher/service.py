@@ -4,6 +4,21 @@ It consumes the requests topic and writes each batch's outputs, endpoint changes
 in one Kafka transaction. On start, and after any failed transaction, it rebuilds the engine from
 Kafka (catalog, endpoints, queue topics) after fencing any older dispatcher with init_transactions, so
 a crash at any point neither loses nor duplicates a message.
+
+Periodic tasks (`ksb.ticker`, every ``settings.tick_ms``):
+
+* every tick, the task handlers (`ksb.task_handlers`) are checked and a dead one is restarted;
+* a broker that failed to start (no catalog applied yet, an unreadable catalog record, missing queue
+  topics, Kafka unreachable) is retried every 5th tick, or on the next tick after a new catalog
+  record (`ksb.broker_start`). Until then the process stays up with health 0 and the reason in the
+  ``ksb_broker_info`` metric, the log and a BCN.
+
+What runs on the task handlers: publishing broker configuration notifications (BCNs) to
+``ksb.<instance>.bcn``. A BCN is not part of any dispatcher transaction (a failed start has none, and
+the catalog change it reports was written by whoever applied it), and waiting for Kafka to acknowledge
+it, for seconds while Kafka is down, must not stall the transaction loop or the retry ticks. The
+per-commit metrics stay inline on purpose: they are CPU work that a thread hop under the GIL would
+only make slower.
 """
 
 from __future__ import annotations
@@ -11,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from confluent_kafka import (
     TIMESTAMP_NOT_AVAILABLE,
@@ -19,12 +35,21 @@ from confluent_kafka import (
     KafkaException,
     Message,
     Producer,
+    TopicPartition,
 )
+from confluent_kafka.admin import AdminClient
 from prometheus_client import Histogram
 
 from ksb import kafka
 from ksb.audit import Audit, KafkaAudit, dispatcher_events
-from ksb.catalog import CatalogView
+from ksb.broker_start import (
+    BROKER_RETRY_EVERY,
+    BrokerNotStarted,
+    BrokerStart,
+    failure_from_exception,
+    start_problem,
+)
+from ksb.catalog import Catalog, CatalogView
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
 from ksb.endpoint import decode_endpoint, encode_endpoint
@@ -32,6 +57,8 @@ from ksb.engine import Engine, Outputs
 from ksb.errors import ProtocolError
 from ksb.fragments import Reassembler
 from ksb.metrics import (
+    BROKER_START_FAILURES,
+    BROKER_STATUS,
     COMMITS,
     ERRORS,
     HEALTHY,
@@ -45,6 +72,7 @@ from ksb.metrics import (
 from ksb.names import Names
 from ksb.protocol import (
     AnyRequest,
+    BrokerNotification,
     CommitOutcome,
     CommitRequest,
     FragmentRecord,
@@ -55,11 +83,19 @@ from ksb.protocol import (
     parse_request,
 )
 from ksb.settings import Settings
+from ksb.task_handlers import TaskHandlers, TaskQueueFull
+from ksb.ticker import Ticker, TickSchedule
 
-__all__ = ["REASSEMBLY_STALE_MS", "Dispatcher"]
+__all__ = ["REASSEMBLY_STALE_MS", "START_TIMEOUT_S", "Dispatcher"]
 
 REASSEMBLY_STALE_MS = 60_000
 """A large inbound message still missing fragments this long after its first one is forgotten."""
+
+START_TIMEOUT_S = 10.0
+"""How long one start attempt waits for Kafka's metadata before it counts as failed."""
+
+BCN_FLUSH_S = 10.0
+"""How long a task handler waits for Kafka to acknowledge BCNs before logging that they are late."""
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -67,11 +103,28 @@ log = logging.getLogger("ksb.dispatcher")
 class Dispatcher:
     """One broker instance's dispatcher (run one; a second one fences the first)."""
 
-    def __init__(self, settings: Settings, *, clock: Clock | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        clock: Clock | None = None,
+        task_handlers: int | None = None,
+        retry_every_ticks: int = BROKER_RETRY_EVERY,
+    ) -> None:
         self.settings = settings
         self.names = Names(settings.instance)
         self.clock = clock or SystemClock()
         self.ready = threading.Event()
+        """Set once the broker has started and the dispatcher takes requests."""
+        self.broker = BrokerStart(settings.instance, retry_every=retry_every_ticks)
+        self.handlers = TaskHandlers("dispatcher", task_handlers)
+        """Async work off the transaction loop: BCN publishing (2 x CPUs unless given)."""
+        self.ticker = Ticker(self.clock.now_ms(), TickSchedule(tick_ms=settings.tick_ms))
+        self.ticker.every(1, "task_handlers", self.handlers.on_tick)
+        self.ticker.every(1, "broker_start", self._broker_tick)
+        self._bcn = _BcnPublisher(settings, self.names, self.handlers)
+        self._catalog_probe: Consumer | None = None
+        self._catalog_end: int | None = None
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
         self._watcher: CatalogWatcher | None = None
@@ -83,23 +136,113 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
+        """Start the broker, or raise what keeps it from starting (`BrokerNotStarted`, Kafka's)."""
         s = self.settings
-        kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
+        admin = kafka.admin(s)
+        kafka.ensure_topics(admin, kafka.core_topics(self.names, s), timeout_s=START_TIMEOUT_S)
+        catalog = load_catalog(s)
+        problem = start_problem(s.instance, catalog.version, self._missing_topics(admin, catalog))
+        if problem is not None:
+            raise BrokerNotStarted(problem)
         self._producer = kafka.producer(
             s, transactional_id=self.names.dispatcher_txn_id, extra={"linger.ms": 1}
         )
         self._producer.init_transactions(60)
         # Audit events go through the transactional producer: they commit with what they describe.
         self.audit = Audit(KafkaAudit(self._producer, self.names))
-        self._rebuild()
+        self._rebuild(catalog)
         self._consumer = kafka.consumer(s, group=self.names.dispatcher_group)
         self._consumer.subscribe([self.names.requests, self.names.inbound])
+
+    def _missing_topics(self, admin: AdminClient, catalog: Catalog) -> list[str]:
+        """The catalog's queue and dead-letter topics that Kafka does not have (yet)."""
+        existing = set(admin.list_topics(timeout=START_TIMEOUT_S).topics)
+        wanted = [self.names.queue(q.name) for q in catalog.queues]
+        wanted += [self.names.dead_letters(q.name) for q in catalog.queues]
+        return [t for t in wanted if t not in existing]
+
+    def try_start(self, tick: int) -> bool:
+        """One start attempt on `tick`; a failure is reported (log, metrics, BCN), not raised."""
+        self.broker.attempt(tick)
+        self._catalog_moved()  # the baseline: a catalog record from now on makes a change
+        try:
+            self.start()
+        except Exception as exc:
+            failure = failure_from_exception(exc)
+            if failure.code == "start_error":  # not a configuration problem: keep the traceback
+                log.exception("start attempt %d raised", self.broker.attempts)
+            self._discard_clients()
+            self._publish(self.broker.on_failed(failure, self.clock.now_ms()))
+            BROKER_START_FAILURES.labels("dispatcher", failure.code).inc()
+            self._export_status()
+            log.warning(
+                "broker not started (attempt %d, %s): %s; retrying every %d ticks",
+                self.broker.attempts,
+                failure.code,
+                failure.reason,
+                self.broker.retry_every,
+            )
+            return False
+        assert self.engine is not None
+        self._close_catalog_probe()
+        self._publish(self.broker.on_started(self.engine.catalog.version, self.clock.now_ms()))
+        self._export_status()
         self.ready.set()
         log.info("dispatcher ready (instance %s)", self.settings.instance)
+        return True
 
-    def _rebuild(self) -> None:
+    def _broker_tick(self, tick: int) -> None:
+        """The every-5th-tick retry (and the next tick after a new catalog record)."""
+        if self.broker.started:
+            return
+        if self._catalog_moved():
+            self.broker.note_configuration_change()
+        if self.broker.due(tick):
+            self.try_start(tick)
+
+    def _catalog_moved(self) -> bool:
+        """Whether a catalog record arrived since the last look (a cheap watermark query)."""
+        try:
+            if self._catalog_probe is None:
+                self._catalog_probe = kafka.consumer(self.settings)
+            _low, end = self._catalog_probe.get_watermark_offsets(
+                TopicPartition(self.names.catalog, 0), timeout=1.0
+            )
+        except KafkaException:
+            return False  # Kafka or the topic is not there yet: the 5th tick retries anyway
+        moved = self._catalog_end is not None and end != self._catalog_end
+        self._catalog_end = end
+        return moved
+
+    def _close_catalog_probe(self) -> None:
+        if self._catalog_probe is not None:
+            self._catalog_probe.close()
+            self._catalog_probe = None
+
+    def _export_status(self) -> None:
+        status = self.broker.status()
+        HEALTHY.labels("dispatcher").set(1 if self.broker.started else 0)
+        BROKER_STATUS.labels("dispatcher").info({k: str(v) for k, v in status.items()})
+
+    def _publish(self, bcn: BrokerNotification | None) -> None:
+        if bcn is not None:
+            self._bcn.publish(bcn)
+
+    def _discard_clients(self) -> None:
+        """Drop what a failed start attempt built, so the next attempt starts clean."""
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+        if self._watcher is not None:
+            self._watcher.close()
+            self._watcher = None
+        self._producer = None
+        self.engine = None
+        self.audit = Audit()
+
+    def _rebuild(self, catalog: Catalog | None = None) -> None:
         s = self.settings
-        view = CatalogView(load_catalog(s))
+        view = CatalogView(catalog if catalog is not None else load_catalog(s))
         if self._watcher is not None:
             self._watcher.close()
         self._watcher = CatalogWatcher(s)
@@ -129,16 +272,31 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- the loop
     def run(self, stop: threading.Event) -> None:
-        self.start()
-        HEALTHY.labels("dispatcher").set(1)
+        """Start the broker (retrying on the ticks) and run it until `stop` is set."""
+        self.handlers.start()
+        # Not "dispatcher ready": that line means the broker takes requests (tests wait for it).
+        log.info(
+            "dispatcher process ready (instance %s, tick %d ms, %d task handlers)",
+            self.settings.instance,
+            self.settings.tick_ms,
+            self.handlers.size,
+        )
         try:
+            self.try_start(0)
             while not stop.is_set():
-                try:
-                    self.step()
-                except KafkaException as exc:
-                    self._recover(exc)
+                if self.broker.started:
+                    try:
+                        self.step()
+                    except KafkaException as exc:
+                        self._recover(exc)
+                else:
+                    wait_ms = self.ticker.next_due_ms - self.clock.now_ms()
+                    if wait_ms > 0 and stop.wait(min(wait_ms, 100) / 1000):
+                        break
+                self.ticker.poll(self.clock.now_ms())
         finally:
             HEALTHY.labels("dispatcher").set(0)
+            self.handlers.stop(BCN_FLUSH_S)
             self.close()
 
     def step(self) -> int:
@@ -147,6 +305,7 @@ class Dispatcher:
         if self._watcher.poll(0):
             self.engine.catalog = self._watcher.view
             self._queue_metrics.declare(self._watcher.view)
+            self._publish(self.broker.on_catalog(self._watcher.view.version, self.clock.now_ms()))
             log.info("catalog v%d applied", self._watcher.view.version)
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
@@ -262,6 +421,8 @@ class Dispatcher:
         if self._consumer is not None:
             self._consumer.close()
         self._rebuild()
+        assert self.engine is not None
+        self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
         self._consumer = kafka.consumer(self.settings, group=self.names.dispatcher_group)
         self._consumer.subscribe([self.names.requests, self.names.inbound])
 
@@ -275,6 +436,64 @@ class Dispatcher:
         if self._producer is not None:
             self._producer.flush(5)
             self._producer = None
+        self._close_catalog_probe()
+        self._bcn.close()
+
+
+class _BcnPublisher:
+    """Publishes BCNs from a task handler, in the order the dispatcher raised them.
+
+    The loop only appends to `_pending` and submits a drain; a drain takes the lock, produces every
+    pending BCN in order and waits for the acknowledgement, so two handlers draining at once cannot
+    reorder a "start_failed" after the "started" that followed it.
+    """
+
+    def __init__(self, settings: Settings, names: Names, handlers: TaskHandlers) -> None:
+        self._settings = settings
+        self._names = names
+        self._handlers = handlers
+        self._pending: deque[BrokerNotification] = deque()
+        self._lock = threading.Lock()
+        self._producer: Producer | None = None
+
+    def publish(self, bcn: BrokerNotification) -> None:
+        """Called on the loop's thread: queue `bcn` and let a handler send it."""
+        self._pending.append(bcn)
+        try:
+            self._handlers.submit("bcn", self.drain)
+        except TaskQueueFull:
+            log.warning("task handlers busy; BCN %s goes out with the next one", bcn.event)
+
+    def drain(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            if self._producer is None:
+                self._producer = kafka.producer(self._settings)
+            while self._pending:
+                bcn = self._pending.popleft()
+                self._producer.produce(
+                    self._names.bcn,
+                    key=bcn.instance.encode(),
+                    value=dumps(bcn),
+                    on_delivery=_bcn_delivered,
+                )
+            left = self._producer.flush(BCN_FLUSH_S)
+        if left:
+            log.warning("%d BCN(s) not acknowledged yet; the producer keeps trying", left)
+
+    def close(self) -> None:
+        """Send what is still pending (no handler may be left to do it) and wait briefly."""
+        self.drain()
+        with self._lock:
+            if self._producer is not None:
+                self._producer.flush(2)
+                self._producer = None
+
+
+def _bcn_delivered(err: KafkaError | None, _msg: Message) -> None:
+    if err is not None:
+        log.warning("BCN not delivered: %s", err)
 
 
 class _QueueMetrics:

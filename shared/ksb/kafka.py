@@ -101,6 +101,7 @@ def core_topics(names: Names, settings: Settings) -> list[TopicSpec]:
         TopicSpec(names.inbound, 1),
         TopicSpec(names.acks, 1),
         TopicSpec(names.activation, 1),
+        TopicSpec(names.bcn, 1),
     ]
 
 

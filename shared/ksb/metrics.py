@@ -8,9 +8,12 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, Info, generate_latest
 
 __all__ = [
+    "ASYNC_TASK_FAILURES",
+    "BROKER_START_FAILURES",
+    "BROKER_STATUS",
     "COMMITS",
     "CONNECTIONS",
     "ERRORS",
@@ -23,6 +26,8 @@ __all__ = [
     "SUPPRESSED_DESTINATIONS",
     "TASKS_RUNNING",
     "TASKS_STARTED",
+    "TASK_HANDLERS",
+    "TASK_HANDLER_RESTARTS",
     "TIME_IN_QUEUE",
     "TRANSMISSION_DEPTH",
     "TXN_SECONDS",
@@ -75,6 +80,28 @@ SUPPRESSED_DESTINATIONS = Gauge(
     "ksb_suppressed_destinations",
     "Destinations whose retries are suppressed until their deadline",
     ["component"],
+)
+
+TASK_HANDLERS = Gauge(
+    "ksb_task_handlers", "Task handlers running for a service's async tasks", ["service"]
+)
+TASK_HANDLER_RESTARTS = Counter(
+    "ksb_task_handler_restarts_total",
+    "Task handlers found dead (or never started) on a tick and restarted",
+    ["service"],
+)
+ASYNC_TASK_FAILURES = Counter(
+    "ksb_async_task_failures_total",
+    "Async tasks that raised; logged, and their handler went on",
+    ["service"],
+)
+BROKER_START_FAILURES = Counter(
+    "ksb_broker_start_failures_total",
+    "Failed broker start attempts, by reason code (retried every 5th tick)",
+    ["service", "code"],
+)
+BROKER_STATUS = Info(
+    "ksb_broker", "The broker's state and, while it is not started, the reason", ["service"]
 )
 
 

@@ -59,6 +59,11 @@ class Names:
     def activation(self) -> str:
         return f"{self.prefix}.activation"
 
+    @property
+    def bcn(self) -> str:
+        """Broker configuration notifications: start failures, starts and catalog changes."""
+        return f"{self.prefix}.bcn"
+
     def queue(self, queue_name: str) -> str:
         return f"{self.prefix}.queue.{queue_name}"
 

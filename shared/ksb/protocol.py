@@ -21,7 +21,9 @@ __all__ = [
     "AckRecord",
     "Action",
     "AnyRequest",
+    "BcnEvent",
     "BeginRequest",
+    "BrokerNotification",
     "CommitOutcome",
     "CommitRequest",
     "DeadLetterRecord",
@@ -40,6 +42,7 @@ __all__ = [
     "decode_body",
     "encode_body",
     "new_id",
+    "parse_bcn",
     "parse_inbound",
     "parse_queue_record",
     "parse_request",
@@ -342,6 +345,39 @@ class ErrorRecord(_Wire):
     source_partition: int | None = None
     source_offset: int | None = None
     raw: str | None = None
+
+
+BcnEvent = Literal["start_failed", "started", "catalog_changed"]
+
+
+class BrokerNotification(_Wire):
+    """A broker configuration notification (BCN) on ``ksb.<instance>.bcn`` (key: the instance).
+
+    Subscribers learn from it that the broker could not start and why (``code``, ``reason``; one per
+    failed attempt, retried every 5th tick), that it started, and which catalog version it runs.
+    """
+
+    kind: Literal["bcn"] = "bcn"
+    event: BcnEvent
+    instance: str
+    service: str = "dispatcher"
+    catalog_version: int = Field(0, ge=0)
+    attempt: int = Field(0, ge=0)
+    """Start attempts so far (1 for the first); 0 on ``catalog_changed``."""
+    code: str | None = None
+    """Why the start failed, machine-readable: ``no_catalog``, ``invalid_catalog``, ...."""
+    reason: str | None = None
+    at_ms: int
+
+
+def parse_bcn(raw: bytes | None) -> BrokerNotification:
+    """Decode a ``bcn`` topic record, or raise ProtocolError naming what is wrong."""
+    if raw is None:
+        raise ProtocolError("empty record value (a tombstone is not a BCN)")
+    try:
+        return BrokerNotification.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ProtocolError(f"malformed BCN record: {exc.errors()[0]['msg']}") from exc
 
 
 def encode_body(body: bytes) -> dict[str, str]:

@@ -1,0 +1,212 @@
+"""Task handlers: failing tasks are survived, dead handlers are restarted on the next tick."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY
+
+from ksb.clock import ManualClock
+from ksb.task_handlers import (
+    HandlersStopped,
+    TaskHandlers,
+    TaskQueueFull,
+    default_handler_count,
+    handlers_to_restart,
+)
+from ksb.ticker import Ticker, TickSchedule
+
+
+class HandlerKilled(BaseException):
+    """Escapes `except Exception`, as SystemExit or a bug in a C extension's callback would."""
+
+
+@pytest.fixture
+def service() -> str:
+    """A service label of its own, so the process-wide counters start at 0 for each test."""
+    return f"svc-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def pool(service: str) -> Iterator[TaskHandlers]:
+    handlers = TaskHandlers(service, 3)
+    handlers.start()
+    try:
+        yield handlers
+    finally:
+        handlers.stop(2)
+
+
+def sample(name: str, service: str) -> float:
+    return REGISTRY.get_sample_value(name, {"service": service}) or 0.0
+
+
+def wait_until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_default_is_twice_the_cpus() -> None:
+    assert default_handler_count(4) == 8
+    assert default_handler_count(None) == 2
+    assert default_handler_count(0) == 2
+
+
+def test_only_dead_slots_are_restarted_and_none_while_stopping() -> None:
+    assert handlers_to_restart([True, False, True, False], stopping=False) == [1, 3]
+    assert handlers_to_restart([True, True], stopping=False) == []
+    assert handlers_to_restart([False, False], stopping=True) == []
+
+
+def test_size_defaults_to_twice_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert TaskHandlers("x").size == 6
+    with pytest.raises(ValueError, match="size"):
+        TaskHandlers("x", 0)
+
+
+def test_tasks_run_on_the_handlers(pool: TaskHandlers) -> None:
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def task(i: int) -> Callable[[], None]:
+        def run() -> None:
+            with lock:
+                done.append(i)
+
+        return run
+
+    for i in range(20):
+        pool.submit(f"t{i}", task(i))
+    wait_until(lambda: len(done) == 20)
+    assert sorted(done) == list(range(20))
+    assert pool.alive == 3
+
+
+def test_a_failing_task_is_logged_and_its_handler_goes_on(
+    pool: TaskHandlers, service: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fail() -> None:
+        raise RuntimeError("boom")
+
+    done = threading.Event()
+    with caplog.at_level(logging.ERROR, logger="ksb.task_handlers"):
+        for _ in range(5):
+            pool.submit("fail", fail)
+        pool.submit("after", done.set)
+        assert done.wait(5)
+    assert pool.alive == 3
+    assert sample("ksb_async_task_failures_total", service) == 5
+    assert sample("ksb_task_handler_restarts_total", service) == 0
+    assert "task 'fail' failed" in caplog.text
+
+
+def test_a_dead_handler_is_restarted_on_the_next_tick(
+    pool: TaskHandlers, service: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = ManualClock(start_ms=0)
+    ticker = Ticker(clock.now_ms(), TickSchedule(tick_ms=5000))
+    ticker.every(1, "task_handlers", pool.on_tick)
+
+    def die() -> None:
+        raise HandlerKilled("escapes the task's except Exception")
+
+    with caplog.at_level(logging.WARNING, logger="ksb.task_handlers"):
+        pool.submit("die", die)
+        wait_until(lambda: pool.alive == 2)
+        clock.advance(4.999)
+        assert ticker.poll(clock.now_ms()) == []  # no tick yet: still one handler short
+        assert pool.alive == 2
+        clock.advance(0.001)
+        assert ticker.poll(clock.now_ms()) == ["task_handlers"]
+    assert pool.alive == 3
+    assert sample("ksb_task_handler_restarts_total", service) == 1
+    assert sample("ksb_task_handlers", service) == 3
+    assert "died (HandlerKilled" in caplog.text
+    assert "was not running on tick 1; restarting it" in caplog.text
+    # The restarted handler takes work like the others.
+    done = threading.Event()
+    pool.submit("after", done.set)
+    assert done.wait(5)
+    clock.advance(5)
+    ticker.poll(clock.now_ms())
+    assert sample("ksb_task_handler_restarts_total", service) == 1
+
+
+def test_a_handler_that_did_not_start_is_started_on_the_next_check(
+    monkeypatch: pytest.MonkeyPatch, service: str
+) -> None:
+    real_start = threading.Thread.start
+    failures = [f"ksb-{service}-task-0"]
+
+    def flaky_start(thread: threading.Thread) -> None:
+        if thread.name in failures:  # only this pool's first handler, only once
+            failures.remove(thread.name)
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", flaky_start)
+    handlers = TaskHandlers(service, 2)
+    try:
+        handlers.start()
+        assert handlers.alive == 1
+        assert handlers.check(1) == [0]
+        assert handlers.alive == 2
+        assert sample("ksb_task_handler_restarts_total", service) == 1
+    finally:
+        handlers.stop(2)
+
+
+def test_stop_drains_what_is_queued_then_refuses_more(service: str) -> None:
+    handlers = TaskHandlers(service, 1)
+    handlers.start()
+    gate = threading.Event()
+    done: list[int] = []
+
+    def block() -> None:
+        gate.wait(5)
+
+    def record(i: int) -> Callable[[], None]:
+        return lambda: done.append(i)
+
+    handlers.submit("block", block)
+    for i in range(3):
+        handlers.submit(f"t{i}", record(i))
+    gate.set()
+    assert handlers.stop(5) == 0
+    assert done == [0, 1, 2]
+    assert handlers.alive == 0
+    assert handlers.check(9) == []  # stopped handlers stay stopped
+    with pytest.raises(HandlersStopped):
+        handlers.submit("late", lambda: None)
+
+
+def test_a_full_queue_refuses_instead_of_blocking_the_caller(service: str) -> None:
+    handlers = TaskHandlers(service, 1, max_pending=2)
+    handlers.start()
+    gate = threading.Event()
+    started = threading.Event()
+
+    def block() -> Any:
+        started.set()
+        gate.wait(5)
+
+    try:
+        handlers.submit("block", block)
+        assert started.wait(5)
+        handlers.submit("a", lambda: None)
+        handlers.submit("b", lambda: None)
+        with pytest.raises(TaskQueueFull):
+            handlers.submit("c", lambda: None)
+    finally:
+        gate.set()
+        handlers.stop(5)
