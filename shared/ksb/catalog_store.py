@@ -7,12 +7,14 @@ and every service sees either all of it or none; compaction keeps only the newes
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Consumer, KafkaError, Message, TopicPartition
 
 from ksb import kafka
 from ksb.catalog import Catalog, CatalogView, parse_catalog
+from ksb.errors import KsbError
 from ksb.names import Names
 from ksb.settings import Settings
 
@@ -20,12 +22,24 @@ __all__ = ["CatalogWatcher", "apply_catalog", "load_catalog"]
 
 _KEY = b"catalog"
 
+log = logging.getLogger("ksb.catalog")
+
 
 def _decode(m: Message) -> Catalog | None:
+    """The catalog in `m`, or None for another key or an unreadable record.
+
+    A record that is not a valid catalog (written by hand, not by `apply_catalog`) is skipped
+    with a warning naming its offset and the reason: every service keeps the newest valid
+    version instead of crashing on it.
+    """
     value = m.value()
     if m.key() != _KEY or value is None:
         return None
-    cat = parse_catalog(json.loads(value))
+    try:
+        cat = parse_catalog(json.loads(value))
+    except (ValueError, KsbError) as exc:
+        log.warning("catalog record at offset %s ignored: %s", m.offset(), exc)
+        return None
     if cat.applied_ms is None:  # a record written before applied_ms existed: its Kafka timestamp
         kind, ts = m.timestamp()
         if kind != TIMESTAMP_NOT_AVAILABLE:

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from ksb.catalog import ERROR
+from ksb.catalog import ERROR, Catalog
+from ksb.catalog_store import load_catalog
 from ksb.client import KsbClient
 from ksb.errors import CommitRefused
 from ksb.names import Names
@@ -269,3 +270,22 @@ def test_commit_with_one_bad_action_is_refused_whole(
     _assert_delivered(client, ["first", "second"])
     assert receive_all(client, "InitiatorQueue", 1, timeout_s=0.5) == []
     assert [r["code"] for r in errors(settings)] == ["unknown_conversation"]
+
+
+def test_an_invalid_catalog_record_is_skipped_not_fatal(
+    settings: Settings, catalog: Catalog, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """A catalog record written by hand that is not a valid catalog: every reader keeps the newest
+    valid version (with a warning naming the record) and the running dispatcher goes on."""
+    good = client.begin_dialog(INIT, TGT, CON)
+    _good(client, good, "before")
+    client.flush()
+    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+    raw.produce(Names(settings.instance).catalog, key=b"catalog", value=b'{"queus": []}')
+    raw.produce(Names(settings.instance).catalog, key=b"catalog", value=b"not JSON")
+    assert raw.flush(10) == 0
+    _good(client, good, "after")
+    _assert_delivered(client, ["before", "after"])
+    engine = dispatcher.dispatcher.engine
+    assert engine is not None and dispatcher.thread.is_alive()
+    assert load_catalog(settings).version == engine.catalog.version == catalog.version
