@@ -18,6 +18,9 @@ __all__ = ["Settings", "load_settings"]
 _PREFIX = "KSB_"
 # Variables that belong to other parts of the toolchain (the local stack, tests), not to a service.
 _FOREIGN = {"KSB_KAFKA_LIBS", "KSB_SPARK_JARS"}
+# The housekeeping intervals have their own reader, which refuses unknown names itself
+# (`ksb.ticker.Intervals.from_env`).
+_INTERVALS_PREFIX = "KSB_INTERVAL_"
 
 
 class Settings(BaseSettings):
@@ -64,7 +67,12 @@ def load_settings(**overrides: object) -> Settings:
     """Read settings from ``KSB_*`` variables; refuse unknown ones by name."""
     known = {f"{_PREFIX}{name.upper()}" for name in Settings.model_fields}
     unknown = sorted(
-        k for k in os.environ if k.startswith(_PREFIX) and k not in known and k not in _FOREIGN
+        k
+        for k in os.environ
+        if k.startswith(_PREFIX)
+        and k not in known
+        and k not in _FOREIGN
+        and not k.startswith(_INTERVALS_PREFIX)
     )
     if unknown:
         raise CatalogError(f"unknown setting(s) in the environment: {', '.join(unknown)}")
