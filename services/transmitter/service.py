@@ -31,6 +31,7 @@ from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog import CatalogView, Route
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
+from ksb.errors import KsbError
 from ksb.fragments import wire_records
 from ksb.metrics import (
     CONNECTIONS,
@@ -43,6 +44,7 @@ from ksb.names import Names
 from ksb.protocol import AckRecord, InboundMessage
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
+from ksb.task_handlers import TaskHandlers
 from ksb.ticker import Intervals, Ticker
 from ksb.transmission_queue import TransmissionQueue
 from ksb.transport import LOCAL_ADDRESS, Links, delivery_problem, route_for
@@ -61,6 +63,8 @@ class TransmitterOptions:
     delivery_timeout_ms: int = 5_000
     view_every_ms: int = 500
     max_wait_ms: int = 10_000
+    task_handlers: int | None = None
+    """Task handler threads (None: 2 x CPUs)."""
     backoff: Backoff = field(default_factory=lambda: Backoff(initial_ms=2_000, max_ms=60_000))
 
 
@@ -102,6 +106,10 @@ class Transmitter:
         self._failures: dict[str, str] = {}  # destination -> last failure, for the view
         self._delivery_errors: list[tuple[str, str]] = []
         self._view_due_ms = 0
+        # The view goes to Redis from a task handler: a slow Redis must not stall transmission.
+        self.handlers = TaskHandlers("transmitter", self.options.task_handlers)
+        self._view_lock = threading.Lock()
+        self._view_latest: tuple[dict[str, Any], dict[str, int]] | None = None
         # Audit events (transmit, acknowledge, suppression) for the Spark audit; never fatal.
         self.audit = Audit(KafkaAudit(kafka.producer(settings), self.names))
 
@@ -115,6 +123,7 @@ class Transmitter:
         tx.assign([TopicPartition(self.names.transmission, 0, -2)])
         r = redis.Redis.from_url(s.redis_url)
         ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
+        ticker.every(1, "task_handlers", self.handlers.on_tick)
         ticker.every(1, "retransmit", lambda _t: self._retransmit())
         ticker.every(2, "connect", lambda _t: self._connect_pending())
         ticker.every(2, "reclassify", lambda _t: self._reclassify())
@@ -126,6 +135,7 @@ class Transmitter:
         self._ack_consumer(s.kafka_bootstrap)
         self._self_check()
         serve_metrics(s.metrics_port, host=s.metrics_host)
+        self.handlers.start()
         HEALTHY.labels("transmitter").set(1)
         self.ready.set()
         log.info("transmitter ready (instance %s, tick %d ms)", s.instance, self.intervals.tick_ms)
@@ -144,6 +154,7 @@ class Transmitter:
                 self._publish_view(r, now)
         finally:
             HEALTHY.labels("transmitter").set(0)
+            self.handlers.stop(2)
             log.info("transmitter stopped after %d tick(s)", ticker.tick)
             tx.close()
             watcher.close()
@@ -389,15 +400,30 @@ class Transmitter:
             TRANSMISSION_DEPTH.labels(str(level)).set(depth.get(level, 0))
         CONNECTIONS.labels("transmitter").set(len(self._conns))
         SUPPRESSED_DESTINATIONS.labels("transmitter").set(len(suppressed))
+        with self._view_lock:
+            self._view_latest = (view, suppressed)
         try:
-            pipe = r.pipeline()
-            pipe.set(self.names.transmission_view_key, json.dumps(view))
-            pipe.delete(self.names.suppress_key)
-            if suppressed:
-                pipe.zadd(self.names.suppress_key, {d: u for d, u in suppressed.items()})
-            pipe.execute()
-        except redis.RedisError as exc:  # views are best effort; delivery does not need Redis
-            log.warning("could not publish the transmission view: %s", exc)
+            self.handlers.submit("publish_view", lambda: self._write_view(r))
+        except KsbError as exc:  # full or stopping: the next snapshot goes out instead
+            log.warning("transmission view not published now: %s", exc)
+
+    def _write_view(self, r: redis.Redis) -> None:
+        """On a task handler: write the newest snapshot. Writes are serialised and each takes the
+        newest snapshot under the lock, so an older view never overwrites a newer one."""
+        with self._view_lock:
+            if self._view_latest is None:
+                return
+            view, suppressed = self._view_latest
+            self._view_latest = None
+            try:
+                pipe = r.pipeline()
+                pipe.set(self.names.transmission_view_key, json.dumps(view))
+                pipe.delete(self.names.suppress_key)
+                if suppressed:
+                    pipe.zadd(self.names.suppress_key, {d: u for d, u in suppressed.items()})
+                pipe.execute()
+            except redis.RedisError as exc:  # views are best effort; delivery needs no Redis
+                log.warning("could not publish the transmission view: %s", exc)
 
 
 class _ConnectFailed(Exception):
