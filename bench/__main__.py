@@ -9,6 +9,8 @@ from pathlib import Path
 from types import FrameType
 
 from bench.activation import ActivationOptions
+from bench.cross_instance import CrossOptions
+from bench.cross_instance import format_lines as cross_lines
 from bench.priorities import PriorityOptions
 from bench.report import format_table, write_json
 from bench.spark_audit import SparkOptions
@@ -47,6 +49,11 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     parser.add_argument(
         "--no-spark", action="store_true", help="skip the Spark audit section (run by default)"
     )
+    parser.add_argument(
+        "--no-cross-instance",
+        action="store_true",
+        help="skip the cross-instance section (run by default)",
+    )
     parser.add_argument("--quick", action="store_true", help="small counts, for a CI smoke run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")
     a = parser.parse_args(argv)
@@ -71,6 +78,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         else ActivationOptions(rounds=1 if a.quick else 3, dialogs=a.activation_dialogs or 200),
         priorities=None if a.no_priority else _priority_options(a.quick),
         spark=None if a.no_spark else _spark_options(a.quick),
+        cross_instance=None if a.no_cross_instance else _cross_options(a),
     )
     return opts, a.out
 
@@ -101,6 +109,21 @@ def _spark_options(quick: bool) -> SparkOptions:
     return SparkOptions(lag_probes=8, warmup_probes=2, events=10_000, warmup_events=500)
 
 
+def _cross_options(a: argparse.Namespace) -> CrossOptions:
+    """Its own counts (a few thousand messages: it starts four services), the suite's shape."""
+    shape = {
+        "body_bytes": a.body_bytes,
+        "partitions": a.partitions,
+        "receivers": a.receivers,
+        "window": a.window,
+    }
+    if not a.quick:
+        return CrossOptions(**shape)
+    return CrossOptions(
+        messages=200, dialogs=20, probes=10, backlog=100, backlog_dialogs=10, timeout_s=60, **shape
+    )
+
+
 def _terminate(signum: int, _frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds through the `finally` blocks that stop processes
 
@@ -111,14 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     results = run(opts)
     write_json(results, out)
     print(format_table(results))
+    cross = results["cross_instance"]
+    if cross is not None:
+        if "error" in cross:
+            print(f"cross-instance: FAILED: {cross['error']}")
+        else:
+            print("\n".join(cross_lines(cross)))
     print(f"results written to {out}")
     activation = results["activation"]
     verified = results["ksb"]["verified_exactly_once_in_order"]
     if activation is not None and not activation["verified_exactly_once"]:
         verified = False
-    for section in ("priorities", "spark_audit"):
+    for section in ("priorities", "spark_audit", "cross_instance"):
         if results[section] is not None and "error" in results[section]:
             verified = False
+    if cross is not None and not cross.get("verified", False):
+        verified = False
     return 0 if verified else 1
 
 

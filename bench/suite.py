@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.activation import ActivationOptions, run_activation
+from bench.cross_instance import LOG_NAMES as CROSS_LOG_NAMES
+from bench.cross_instance import CrossOptions, run_cross_instance
 from bench.e2e import bench_catalog, run_ksb
 from bench.priorities import PriorityOptions, run_priorities
 from bench.raw_kafka import run_raw
@@ -54,6 +56,8 @@ class Options:
     """The priorities section (bench/priorities.py, bench/transmission.py); None skips it."""
     spark: SparkOptions | None = None
     """The Spark audit section (bench/spark_audit.py); None skips it."""
+    cross_instance: CrossOptions | None = None
+    """The cross-instance section (bench/cross_instance.py); None skips it."""
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -78,6 +82,7 @@ def run(opts: Options) -> dict[str, Any]:
         activation: dict[str, Any] | None = None
         priorities: dict[str, Any] | None = None
         spark: dict[str, Any] | None = None
+        cross: dict[str, Any] | None = None
         try:
             settings = Settings(
                 instance=f"bench{uuid.uuid4().hex[:8]}",
@@ -119,6 +124,12 @@ def run(opts: Options) -> dict[str, Any]:
                 activation = run_activation(settings, opts.activation, Path(tmp)).as_json()
                 phase("activation")
             dispatcher.stop()  # the later sections run their own: keep this one out of them
+            if opts.cross_instance is not None:
+                cross_opts, raw_j = opts.cross_instance, raw.as_json()
+                cross = _section(
+                    lambda: run_cross_instance(settings, cross_opts, Path(tmp), raw=raw_j)
+                )
+                phase("cross_instance")
             if opts.priorities is not None:
                 receive_opts, scheduler_opts = opts.priorities
                 priorities = _section(
@@ -146,6 +157,7 @@ def run(opts: Options) -> dict[str, Any]:
                 "act-dispatcher.log",
                 "prio-dispatcher.log",
                 "spark-job.log",
+                *CROSS_LOG_NAMES,
             ):
                 if (Path(tmp) / name).exists():
                     opts.log_dir.mkdir(parents=True, exist_ok=True)
@@ -183,6 +195,7 @@ def run(opts: Options) -> dict[str, Any]:
         "activation": activation,
         "priorities": priorities,
         "spark_audit": spark,
+        "cross_instance": cross,
         "peak_rss_kb": rss_kb,
         "phase_seconds": phases,
         "wall_seconds": time.monotonic() - started,

@@ -9,7 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
+
+import pytest
+
+from bench.cross_instance import CrossOptions, format_lines, run_cross_instance
+from ksb.settings import Settings
+from tests.conftest import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,3 +38,35 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert figures["ksb"]["verified_exactly_once_in_order"] is True
     assert set(figures["ratio_ksb_over_raw"]) >= {"throughput", "latency_loaded_p50"}
+
+
+@pytest.mark.integration
+def test_cross_instance_bench_delivers_everything_once(stack: Stack, tmp_path: Path) -> None:
+    """The cross-instance section with tiny counts: every message of both paths and of the backlog
+    arrives exactly once and in order, nothing reaches B while the link is cut, and every figure it
+    prints is there and positive (never how large)."""
+    settings = Settings(
+        instance=f"bx{uuid.uuid4().hex[:8]}",
+        kafka_bootstrap=stack.kafka_bootstrap,
+        redis_url=stack.redis_url,
+    )
+    opts = CrossOptions(
+        messages=60, dialogs=6, probes=3, backlog=40, backlog_dialogs=4, timeout_s=60
+    )
+    j = run_cross_instance(settings, opts, tmp_path)
+    for name in ("local", "cross"):
+        r = j[name]
+        assert r["verified_exactly_once_in_order"] is True, r["problems"]
+        assert r["throughput"]["messages"] == 60 and r["throughput"]["per_s"] > 0
+        assert r["latency_loaded"]["count"] == 60 and r["latency_loaded"]["p50_ms"] > 0
+        assert r["latency_unloaded"]["count"] == 3 and r["latency_unloaded"]["p99_ms"] > 0
+    d = j["drain"]
+    assert d["verified_exactly_once_in_order"] is True, d["problems"]
+    assert d["backlog"] == 40 and d["received_during_outage"] == 0 and d["acknowledged"]
+    assert 0 < d["first_received_after_restore_ms"] <= d["all_received_after_restore_ms"]
+    assert j["ratio_cross_over_local"]["throughput"] > 0 and j["ratio_cross_over_raw"] is None
+    assert j["verified"] is True
+    lines = format_lines(j)
+    assert any("cross/local" in line for line in lines)
+    assert any("backlog drain after a restored link" in line for line in lines)
+    assert any("tick 100 ms" in line for line in lines)
