@@ -24,9 +24,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     # --no-spark: the Spark section starts two JVMs cold (over a minute on a loaded machine), more
-    # than this run's time limit allows; the audit job has its own tests (marker `spark`).
+    # than this run's time limit allows; the audit job has its own tests (marker `spark`). The
+    # cross-instance section has its own smoke test below.
     result = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--no-spark", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--no-spark",
+            "--no-cross-instance",
+            "--out",
+            str(out),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
