@@ -7,6 +7,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -96,17 +97,22 @@ class Instance:
         self.dispatcher.stop()
 
 
-@pytest.fixture
-def pair(stack: Stack, unique: str) -> Iterator[tuple[Instance, Instance]]:
-    def settings(name: str) -> Settings:
+@contextmanager
+def _two_instances(
+    stack: Stack, unique: str, **a_settings: Any
+) -> Iterator[tuple[Instance, Instance]]:
+    """A (initiator) and B (target) on the session's cluster, routed to each other."""
+
+    def settings(name: str, **extra: Any) -> Settings:
         return Settings(
             instance=f"t{unique}{name}",
             kafka_bootstrap=stack.kafka_bootstrap,
             redis_url=stack.redis_url,
             lock_ttl_ms=15_000,
+            **extra,
         )
 
-    sa, sb = settings("A"), settings("B")
+    sa, sb = settings("A", **a_settings), settings("B")
     ca, cb = _catalogs()
     ca["routes"][0]["broker_instance"] = sb.instance
     cb["routes"][0]["broker_instance"] = sa.instance
@@ -117,6 +123,12 @@ def pair(stack: Stack, unique: str) -> Iterator[tuple[Instance, Instance]]:
     finally:
         a.close()
         b.close()
+
+
+@pytest.fixture
+def pair(stack: Stack, unique: str) -> Iterator[tuple[Instance, Instance]]:
+    with _two_instances(stack, unique) as both:
+        yield both
 
 
 def test_request_reply_across_instances(pair: tuple[Instance, Instance]) -> None:
@@ -467,28 +479,9 @@ def test_local_messages_wait_in_the_transmission_queue_while_the_target_queue_is
 
 @pytest.fixture
 def tight_pair(stack: Stack, unique: str) -> Iterator[tuple[Instance, Instance]]:
-    """A and B where A's transmitter may hold only ~16 messages of 1 KB in memory."""
-
-    def settings(name: str, **extra: Any) -> Settings:
-        return Settings(
-            instance=f"t{unique}{name}",
-            kafka_bootstrap=stack.kafka_bootstrap,
-            redis_url=stack.redis_url,
-            lock_ttl_ms=15_000,
-            **extra,
-        )
-
-    sa, sb = settings("A", transmitter_memory_bytes=24_576), settings("B")
-    ca, cb = _catalogs()
-    ca["routes"][0]["broker_instance"] = sb.instance
-    cb["routes"][0]["broker_instance"] = sa.instance
-    b = Instance(sb, cb)
-    a = Instance(sa, ca)
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
+    """A's transmitter may hold only ~16 messages of 1 KB in memory."""
+    with _two_instances(stack, unique, transmitter_memory_bytes=24_576) as both:
+        yield both
 
 
 def test_memory_limit_unclassifies_dialogs_and_loses_nothing(
