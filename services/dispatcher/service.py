@@ -8,8 +8,8 @@ a crash at any point neither loses nor duplicates a message.
 Periodic tasks (`ksb.ticker`, every ``settings.tick_ms``):
 
 * every tick, the task handlers (`ksb.task_handlers`) are checked and a dead one is restarted;
-* a broker that failed to start (no catalog applied yet, an unreadable catalog record, missing queue
-  topics, Kafka unreachable) is retried every 5th tick, or on the next tick after a new catalog
+* a broker that failed to start (no valid catalog applied yet, missing queue topics, Kafka
+  unreachable) is retried every 5th tick, or on the next tick after a new catalog
   record (`ksb.broker_start`). Until then the process stays up with health 0 and the reason in the
   ``ksb_broker_info`` metric, the log and a BCN.
 

@@ -3,7 +3,8 @@
 Service Broker scans, every 5th timer notification, the databases whose broker failed to start
 (a missing master key, say), tries again, and fires a broker configuration notification (BCN). A KSB
 dispatcher meets the same situation when it is started (by docker-compose, for instance) before its
-catalog was applied, while the catalog record is unreadable, or before its queue topics exist: it
+catalog was applied (or while no catalog record is valid: invalid ones are skipped), or before its
+queue topics exist: it
 used to crash or run against an empty catalog. With this state machine it stays up, reports why it is
 not started, retries every 5th tick and then runs normally.
 
