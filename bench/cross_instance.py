@@ -41,7 +41,6 @@ from typing import Any
 import redis
 
 from bench.e2e import (
-    _WARMUP,
     CONTRACT,
     INITIATOR,
     INITIATOR_QUEUE,
@@ -49,13 +48,14 @@ from bench.e2e import (
     TARGET,
     TARGET_QUEUE,
     KsbResult,
-    _probe,
-    _receive_loop,
     _send_all,
     _Tally,
     bench_catalog,
+    check_run,
+    run_ksb,
+    start_receivers,
 )
-from bench.stats import Rate, now_ns, summarize
+from bench.stats import fmt_ms, fmt_x, now_ns
 from ksb.catalog import Catalog, parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
@@ -144,92 +144,19 @@ def cross_catalogs(a: str, b: str, address: str, partitions: int) -> tuple[Catal
 # ----------------------------------------------------------------------------- delivery
 def _deliver(sender_settings: Settings, receiver_settings: Settings, o: CrossOptions) -> KsbResult:
     """`bench.e2e.run_ksb` with the sender on one instance and the receiver on another (or the
-    same): the same helpers in the same order, so local and cross figures are comparable."""
-    per_dialog = max(1, o.messages // o.dialogs)
-    expected = per_dialog * o.dialogs
-    tally = _Tally(expected=expected)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    with KsbClient(sender_settings) as sender, KsbClient(receiver_settings) as receiver:
-        receiver.reader(TARGET_QUEUE)
-        warm_ns = now_ns()
-        _probe(sender, receiver, _WARMUP, o.body_bytes)  # and, across, the first connection
-        threads = _receivers(receiver, tally, stop, errors, o)
-        marks: list[int] = []
-        try:
-            _send_all(sender, o.dialogs, per_dialog, o.body_bytes, marks)
-            if not tally.done.wait(o.timeout_s):
-                raise TimeoutError(f"only {tally.delivered} of {expected} messages received")
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(35)
-        if errors:
-            raise RuntimeError("a receiver thread failed") from errors[0]
-        problems = _check(tally, receiver, o.dialogs, per_dialog)
-        verified_ns = now_ns()
-        probe = _probe(sender, receiver, o.probes, o.body_bytes)
-        probe_ns = now_ns()
-    return KsbResult(
+    same): the same code, so local and cross figures are comparable."""
+    return run_ksb(
+        sender_settings,
         dialogs=o.dialogs,
-        rate=Rate(expected, (tally.last_ns - marks[0]) / 1e9),
-        send_seconds=(marks[1] - marks[0]) / 1e9,
-        latency=summarize(tally.latencies_ns),
-        probe=summarize(probe),
-        commits=tally.commits,
-        refused=tally.refused,
-        lock_lost=tally.lock_lost,
+        messages=o.messages,
+        body_bytes=o.body_bytes,
         receivers=o.receivers,
         window=o.window,
         top=None,
-        verified=not problems,
-        phase_seconds={
-            "warmup": (marks[0] - warm_ns) / 1e9,
-            "send_receive": (tally.last_ns - marks[0]) / 1e9,
-            "drain_and_verify": (verified_ns - tally.last_ns) / 1e9,
-            "probes": (probe_ns - verified_ns) / 1e9,
-        },
-        problems=tuple(problems),
+        probes=o.probes,
+        timeout_s=o.timeout_s,
+        receiver_settings=receiver_settings,
     )
-
-
-def _receivers(
-    receiver: KsbClient,
-    tally: _Tally,
-    stop: threading.Event,
-    errors: list[BaseException],
-    o: CrossOptions,
-) -> list[threading.Thread]:
-    threads = [
-        threading.Thread(
-            target=_receive_loop,
-            args=(receiver, tally, stop),
-            kwargs={"window": o.window, "top": None, "errors": errors},
-            name=f"bench-xi-receiver-{i}",
-            daemon=True,
-        )
-        for i in range(o.receivers)
-    ]
-    for t in threads:
-        t.start()
-    return threads
-
-
-def _check(tally: _Tally, receiver: KsbClient, dialogs: int, per_dialog: int) -> list[str]:
-    """What is wrong with a finished run: order and duplicates (from the tally), completeness,
-    and anything still receivable (a duplicate or a lost receipt)."""
-    problems = list(tally.problems)
-    if tally.delivered != tally.expected:
-        problems.append(f"delivered {tally.delivered} messages, expected {tally.expected}")
-    missing = [d for d in range(dialogs) if tally.next_seq.get(d, 0) != per_dialog]
-    if missing:
-        problems.append(f"{len(missing)} dialogs incomplete, e.g. dialog {missing[0]}")
-    tx = receiver.transaction()
-    leftover = tx.receive(TARGET_QUEUE, waitfor_ms=500)
-    tx.rollback()
-    if leftover:
-        problems.append(f"{len(leftover)} messages still receivable after the run")
-    return problems
 
 
 # ----------------------------------------------------------------------------- backlog drain
@@ -298,7 +225,9 @@ def _drain(sa: Settings, sb: Settings, o: CrossOptions) -> dict[str, Any]:
                 "the connection to B closed after the cut",
                 o.timeout_s,
             )
-            threads = _receivers(receiver, tally, stop, errors, o)
+            threads = start_receivers(
+                receiver, tally, stop, errors, receivers=o.receivers, window=o.window, top=None
+            )
             marks: list[int] = []
             try:
                 _send_all(sender, o.backlog_dialogs, per_dialog, o.body_bytes, marks)
@@ -330,7 +259,7 @@ def _drain(sa: Settings, sb: Settings, o: CrossOptions) -> dict[str, Any]:
                     t.join(35)
             if errors:
                 raise RuntimeError("a receiver thread failed") from errors[0]
-            problems = _check(tally, receiver, o.backlog_dialogs, per_dialog)
+            problems = check_run(tally, receiver, o.backlog_dialogs, per_dialog)
         if during_outage:
             problems.append(f"{during_outage} messages reached B while the link was cut")
         try:
@@ -484,12 +413,7 @@ def run_cross_instance(
 
 # ----------------------------------------------------------------------------- output
 def format_lines(j: dict[str, Any]) -> list[str]:
-    def ms(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:,.2f} ms"
-
-    def x(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:.2f}x"
-
+    ms, x = fmt_ms, fmt_x
     cfg, local, cross = j["config"], j["local"], j["cross"]
     ratio, iv, to = j["ratio_cross_over_local"], cfg["intervals"], cfg["transmitter_options"]
     rows = [
@@ -568,10 +492,8 @@ def format_lines(j: dict[str, Any]) -> list[str]:
 
 def _serve_transmitter() -> None:
     """`python -m bench.cross_instance`: transmitter A as a child process, its settings from the
-    environment (as `services.transmitter`), with `INTERVALS` and `TRANSMITTER_OPTIONS`.
-
-    The intervals are not passed as ``KSB_INTERVAL_*`` variables: `load_settings` refuses those as
-    unknown settings, so `python -m services.transmitter` cannot be given them today."""
+    environment (as `services.transmitter`), with `INTERVALS` and `TRANSMITTER_OPTIONS` (the
+    connect timeout has no environment variable, so the service's own entry point cannot be used)."""
     configure_logging("transmitter")
     settings = load_settings()
     stop = stop_on_signals()

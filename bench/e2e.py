@@ -24,7 +24,16 @@ from ksb.errors import KsbError
 from ksb.protocol import QueueMessage
 from ksb.settings import Settings
 
-__all__ = ["INITIATOR", "TARGET", "TARGET_QUEUE", "KsbResult", "bench_catalog", "run_ksb"]
+__all__ = [
+    "INITIATOR",
+    "TARGET",
+    "TARGET_QUEUE",
+    "KsbResult",
+    "bench_catalog",
+    "check_run",
+    "run_ksb",
+    "start_receivers",
+]
 
 INITIATOR, TARGET, CONTRACT = "//bench/Initiator", "//bench/Target", "//bench/Contract"
 MESSAGE_TYPE = "//bench/Payload"
@@ -229,29 +238,27 @@ def run_ksb(
     top: int | None,
     probes: int,
     timeout_s: float,
+    receiver_settings: Settings | None = None,
 ) -> KsbResult:
-    """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run."""
+    """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run.
+
+    ``receiver_settings`` names another instance to RECEIVE on (the target service's, across a
+    route); by default sender and receiver are on ``settings``' instance."""
     per_dialog = max(1, messages // dialogs)
     expected = per_dialog * dialogs
     tally = _Tally(expected=expected)
     stop = threading.Event()
     errors: list[BaseException] = []
-    with KsbClient(settings) as sender, KsbClient(settings) as receiver:
+    with (
+        KsbClient(settings) as sender,
+        KsbClient(receiver_settings or settings) as receiver,
+    ):
         receiver.reader(TARGET_QUEUE)  # build the index and its consumer before the clock starts
         warm_ns = now_ns()
         _probe(sender, receiver, _WARMUP, body_bytes)  # first transactions, connections, metadata
-        threads = [
-            threading.Thread(
-                target=_receive_loop,
-                args=(receiver, tally, stop),
-                kwargs={"window": window, "top": top, "errors": errors},
-                name=f"bench-receiver-{i}",
-                daemon=True,
-            )
-            for i in range(receivers)
-        ]
-        for t in threads:
-            t.start()
+        threads = start_receivers(
+            receiver, tally, stop, errors, receivers=receivers, window=window, top=top
+        )
         marks: list[int] = []
         try:
             _send_all(sender, dialogs, per_dialog, body_bytes, marks)
@@ -265,18 +272,7 @@ def run_ksb(
                 t.join(35)
         if errors:
             raise RuntimeError("a receiver thread failed") from errors[0]
-        problems = list(tally.problems)
-        if tally.delivered != expected:
-            problems.append(f"delivered {tally.delivered} messages, expected {expected}")
-        missing = [d for d in range(dialogs) if tally.next_seq.get(d, 0) != per_dialog]
-        if missing:
-            problems.append(f"{len(missing)} dialogs incomplete, e.g. dialog {missing[0]}")
-        # Nothing may be left to RECEIVE: a leftover would be a duplicate or a lost receipt.
-        tx = receiver.transaction()
-        leftover = tx.receive(TARGET_QUEUE, waitfor_ms=500)
-        tx.rollback()
-        if leftover:
-            problems.append(f"{len(leftover)} messages still receivable after the run")
+        problems = check_run(tally, receiver, dialogs, per_dialog)
         verified_ns = now_ns()
         probe = _probe(sender, receiver, probes, body_bytes)
         probe_ns = now_ns()
@@ -301,6 +297,49 @@ def run_ksb(
         },
         problems=tuple(problems),
     )
+
+
+def start_receivers(
+    receiver: KsbClient,
+    tally: _Tally,
+    stop: threading.Event,
+    errors: list[BaseException],
+    *,
+    receivers: int,
+    window: int,
+    top: int | None,
+) -> list[threading.Thread]:
+    """Started receiver threads, each keeping up to ``window`` commits in flight until `stop`."""
+    threads = [
+        threading.Thread(
+            target=_receive_loop,
+            args=(receiver, tally, stop),
+            kwargs={"window": window, "top": top, "errors": errors},
+            name=f"bench-receiver-{i}",
+            daemon=True,
+        )
+        for i in range(receivers)
+    ]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def check_run(tally: _Tally, receiver: KsbClient, dialogs: int, per_dialog: int) -> list[str]:
+    """What is wrong with a finished run: order and duplicates (from the tally), completeness,
+    and anything still receivable (a leftover would be a duplicate or a lost receipt)."""
+    problems = list(tally.problems)
+    if tally.delivered != tally.expected:
+        problems.append(f"delivered {tally.delivered} messages, expected {tally.expected}")
+    missing = [d for d in range(dialogs) if tally.next_seq.get(d, 0) != per_dialog]
+    if missing:
+        problems.append(f"{len(missing)} dialogs incomplete, e.g. dialog {missing[0]}")
+    tx = receiver.transaction()
+    leftover = tx.receive(TARGET_QUEUE, waitfor_ms=500)
+    tx.rollback()
+    if leftover:
+        problems.append(f"{len(leftover)} messages still receivable after the run")
+    return problems
 
 
 def _record_outcome(tally: Any, batch: list[tuple[int, int, int]], fut: Future[Any]) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.stats import make_body, now_ns, parse_body
+from bench.stats import fmt_ms, fmt_x, make_body, now_ns, parse_body
 from ksb.catalog import Catalog, parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
@@ -514,11 +514,9 @@ def format_lines(j: dict[str, Any]) -> list[str]:
     """The RECEIVE part's lines for the bench table."""
 
     def ms(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:,.1f} ms"
+        return fmt_ms(v, 1)
 
-    def x(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:.2f}x"
-
+    x = fmt_x
     cfg, idle, sat = j["config"], j["idle"]["time_in_queue"], j["saturated"]
     high, ratio, tp = (
         sat["level10_time_in_queue"],

@@ -12,6 +12,8 @@ from typing import Any
 __all__ = [
     "LatencySummary",
     "Rate",
+    "fmt_ms",
+    "fmt_x",
     "make_body",
     "now_ns",
     "parse_body",
@@ -20,6 +22,16 @@ __all__ = [
 ]
 
 _TS_DIGITS = 20
+
+
+def fmt_ms(v: float | None, digits: int = 2) -> str:
+    """A millisecond figure for the printed tables ("n/a" when it was not measured)."""
+    return "n/a" if v is None else f"{v:,.{digits}f} ms"
+
+
+def fmt_x(v: float | None) -> str:
+    """A ratio for the printed tables ("n/a" when either side was not measured)."""
+    return "n/a" if v is None else f"{v:.2f}x"
 
 
 def now_ns() -> int:

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from bench.stats import fmt_ms, fmt_x
 from ksb.transmission import Pending, TransmissionScheduler
 
 __all__ = ["SchedulerOptions", "format_lines", "run_scheduler"]
@@ -200,12 +201,7 @@ def run_scheduler(opts: SchedulerOptions) -> dict[str, Any]:
 
 
 def format_lines(j: dict[str, Any]) -> list[str]:
-    def ms(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:,.2f} ms"
-
-    def x(v: float | None) -> str:
-        return "n/a" if v is None else f"{v:.2f}x"
-
+    ms, x = fmt_ms, fmt_x
     cfg, idle, sat, pr, tp = (
         j["config"],
         j["idle_level10"],

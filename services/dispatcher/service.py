@@ -228,14 +228,17 @@ class Dispatcher:
         if bcn is not None:
             self._bcn.publish(bcn)
 
-    def _discard_clients(self) -> None:
-        """Drop what a failed start attempt built, so the next attempt starts clean."""
+    def _close_readers(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
         if self._watcher is not None:
             self._watcher.close()
             self._watcher = None
+
+    def _discard_clients(self) -> None:
+        """Drop what a failed start attempt built, so the next attempt starts clean."""
+        self._close_readers()
         self._producer = None
         self.engine = None
         self.audit = Audit()
@@ -427,12 +430,7 @@ class Dispatcher:
         self._consumer.subscribe([self.names.requests, self.names.inbound])
 
     def close(self) -> None:
-        if self._consumer is not None:
-            self._consumer.close()
-            self._consumer = None
-        if self._watcher is not None:
-            self._watcher.close()
-            self._watcher = None
+        self._close_readers()
         if self._producer is not None:
             self._producer.flush(5)
             self._producer = None

@@ -176,6 +176,11 @@ class Queue(_Model):
     activation: Activation = Activation()
     dead_letter: DeadLetter | None = None
 
+    @property
+    def disabled(self) -> bool:
+        """STATUS = OFF: nothing is received from it, and nothing local is delivered into it."""
+        return self.status == "OFF"
+
 
 class Service(_Model):
     name: str = Field(min_length=1, max_length=256)

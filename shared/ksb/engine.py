@@ -517,9 +517,11 @@ class Engine:
         one message of a direction waits there, every later one of that direction waits behind
         it (the receiver's `recv_seq` lags the sender's `send_seq`), so order is never broken.
         """
-        queue = self.catalog.queues.get(receiver.queue)
-        disabled = queue is not None and queue.status == "OFF"
-        return disabled or receiver.recv_seq < sender.send_seq
+        return self._queue_disabled(receiver.queue) or receiver.recv_seq < sender.send_seq
+
+    def _queue_disabled(self, name: str) -> bool:
+        queue = self.catalog.queues.get(name)
+        return queue is not None and queue.disabled
 
     def _transmit(
         self,
@@ -575,8 +577,7 @@ class Engine:
             # The conversation is over here (or never existed): acknowledge so the sender stops.
             stage.out.acks.append(_ack(msg, msg.seq, self.instance))
             return
-        queue = self.catalog.queues.get(receiver.queue)
-        if queue is not None and queue.status == "OFF":
+        if self._queue_disabled(receiver.queue):
             # Not acknowledged: it stays in the sender's transmission queue and is sent again
             # after the queue is enabled.
             return

@@ -59,7 +59,7 @@ def delivery_problem(
     if service is None:
         return f"service {to_service!r} is no longer hosted on this instance"
     queue = view.queues.get(service.queue)
-    if queue is not None and queue.status == "OFF":
+    if queue is not None and queue.disabled:
         return (
             f"{QUEUE_DISABLED}: queue {queue.name!r} has STATUS = OFF; ALTER QUEUE ... STATUS = ON"
         )
