@@ -7,15 +7,15 @@ Three broker instances on the suite's one Kafka cluster, each with its own topic
   i.e. the same cluster); **B** (``<i>xb``) hosts the target service and its queue.
 
 A message from A to B goes: dispatcher A -> ``ksb.A.transmission`` -> transmitter A ->
-``ksb.B.inbound`` -> dispatcher B (which acknowledges to ``ksb.A.acks`` in its transaction) ->
+``ksb.A.outbound`` -> transport A -> ``ksb.B.inbound`` -> dispatcher B (which acknowledges to ``ksb.A.acks`` in its transaction) ->
 B's queue topic -> RECEIVE + commit on B. Both paths are measured by the same code as the suite's
 KSB figures (`bench.e2e`: the sender BEGINs every dialog and SENDs round-robin, receiver threads
 keep ``window`` commits in flight, a message counts when its commit is applied, per-dialog order and
 exactly-once are checked, then one-at-a-time probes), with the same counts, the one after the other.
-Every service is a child process (dispatchers as `services.dispatcher`, transmitter A as this
-module's entry point, which builds `services.transmitter.Transmitter` with `TRANSMITTER_OPTIONS`), so
-the bench's own threads do not share a GIL with them; B needs no transmitter (it sends nothing back
-but acks, which its dispatcher writes).
+Every service is a child process (dispatchers as `services.dispatcher`, transmitter A as
+`services.transmitter`, transport A as this module's entry point, which builds
+`services.transport.Transport` with `TRANSPORT_OPTIONS`), so the bench's own threads do not share a
+GIL with them; B needs no transmitter (it sends nothing back but acks, which its dispatcher writes).
 
 **Backlog drain.** A's route is pointed at an address where nothing listens (``127.0.0.1:1``), a
 backlog of ``backlog`` messages over ``backlog_dialogs`` new dialogs is sent, and the bench waits
@@ -30,7 +30,6 @@ the figure: both are short here (`INTERVALS`, `TRANSMITTER_OPTIONS`) and printed
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
@@ -60,15 +59,18 @@ from ksb.catalog import Catalog, parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
 from ksb.names import Names
+from ksb.redis_view import read_transmission_view
 from ksb.runner import ServiceProcess
 from ksb.service import configure_logging, stop_on_signals
 from ksb.settings import Settings, load_settings
-from ksb.ticker import Intervals
-from services.transmitter import Transmitter, TransmitterOptions
+from ksb.ticker import INTERVAL_ENV, Intervals
+from services.transmitter import TransmitterOptions
+from services.transport import Transport, TransportOptions
 
 __all__ = [
     "INTERVALS",
     "TRANSMITTER_OPTIONS",
+    "TRANSPORT_OPTIONS",
     "CrossOptions",
     "format_lines",
     "run_cross_instance",
@@ -79,9 +81,11 @@ INTERVALS = Intervals(
     suppress_after_disconnect_ms=500,
     suppress_after_failed_connect_ms=1_000,
 )
-"""Transmitter A's housekeeping intervals (the rest at their defaults)."""
-TRANSMITTER_OPTIONS = TransmitterOptions(connect_timeout_s=1.0)
-"""A failed connect blocks the transmitter's loop for up to the connect timeout: keep it short."""
+"""Transmitter and transport A's housekeeping intervals (the rest at their defaults)."""
+TRANSMITTER_OPTIONS = TransmitterOptions()
+"""Transmitter A runs as `services.transmitter` (its defaults); printed with the figures."""
+TRANSPORT_OPTIONS = TransportOptions(connect_timeout_s=1.0)
+"""A failed connect blocks the transport's loop for up to the connect timeout: keep it short."""
 UNREACHABLE = "127.0.0.1:1"
 """Where the cut route points: a port nothing listens on."""
 _VIEW_ROWS = 1_000
@@ -91,6 +95,7 @@ LOG_NAMES = (
     "xi-a-dispatcher.log",
     "xi-b-dispatcher.log",
     "xi-a-transmitter.log",
+    "xi-a-transport.log",
 )
 
 
@@ -173,8 +178,7 @@ class _DrainTally(_Tally):
 
 
 def _view(r: redis.Redis, names: Names) -> dict[str, Any]:
-    raw = r.get(names.transmission_view_key)
-    return json.loads(raw) if raw else {"messages": [], "connections": []}
+    return read_transmission_view(r, names)
 
 
 def _wait_view(
@@ -195,7 +199,7 @@ def _wait_view(
 
 
 def _link(view: dict[str, Any], destination: str) -> dict[str, Any] | None:
-    """The transmitter's connection row for ``destination`` (like sys.dm_broker_connections)."""
+    """The transport's connection row for ``destination`` (like sys.dm_broker_connections)."""
     return next((c for c in view["connections"] if c["destination"] == destination), None)
 
 
@@ -213,7 +217,7 @@ def _drain(sa: Settings, sb: Settings, o: CrossOptions) -> dict[str, Any]:
         with KsbClient(sa) as sender, KsbClient(sb) as receiver:
             receiver.reader(TARGET_QUEUE)
             apply_catalog(sa, cut)
-            # The transmitter closes a connection whose route changed: from then on nothing moves.
+            # The transport closes a connection whose route changed: from then on nothing moves.
             _wait_view(
                 r,
                 names,
@@ -360,14 +364,16 @@ def run_cross_instance(
         apply_catalog(sb, cb)
         start(ServiceProcess("dispatcher", sb, log_dir / LOG_NAMES[2]), "dispatcher ready")
         start(ServiceProcess("dispatcher", sa, log_dir / LOG_NAMES[1]), "dispatcher ready")
+        intervals_env = {
+            INTERVAL_ENV[name]: str(value) for name, value in asdict(INTERVALS).items()
+        }
         start(
-            ServiceProcess(
-                "transmitter",
-                sa,
-                log_dir / LOG_NAMES[3],
-                module="bench.cross_instance",
-            ),
+            ServiceProcess("transmitter", sa, log_dir / LOG_NAMES[3], extra_env=intervals_env),
             "transmitter ready",
+        )
+        start(
+            ServiceProcess("transport", sa, log_dir / LOG_NAMES[4], module="bench.cross_instance"),
+            "transport ready",
         )
         phase("cross_start")
         cross = _deliver(sa, sb, o)
@@ -391,8 +397,8 @@ def run_cross_instance(
             "instances": {"local": sl.instance, "a": sa.instance, "b": sb.instance},
             "intervals": asdict(INTERVALS),
             "transmitter_options": {
-                "connect_timeout_s": TRANSMITTER_OPTIONS.connect_timeout_s,
-                "delivery_timeout_ms": TRANSMITTER_OPTIONS.delivery_timeout_ms,
+                "connect_timeout_s": TRANSPORT_OPTIONS.connect_timeout_s,
+                "delivery_timeout_ms": TRANSPORT_OPTIONS.delivery_timeout_ms,
                 "view_every_ms": TRANSMITTER_OPTIONS.view_every_ms,
                 "max_wait_ms": TRANSMITTER_OPTIONS.max_wait_ms,
                 "backoff_initial_ms": TRANSMITTER_OPTIONS.backoff.initial_ms,
@@ -490,15 +496,15 @@ def format_lines(j: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _serve_transmitter() -> None:
-    """`python -m bench.cross_instance`: transmitter A as a child process, its settings from the
-    environment (as `services.transmitter`), with `INTERVALS` and `TRANSMITTER_OPTIONS` (the
-    connect timeout has no environment variable, so the service's own entry point cannot be used)."""
-    configure_logging("transmitter")
+def _serve_transport() -> None:
+    """`python -m bench.cross_instance`: transport A as a child process, its settings from the
+    environment (as `services.transport`), with `INTERVALS` and `TRANSPORT_OPTIONS` (the connect
+    timeout has no environment variable, so the service's own entry point cannot be used)."""
+    configure_logging("transport")
     settings = load_settings()
     stop = stop_on_signals()
-    Transmitter(settings, intervals=INTERVALS, options=TRANSMITTER_OPTIONS).run(stop)
+    Transport(settings, intervals=INTERVALS, options=TRANSPORT_OPTIONS).run(stop)
 
 
 if __name__ == "__main__":
-    _serve_transmitter()
+    _serve_transport()

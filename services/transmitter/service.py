@@ -1,16 +1,15 @@
-"""The transmitter and transport of one broker instance, as one process.
+"""The transmitter of one broker instance: the transmission queue and who gets what next.
 
-They run together because on Kafka the "transport" is only a producer per destination plus an ack
-consumer per cluster: keeping both in one loop means the pure parts (`ksb.transmission_queue`,
-`ksb.transport`) share one clock and one view without a hand-off protocol between processes. The
-modules stay separate, so a split later only adds a topic between them.
-
-The loop: fold the ``transmission`` topic (what our dispatcher wrote, read_committed) and the
-``acks`` topics into the transmission queue, open connections to destinations with pending messages
-that are not suppressed, send what the scheduler picks to the remote ``inbound`` topic, queue again
-what was not acknowledged in time, and publish the views to Redis. State is in memory and rebuilt
-from the two topics on start (both read from the beginning), which is exact because acks are
-cumulative; the receivers drop whatever is sent twice.
+The loop: fold the ``transmission`` topic (what our dispatcher wrote, read_committed) and our own
+cluster's ``acks`` topic into the transmission queue, resolve each destination's route (which
+address and next hop carry it), pick what goes next by priority for destinations that are not
+suppressed, and hand it to the transport as a packet on the ``outbound`` topic
+(`ksb.transport.Packet` headers). The transport answers on ``links``
+(`ksb.transport.LinkEvent`): a failed or broken connection suppresses its destination here too,
+and a destination that connects again (or whose suppression ran out) gets everything it has not
+acknowledged queued again at once. What is not acknowledged in time is queued again on its
+back-off. State is in memory and rebuilt from the topics on start (all read from the
+beginning), which is exact because acks are cumulative; the receivers drop whatever is sent twice.
 """
 
 from __future__ import annotations
@@ -24,30 +23,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from ksb import kafka
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog import CatalogView, Route
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
-from ksb.errors import KsbError
-from ksb.fragments import wire_records
-from ksb.metrics import (
-    CONNECTIONS,
-    HEALTHY,
-    SUPPRESSED_DESTINATIONS,
-    TRANSMISSION_DEPTH,
-    serve_metrics,
-)
+from ksb.metrics import HEALTHY, TRANSMISSION_DEPTH, serve_metrics
 from ksb.names import Names
 from ksb.protocol import AckRecord, InboundMessage
+from ksb.redis_view import RedisView
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
 from ksb.task_handlers import TaskHandlers
 from ksb.ticker import Intervals, Ticker
 from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import LOCAL_ADDRESS, Links, delivery_problem, route_for
+from ksb.transport import LinkEvent, Packet, Peers, delivery_problem, route_for
 
 __all__ = ["Transmitter", "TransmitterOptions"]
 
@@ -59,8 +51,6 @@ class TransmitterOptions:
     """Knobs beyond `Settings` and `Intervals`, with production defaults; tests shorten them."""
 
     batch: int = 500
-    connect_timeout_s: float = 3.0
-    delivery_timeout_ms: int = 5_000
     view_every_ms: int = 500
     max_wait_ms: int = 10_000
     task_handlers: int | None = None
@@ -68,16 +58,8 @@ class TransmitterOptions:
     backoff: Backoff = field(default_factory=lambda: Backoff(initial_ms=2_000, max_ms=60_000))
 
 
-@dataclass
-class _Connection:
-    address: str
-    producer: Producer
-    topic: str
-    """The next hop's ``inbound`` topic: the destination's own, or a forwarder's."""
-
-
 class Transmitter:
-    """Transmission queue + transport for `settings.instance`; `run(stop)` until stopped."""
+    """The transmission queue of `settings.instance`; `run(stop)` until stopped."""
 
     def __init__(
         self,
@@ -93,7 +75,7 @@ class Transmitter:
         self.options = options or TransmitterOptions()
         self.clock = clock or SystemClock()
         self.ready = threading.Event()
-        self.links = Links(self.intervals)
+        self.peers = Peers()
         self.queue = TransmissionQueue(
             max_wait_ms=self.options.max_wait_ms,
             backoff=self.options.backoff,
@@ -101,15 +83,9 @@ class Transmitter:
         )
         self._tx_position = 0  # next offset of `transmission` the main consumer will read
         self.catalog = CatalogView(load_catalog(settings))
-        self._conns: dict[str, _Connection] = {}
-        self._acks: dict[str, Consumer] = {}  # bootstrap servers -> consumer of our acks topic
-        self._failures: dict[str, str] = {}  # destination -> last failure, for the view
-        self._delivery_errors: list[tuple[str, str]] = []
-        self._view_due_ms = 0
+        self._outbound: Producer | None = None
         # The view goes to Redis from a task handler: a slow Redis must not stall transmission.
         self.handlers = TaskHandlers("transmitter", self.options.task_handlers)
-        self._view_lock = threading.Lock()
-        self._view_latest: tuple[dict[str, Any], dict[str, int]] | None = None
         # Audit events (transmit, acknowledge, suppression) for the Spark audit; never fatal.
         self.audit = Audit(KafkaAudit(kafka.producer(settings), self.names))
 
@@ -121,18 +97,20 @@ class Transmitter:
         watcher.view = self.catalog
         tx = kafka.consumer(s)
         tx.assign([TopicPartition(self.names.transmission, 0, -2)])
+        acks = kafka.consumer(s)
+        acks.assign([TopicPartition(self.names.acks, 0, -2)])
+        links = kafka.consumer(s, read_committed=False)
+        links.assign([TopicPartition(self.names.links, 0, -2)])
+        self._outbound = kafka.producer(s)
         r = redis.Redis.from_url(s.redis_url)
+        view = RedisView("transmission", r, self.handlers, self.options.view_every_ms)
         ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
         ticker.every(1, "task_handlers", self.handlers.on_tick)
         ticker.every(1, "retransmit", lambda _t: self._retransmit())
-        ticker.every(2, "connect", lambda _t: self._connect_pending())
         ticker.every(2, "reclassify", lambda _t: self._reclassify())
         ticker.every(2, "reregister", lambda _t: self._reregister())
         ticker.every(2, "trim_caches", lambda _t: self._trim_caches())
-        ticker.every(5, "close_idle", lambda _t: self._close_idle())
-        ticker.every(5, "cleanup_acked", lambda _t: self._poll_acks(0))
-        self.links.restore_suppression(_load_suppression(r, self.names), self.clock.now_ms())
-        self._ack_consumer(s.kafka_bootstrap)
+        ticker.every(5, "cleanup_acked", lambda _t: self._poll_acks(acks, 0))
         self._self_check()
         serve_metrics(s.metrics_port, host=s.metrics_host)
         self.handlers.start()
@@ -145,27 +123,23 @@ class Transmitter:
                     self.catalog = watcher.view
                     self._reclassify()
                 got = self._poll_transmission(tx)
-                self._poll_acks(0 if got else 0.02)
+                self._poll_acks(acks, 0 if got else 0.02)
+                self._poll_links(links)
                 now = self.clock.now_ms()
                 ticker.poll(now)
                 self.queue.retransmit_due(now)
-                self._connect_pending()
                 self._send(now)
-                self._publish_view(r, now)
+                self._publish_view(view, now)
         finally:
             HEALTHY.labels("transmitter").set(0)
             self.handlers.stop(2)
             log.info("transmitter stopped after %d tick(s)", ticker.tick)
-            tx.close()
-            watcher.close()
-            for c in self._acks.values():
+            for c in (tx, acks, links):
                 c.close()
-            for conn in self._conns.values():
-                conn.producer.flush(2)
+            watcher.close()
+            self._outbound.flush(2)
             self.audit.flush(2)
-            # Drop the clients now: librdkafka keeps reconnecting for as long as one is alive.
-            self._conns.clear()
-            self._acks.clear()
+            self._outbound = None
             r.close()
 
     def _self_check(self) -> None:
@@ -212,39 +186,39 @@ class Transmitter:
 
     def _trim_caches(self) -> None:
         """Forget failure reasons of destinations that have nothing left to send."""
-        pending = self.queue.destinations()
-        for dest in list(self._failures):
-            if dest not in pending:
-                del self._failures[dest]
+        self.peers.forget(self.queue.destinations())
 
-    def _poll_acks(self, timeout_s: float) -> None:
-        for c in list(self._acks.values()):
-            for m in c.consume(self.options.batch, timeout_s):
-                if m.error() is not None or m.value() is None:
-                    _log_error(m)
-                    continue
-                try:
-                    ack = AckRecord.model_validate_json(m.value() or b"")
-                except ValueError:
-                    continue
-                if self.queue.ack(ack):
-                    now = self.clock.now_ms()
-                    self.links.on_activity(ack.from_instance, now)
-                    self._audit(
-                        "acknowledge",
-                        now,
-                        conversation_id=ack.conversation_id,
-                        service=ack.from_instance,
-                    )
-            timeout_s = 0
+    def _poll_acks(self, c: Consumer, timeout_s: float) -> None:
+        for m in c.consume(self.options.batch, timeout_s):
+            if m.error() is not None or m.value() is None:
+                _log_error(m)
+                continue
+            try:
+                ack = AckRecord.model_validate_json(m.value() or b"")
+            except ValueError:
+                continue
+            if self.queue.ack(ack):
+                self._audit(
+                    "acknowledge",
+                    self.clock.now_ms(),
+                    conversation_id=ack.conversation_id,
+                    service=ack.from_instance,
+                )
 
-    def _ack_consumer(self, bootstrap: str) -> None:
-        if bootstrap in self._acks:
-            return
-        extra: dict[str, Any] = {"bootstrap.servers": bootstrap}
-        c = kafka.consumer(self.settings, **extra)
-        c.assign([TopicPartition(self.names.acks, 0, -2)])
-        self._acks[bootstrap] = c
+    def _poll_links(self, c: Consumer) -> None:
+        """The transport's connection changes: suppression, and destinations that came back."""
+        for m in c.consume(self.options.batch, 0):
+            if m.error() is not None or m.value() is None:
+                _log_error(m)
+                continue
+            try:
+                self.peers.apply(LinkEvent.model_validate_json(m.value() or b""))
+            except ValueError as exc:
+                log.warning("unreadable links record at %s: %s", m.offset(), exc)
+        for dest in self.peers.reopened(self.clock.now_ms()):
+            again = self.queue.requeue_destination(dest)
+            if again:
+                log.info("%s is reachable again: %d unacknowledged queued again", dest, again)
 
     # ----------------------------------------------------------------- routes
     def _route_problem(self, record: InboundMessage) -> str | None:
@@ -261,101 +235,43 @@ class Transmitter:
             self.catalog, destination, self.clock.now_ms(), instance=self.settings.instance
         )
 
-    def _bootstrap(self, address: str) -> str:
-        return self.settings.kafka_bootstrap if address == LOCAL_ADDRESS else address
-
     def _reclassify(self) -> None:
-        """Catalog or route change: re-resolve routes, drop links whose address changed."""
+        """Catalog or route change: re-resolve every message's route (the transport follows the
+        address each packet names, so a changed route moves the connection with it)."""
         self.queue.reclassify(self._route_problem, self.catalog.catalog.honor_broker_priority)
-        for dest, conn in list(self._conns.items()):
-            route = self._route(dest)
-            if (
-                route is None
-                or self._bootstrap(route.address) != conn.address
-                or (Names(route.next_hop).inbound != conn.topic)
-            ):
-                log.info("route to %s changed or expired: closing its connection", dest)
-                self._close(dest)
 
-    # ----------------------------------------------------------------- transport
-    def _connect_pending(self) -> None:
-        now = self.clock.now_ms()
-        for dest in self.links.to_connect(self.queue.pending_destinations(), now):
-            self._connect(dest, now)
-
-    def _connect(self, dest: str, now: int) -> None:
-        route = self._route(dest)
-        if route is None:
-            self._failures[dest] = f"no usable route names broker instance {dest!r}"
-            return
-        address = self._bootstrap(route.address)
-        inbound = Names(route.next_hop).inbound
-        p = kafka.producer(
-            self.settings,
-            extra={
-                "bootstrap.servers": address,
-                "message.timeout.ms": self.options.delivery_timeout_ms,
-                "socket.connection.setup.timeout.ms": int(self.options.connect_timeout_s * 1000),
-            },
-        )
-        try:
-            md = p.list_topics(inbound, timeout=self.options.connect_timeout_s)
-            tmd = md.topics.get(inbound)
-            if tmd is None or tmd.error is not None or not tmd.partitions:
-                raise _ConnectFailed(
-                    f"instance {route.next_hop!r} has no inbound topic at {address}"
-                )
-        except (KafkaException, _ConnectFailed) as exc:
-            reason = f"connect to {dest} at {address} failed: {exc}"
-            log.warning("%s", reason)
-            self._failures[dest] = reason
-            self.links.on_failed_connect(dest, address, reason, now)
-            self._audit("suppression", now, service=dest, reason=reason)
-            return
-        self._conns[dest] = _Connection(address, p, inbound)
-        self._ack_consumer(address)
-        self.links.on_connected(dest, address, now)
-        self._failures.pop(dest, None)
-        again = self.queue.requeue_destination(dest)
-        log.info("connected to %s at %s (%d unacknowledged queued again)", dest, address, again)
-
+    # ----------------------------------------------------------------- hand-off
     def _send(self, now: int) -> None:
-        for conn in self._conns.values():
-            conn.producer.poll(0)
-        for dest, reason in self._delivery_errors:
-            self._failures[dest] = reason
-            if dest in self._conns:
-                log.warning("connection to %s broke: %s", dest, reason)
-                self._close(dest)
-                self.links.on_disconnect(dest, reason, now)
-                self.links.suppression.on_disconnect(dest, now)
-                self._audit("suppression", now, service=dest, reason=reason)
-        self._delivery_errors.clear()
-        live = set(self._conns)
+        """Hand the scheduler's picks for reachable destinations to the transport, in order."""
+        p = self._outbound
+        assert p is not None
+        p.poll(0)
+        live = self.peers.sendable(self.queue.pending_destinations(), now)
         if not live:
             return
-        batch = self.queue.take(now, live, self.options.batch)
-        for record in batch:
+        for record in self.queue.take(now, live, self.options.batch):
             dest = record.to_instance
-            conn = self._conns[dest]
-            for value in wire_records(record, self.settings.fragment_bytes):
-                conn.producer.produce(
-                    conn.topic,
-                    key=record.conversation_id.encode(),
-                    value=value,
-                    on_delivery=self._delivered(dest),
-                )
-            self.links.on_activity(dest, now, sent=1)
+            route = self._route(dest)
+            if route is None:  # expired this very moment: its retransmission will find it held
+                continue
+            packet = Packet(dest, route.address, Names(route.next_hop).inbound, now)
+            p.produce(
+                self.names.outbound,
+                key=record.conversation_id.encode(),
+                value=record.model_dump_json(),
+                headers=packet.headers(),
+            )
+            level, starved = self.queue.last_take.get(record.message_id, (record.priority, False))
             self._audit(
                 "transmit",
                 now,
                 service=record.to_service,
                 conversation_id=record.conversation_id,
                 message_id=record.message_id,
-                priority=self.queue.last_take.get(record.message_id, (record.priority, False))[0],
+                priority=level,
                 enqueued_ms=record.enqueued_ms,
                 time_in_queue_ms=max(0, now - record.enqueued_ms),
-                starvation_exception=self.queue.last_take.get(record.message_id, (0, False))[1],
+                starvation_exception=starved,
             )
 
     def _audit(self, kind: AuditKind, now: int, **fields: Any) -> None:
@@ -363,79 +279,25 @@ class Transmitter:
             [AuditEvent(kind=kind, event_ms=now, instance=self.settings.instance, **fields)]
         )
 
-    def _delivered(self, dest: str) -> Any:
-        def report(err: KafkaError | None, _msg: Message) -> None:
-            if err is not None:
-                self._delivery_errors.append((dest, f"delivery to {dest} failed: {err.str()}"))
-
-        return report
-
     def _retransmit(self) -> None:
         self.queue.retransmit_due(self.clock.now_ms())
 
-    def _close(self, dest: str) -> None:
-        conn = self._conns.pop(dest, None)
-        if conn is not None:
-            conn.producer.flush(0)
-        self.links.close(dest)
-
-    def _close_idle(self) -> None:
-        for dest in self.links.idle(self.clock.now_ms()):
-            log.info("closing idle connection to %s", dest)
-            self._close(dest)
-
     # ----------------------------------------------------------------- views
-    def _publish_view(self, r: redis.Redis, now: int) -> None:
-        if now < self._view_due_ms:
+    def _publish_view(self, view: RedisView, now: int) -> None:
+        if not view.due(now):
             return
-        self._view_due_ms = now + self.options.view_every_ms
-        view = {
-            "updated_ms": now,
-            "messages": self.queue.rows(now, self._failures),
-            "connections": self.links.rows(now),
-        }
-        suppressed = self.links.suppressed(now)
+        snapshot = json.dumps(
+            {"updated_ms": now, "messages": self.queue.rows(now, self.peers.failures())}
+        )
         depth = self.queue.depth_by_priority()
         for level in range(1, 11):
             TRANSMISSION_DEPTH.labels(str(level)).set(depth.get(level, 0))
-        CONNECTIONS.labels("transmitter").set(len(self._conns))
-        SUPPRESSED_DESTINATIONS.labels("transmitter").set(len(suppressed))
-        with self._view_lock:
-            self._view_latest = (view, suppressed)
-        try:
-            self.handlers.submit("publish_view", lambda: self._write_view(r))
-        except KsbError as exc:  # full or stopping: the next snapshot goes out instead
-            log.warning("transmission view not published now: %s", exc)
+        key = self.names.transmission_view_key
 
-    def _write_view(self, r: redis.Redis) -> None:
-        """On a task handler: write the newest snapshot. Writes are serialised and each takes the
-        newest snapshot under the lock, so an older view never overwrites a newer one."""
-        with self._view_lock:
-            if self._view_latest is None:
-                return
-            view, suppressed = self._view_latest
-            self._view_latest = None
-            try:
-                pipe = r.pipeline()
-                pipe.set(self.names.transmission_view_key, json.dumps(view))
-                pipe.delete(self.names.suppress_key)
-                if suppressed:
-                    pipe.zadd(self.names.suppress_key, {d: u for d, u in suppressed.items()})
-                pipe.execute()
-            except redis.RedisError as exc:  # views are best effort; delivery needs no Redis
-                log.warning("could not publish the transmission view: %s", exc)
+        def writes(pipe: redis.client.Pipeline) -> None:
+            pipe.set(key, snapshot)
 
-
-class _ConnectFailed(Exception):
-    pass
-
-
-def _load_suppression(r: redis.Redis, names: Names) -> dict[str, int]:
-    try:
-        raw: list[tuple[bytes, float]] = r.zrange(names.suppress_key, 0, -1, withscores=True)  # type: ignore[assignment]
-    except redis.RedisError:
-        return {}
-    return {k.decode(): int(v) for k, v in raw}
+        view.offer(writes)
 
 
 def _records_until(

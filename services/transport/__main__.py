@@ -1,16 +1,19 @@
-"""`python -m services.transport`: run the transport's periodic timer until SIGTERM or SIGINT."""
+"""`python -m services.transport`: run the transport until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
-from ksb.metrics import export_transport_defaults
-from ksb.service import configure_logging, run_service
+from ksb.service import configure_logging, stop_on_signals
 from ksb.settings import load_settings
+from ksb.ticker import Intervals
+from services.transport.service import Transport
 
 
 def main() -> None:
     configure_logging("transport")
-    export_transport_defaults("transport")  # zeros until issue 5 moves messages
-    run_service("transport", load_settings())
+    settings = load_settings()
+    intervals = Intervals.from_env()
+    stop = stop_on_signals()
+    Transport(settings, intervals=intervals).run(stop)
 
 
 if __name__ == "__main__":

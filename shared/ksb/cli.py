@@ -37,6 +37,7 @@ from ksb.protocol import (
     parse_queue_record,
 )
 from ksb.queue_index import QueueIndex
+from ksb.redis_view import read_transmission_view
 from ksb.settings import Settings, load_settings
 from ksb.views import endpoint_row, leaked
 
@@ -523,16 +524,12 @@ def monitors(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON"
 
 
 def read_transmission(settings: Settings) -> dict[str, Any]:
-    """The transmitter's view: unacknowledged messages and connections (sys.transmission_queue)."""
+    """Unacknowledged messages (sys.transmission_queue) and connections (sys.dm_broker_connections)."""
     r = redis.Redis.from_url(settings.redis_url)
     try:
-        raw = r.get(Names(settings.instance).transmission_view_key)
+        return read_transmission_view(r, Names(settings.instance))
     finally:
         r.close()
-    if not raw:
-        return {"messages": [], "connections": []}
-    view: dict[str, Any] = json.loads(raw)
-    return view
 
 
 @app.command("transmission")

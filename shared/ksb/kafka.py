@@ -100,6 +100,8 @@ def core_topics(names: Names, settings: Settings) -> list[TopicSpec]:
         TopicSpec(names.transmission, 1),
         TopicSpec(names.inbound, 1),
         TopicSpec(names.acks, 1),
+        TopicSpec(names.outbound, 1),
+        TopicSpec(names.links, 1),
         TopicSpec(names.activation, 1),
         TopicSpec(names.bcn, 1),
     ]

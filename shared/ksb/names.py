@@ -56,6 +56,21 @@ class Names:
         return f"{self.prefix}.acks"
 
     @property
+    def outbound(self) -> str:
+        """Messages the transmitter picked for sending, in order, for the transport to carry."""
+        return f"{self.prefix}.outbound"
+
+    @property
+    def links(self) -> str:
+        """The transport's connection events (connected, failed, disconnected, closed)."""
+        return f"{self.prefix}.links"
+
+    @property
+    def transport_group(self) -> str:
+        """Consumer group whose committed offset is how far the transport has read ``outbound``."""
+        return f"{self.prefix}.transport"
+
+    @property
     def activation(self) -> str:
         return f"{self.prefix}.activation"
 
@@ -134,5 +149,10 @@ class Names:
 
     @property
     def transmission_view_key(self) -> str:
-        """JSON view of the transmission queue and connections (like sys.transmission_queue)."""
+        """JSON view of the transmission queue (like sys.transmission_queue)."""
         return f"ksb:{self.instance}:transmission"
+
+    @property
+    def connections_view_key(self) -> str:
+        """JSON view of the transport's connections (like sys.dm_broker_connections)."""
+        return f"ksb:{self.instance}:connections"

@@ -1,14 +1,22 @@
-"""The transport's pure bookkeeping: which remote instances are connected, suppressed or idle.
+"""The transport's pure bookkeeping: connections, suppression, and what the transmitter learns of them.
 
-On Kafka a *connection* to another broker instance is a producer to that instance's ``inbound``
-topic (or its route's ``via`` hop's, a forwarder) (on the cluster the route's address names; ``LOCAL`` is our own cluster) plus a consumer of
-our ``acks`` topic on that same cluster, where the remote dispatcher acknowledges what it received.
-Opening it means building the producer and reading the remote ``inbound`` topic's metadata: that
-is the handshake that proves the address is a Kafka cluster hosting that instance.
+The transport is its own service (`services.transport`); the transmitter hands it packets over
+the ``outbound`` topic and hears back over the ``links`` topic. On Kafka a *connection* to another
+broker instance is:
+
+- a producer to the next hop's ``inbound`` topic (the destination's own, or its route's ``via``
+  forwarder's) on the cluster the route's address names (``LOCAL``: our own cluster);
+- an ack channel: a consumer of our ``acks`` topic on that same cluster, where the far dispatcher
+  acknowledges what it received, relayed onto our own cluster's ``acks`` topic
+  (`ksb.ack_relay`), so the transmitter only ever reads its own cluster;
+- a handshake: reading the next hop's ``inbound`` metadata (proof that the address is a Kafka
+  cluster hosting that instance) and creating our ``acks`` topic there if it is missing.
+
+Liveness comes from the producer's delivery reports: a failed delivery is a disconnect.
 
 The rules are the seed's: a destination is not tried again for 15 s after a disconnect and for
 60 s after every failed attempt (`ksb.ticker.Suppression`), connections idle for 90 s are closed,
-and attempts go only to destinations that have pending messages. The service keeps the
+and attempts go only to destinations that have packets waiting. The transport keeps the
 suppression deadlines in Redis (``Names.suppress_key``) so a restarted transport does not hammer a
 dead peer; losing them only means retrying sooner.
 """
@@ -17,7 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from ksb.catalog import CatalogView, Route
 from ksb.ticker import Intervals, Suppression, idle_to_close
@@ -27,7 +37,10 @@ __all__ = [
     "QUEUE_DISABLED",
     "ROUTE_EXPIRED",
     "Link",
+    "LinkEvent",
     "Links",
+    "Packet",
+    "Peers",
     "delivery_problem",
     "route_for",
     "route_problem",
@@ -107,6 +120,23 @@ def route_for(
     return None
 
 
+LinkEventKind = Literal["connected", "failed", "disconnected", "closed"]
+
+
+class LinkEvent(BaseModel):
+    """A change of one connection, written by the transport to ``links`` for the transmitter."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    destination: str
+    kind: LinkEventKind
+    address: str
+    event_ms: int
+    suppressed_until_ms: int | None = None
+    """No attempt before this (failed, disconnected); None when nothing is suppressed."""
+    reason: str | None = None
+
+
 @dataclass
 class Link:
     """One destination instance as the transport sees it (a row of sys.dm_broker_connections)."""
@@ -140,28 +170,49 @@ class Links:
         waiting = [d for d in pending if not (d in self._links and self._links[d].connected)]
         return self.suppression.due(sorted(set(waiting)), now_ms)
 
-    def on_connected(self, destination: str, address: str, now_ms: int) -> None:
+    def on_connected(self, destination: str, address: str, now_ms: int) -> LinkEvent:
         link = self._links.setdefault(destination, Link(destination, address))
         link.address, link.connected, link.connected_ms = address, True, now_ms
         link.last_activity_ms = now_ms
         link.failed_attempts = 0
+        link.last_error = None
         self.suppression.on_connected(destination)
+        return LinkEvent(
+            destination=destination, kind="connected", address=address, event_ms=now_ms
+        )
 
-    def on_failed_connect(self, destination: str, address: str, reason: str, now_ms: int) -> None:
+    def on_failed_connect(
+        self, destination: str, address: str, reason: str, now_ms: int
+    ) -> LinkEvent:
         link = self._links.setdefault(destination, Link(destination, address))
         link.address, link.connected = address, False
         link.failed_attempts += 1
         link.last_error = reason
         self.suppression.on_failed_connect(destination, now_ms)
+        return self._event(link, "failed", now_ms)
 
-    def on_disconnect(self, destination: str, reason: str, now_ms: int) -> None:
+    def on_disconnect(self, destination: str, reason: str, now_ms: int) -> LinkEvent | None:
         """The connection broke (a delivery failed): drop it and back off before reconnecting."""
         link = self._links.get(destination)
         if link is None or not link.connected:
-            return
+            return None
         link.connected = False
         link.last_error = reason
         self.suppression.on_disconnect(destination, now_ms)
+        return self._event(link, "disconnected", now_ms)
+
+    def is_suppressed(self, destination: str, now_ms: int) -> bool:
+        return self.suppression.is_suppressed(destination, now_ms)
+
+    def _event(self, link: Link, kind: LinkEventKind, now_ms: int) -> LinkEvent:
+        return LinkEvent(
+            destination=link.destination,
+            kind=kind,
+            address=link.address,
+            event_ms=now_ms,
+            suppressed_until_ms=self.suppression.suppressed_until(link.destination),
+            reason=link.last_error,
+        )
 
     def on_activity(self, destination: str, now_ms: int, sent: int = 0) -> None:
         link = self._links.get(destination)
@@ -169,11 +220,13 @@ class Links:
             link.last_activity_ms = now_ms
             link.sent += sent
 
-    def close(self, destination: str) -> None:
+    def close(self, destination: str, now_ms: int) -> LinkEvent | None:
         """Closed on purpose (idle, or its route changed): no suppression, reopen on demand."""
         link = self._links.get(destination)
-        if link is not None:
-            link.connected = False
+        if link is None or not link.connected:
+            return None
+        link.connected = False
+        return self._event(link, "closed", now_ms)
 
     def idle(self, now_ms: int) -> list[str]:
         """Connected destinations idle for `idle_connection_ms`: the caller closes them."""
@@ -206,3 +259,98 @@ class Links:
             }
             for link in sorted(self._links.values(), key=lambda k: k.destination)
         ]
+
+
+@dataclass(frozen=True)
+class Packet:
+    """Where the transmitter wants one message carried: the headers of an ``outbound`` record.
+
+    The transmitter resolves the route (it owns the association of dialogs with destinations),
+    so the transport needs no catalog: it follows the address and topic it is handed.
+    """
+
+    destination: str
+    address: str
+    topic: str
+    taken_ms: int
+
+    def headers(self) -> list[tuple[str, str | bytes | None]]:
+        return [
+            ("ksb-destination", self.destination),
+            ("ksb-address", self.address),
+            ("ksb-topic", self.topic),
+            ("ksb-taken-ms", str(self.taken_ms)),
+        ]
+
+    @classmethod
+    def from_headers(cls, headers: Headers | None) -> Packet | None:
+        """None when a header is missing or unreadable (a record not written by a transmitter)."""
+        got = dict(headers or {})
+        try:
+            return cls(
+                destination=_text(got["ksb-destination"]),
+                address=_text(got["ksb-address"]),
+                topic=_text(got["ksb-topic"]),
+                taken_ms=int(_text(got["ksb-taken-ms"])),
+            )
+        except (KeyError, ValueError):
+            return None
+
+
+Headers = dict[str, str | bytes | None] | list[tuple[str, str | bytes | None]]
+"""Kafka record headers as confluent-kafka hands them over."""
+
+
+def _text(value: str | bytes | None) -> str:
+    if value is None:
+        raise ValueError("empty header")
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class Peers:
+    """The transmitter's picture of the transport's connections, folded from ``links`` events.
+
+    It answers two questions: which destinations may be sent to now (not suppressed), and which
+    just became reachable again, so that what they have not acknowledged is queued again at once
+    instead of after its retransmission back-off.
+    """
+
+    def __init__(self) -> None:
+        self._until: dict[str, int] = {}
+        self._errors: dict[str, str] = {}
+        self._reopened: list[str] = []
+
+    def apply(self, event: LinkEvent) -> None:
+        dest = event.destination
+        if event.kind == "connected":
+            self._until.pop(dest, None)
+            self._errors.pop(dest, None)
+            self._reopened.append(dest)
+        elif event.kind in ("failed", "disconnected"):
+            if event.suppressed_until_ms is not None:
+                self._until[dest] = max(event.suppressed_until_ms, self._until.get(dest, 0))
+            if event.reason:
+                self._errors[dest] = event.reason
+
+    def sendable(self, destinations: Iterable[str], now_ms: int) -> set[str]:
+        return {d for d in destinations if self._until.get(d, 0) <= now_ms}
+
+    def reopened(self, now_ms: int) -> list[str]:
+        """Destinations connected again, or whose suppression ran out, since the last call."""
+        for dest, until in list(self._until.items()):
+            if until <= now_ms:
+                del self._until[dest]
+                self._reopened.append(dest)
+        out, self._reopened = sorted(set(self._reopened)), []
+        return out
+
+    def failures(self) -> dict[str, str]:
+        """The last error per destination that has not connected since: the view's last_failure."""
+        return dict(self._errors)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Drop errors of destinations with nothing left to send (cache trimming)."""
+        wanted = set(keep)
+        for dest in list(self._errors):
+            if dest not in wanted:
+                del self._errors[dest]

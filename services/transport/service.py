@@ -1,0 +1,344 @@
+"""The transport service: one connection per destination broker instance, fed by the transmitter.
+
+The loop: read the ``outbound`` topic (packets the transmitter picked, in order, each with its
+destination, address and next-hop topic in headers), open a connection to a destination that
+has packets and is not suppressed, send each packet (fragmented when large,
+`ksb.fragments.wire_records`) to the next hop's ``inbound``, relay acks from far clusters onto
+ours (`ksb.ack_relay`), and report every connection change on ``links``
+(`ksb.transport.LinkEvent`), which is how the transmitter learns what is suppressed and what
+came back. Packets for a suppressed destination, and packets older than `packet_ttl_ms`, are
+dropped: the transmission queue still holds them and sends them again, so nothing is lost.
+
+How far ``outbound`` was read is committed under ``Names.transport_group``, so a restarted
+transport goes on where it stopped instead of resending everything.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
+
+from ksb import kafka
+from ksb.ack_relay import AckRelay
+from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.clock import Clock, SystemClock
+from ksb.fragments import wire_records
+from ksb.metrics import CONNECTIONS, HEALTHY, SUPPRESSED_DESTINATIONS, serve_metrics
+from ksb.names import Names
+from ksb.protocol import InboundMessage
+from ksb.redis_view import RedisView
+from ksb.settings import Settings
+from ksb.task_handlers import TaskHandlers
+from ksb.ticker import Intervals, Ticker
+from ksb.transport import LOCAL_ADDRESS, LinkEvent, Links, Packet
+
+__all__ = ["Transport", "TransportOptions"]
+
+log = logging.getLogger("ksb.transport")
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """Knobs beyond `Settings` and `Intervals`, with production defaults; tests shorten them."""
+
+    batch: int = 500
+    connect_timeout_s: float = 3.0
+    delivery_timeout_ms: int = 5_000
+    view_every_ms: int = 500
+    packet_ttl_ms: int = 30_000
+    """Older packets are not sent: the transmitter has queued them again by then."""
+    task_handlers: int | None = None
+    """Task handler threads (None: 2 x CPUs)."""
+
+
+@dataclass
+class _Connection:
+    address: str
+    """Bootstrap servers of the cluster the destination (or its forwarder) is on."""
+    producer: Producer
+    topic: str
+    """The next hop's ``inbound`` topic: the destination's own, or a forwarder's."""
+
+
+class Transport:
+    """Connections of `settings.instance` to other broker instances; `run(stop)` until stopped."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        intervals: Intervals | None = None,
+        options: TransportOptions | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.settings = settings
+        self.names = Names(settings.instance)
+        self.intervals = intervals or Intervals(tick_ms=settings.tick_ms)
+        self.options = options or TransportOptions()
+        self.clock = clock or SystemClock()
+        self.ready = threading.Event()
+        self.links = Links(self.intervals)
+        self.relay = AckRelay(settings, batch=self.options.batch)
+        self.handlers = TaskHandlers("transport", self.options.task_handlers)
+        self.sent = 0
+        self.dropped = 0
+        self._conns: dict[str, _Connection] = {}
+        self._delivery_errors: list[tuple[str, str]] = []
+        self._local: Producer | None = None
+        self.audit = Audit(KafkaAudit(kafka.producer(settings), self.names))
+
+    # ----------------------------------------------------------------- the loop
+    def run(self, stop: threading.Event) -> None:
+        s = self.settings
+        kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
+        self._local = kafka.producer(s)
+        outbound = self._outbound_consumer()
+        r = redis.Redis.from_url(s.redis_url)
+        view = RedisView("connections", r, self.handlers, self.options.view_every_ms)
+        self.links.restore_suppression(_load_suppression(r, self.names), self.clock.now_ms())
+        ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
+        ticker.every(1, "task_handlers", self.handlers.on_tick)
+        ticker.every(1, "commit", lambda _t: _commit(outbound))
+        ticker.every(5, "close_idle", lambda _t: self._close_idle())
+        port = serve_metrics(s.metrics_port, host=s.metrics_host)
+        self.handlers.start()
+        HEALTHY.labels("transport").set(1)
+        self.ready.set()
+        log.info(
+            "transport ready (instance %s, tick %d ms, metrics port %s)",
+            s.instance,
+            self.intervals.tick_ms,
+            port or "off",
+        )
+        try:
+            while not stop.is_set():
+                self._carry(kafka.consume_batch(outbound, self.options.batch, 0.02))
+                now = self.clock.now_ms()
+                self._delivery_reports(now)
+                if self.relay.pump(self._local):
+                    self._local.poll(0)
+                ticker.poll(now)
+                self._publish_view(view, now)
+        finally:
+            HEALTHY.labels("transport").set(0)
+            self.handlers.stop(2)
+            log.info(
+                "transport stopped after %d tick(s): %d sent, %d dropped",
+                ticker.tick,
+                self.sent,
+                self.dropped,
+            )
+            _commit(outbound)
+            outbound.close()
+            self.relay.close()
+            for conn in self._conns.values():
+                conn.producer.flush(2)
+            self._local.flush(2)
+            self.audit.flush(2)
+            # Drop the clients now: librdkafka keeps reconnecting for as long as one is alive.
+            self._conns.clear()
+            self._local = None
+            r.close()
+
+    def _outbound_consumer(self) -> Consumer:
+        """Assigned, not subscribed (one reader, no group join delay); starts where it stopped."""
+        c = kafka.consumer(self.settings, group=self.names.transport_group)
+        tp = TopicPartition(self.names.outbound, 0)
+        committed = c.committed([tp], timeout=10)[0].offset
+        c.assign([TopicPartition(tp.topic, 0, committed if committed >= 0 else OFFSET_BEGINNING)])
+        return c
+
+    # ----------------------------------------------------------------- packets
+    def _carry(self, batch: list[Message]) -> None:
+        now = self.clock.now_ms()
+        for m in batch:
+            if m.error() is not None or m.value() is None:
+                _log_error(m)
+                continue
+            packet = Packet.from_headers(m.headers())
+            if packet is None:
+                log.warning("outbound record at %s has no packet headers: skipped", m.offset())
+                continue
+            if now - packet.taken_ms > self.options.packet_ttl_ms:
+                self.dropped += 1
+                continue
+            conn = self._connection(packet, now)
+            if conn is None:
+                self.dropped += 1
+                continue
+            self._send(conn, packet, m, now)
+
+    def _send(self, conn: _Connection, packet: Packet, m: Message, now: int) -> None:
+        try:
+            record = InboundMessage.model_validate_json(m.value() or b"")
+        except ValueError as exc:
+            log.warning("unreadable outbound record at %s: %s", m.offset(), exc)
+            return
+        for value in wire_records(record, self.settings.fragment_bytes):
+            conn.producer.produce(
+                conn.topic,
+                key=m.key(),
+                value=value,
+                on_delivery=self._delivered(packet.destination),
+            )
+        self.sent += 1
+        self.links.on_activity(packet.destination, now, sent=1)
+
+    def _delivered(self, dest: str) -> Any:
+        def report(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                self._delivery_errors.append((dest, f"delivery to {dest} failed: {err.str()}"))
+
+        return report
+
+    def _delivery_reports(self, now: int) -> None:
+        for conn in self._conns.values():
+            conn.producer.poll(0)
+        errors, self._delivery_errors = self._delivery_errors, []
+        for dest, reason in errors:
+            if dest not in self._conns:
+                continue
+            log.warning("connection to %s broke: %s", dest, reason)
+            self._drop(dest)
+            self._publish(self.links.on_disconnect(dest, reason, now))
+
+    # ----------------------------------------------------------------- connections
+    def _connection(self, packet: Packet, now: int) -> _Connection | None:
+        """The open connection for the packet's destination, opened now if it may be."""
+        address = self._bootstrap(packet.address)
+        conn = self._conns.get(packet.destination)
+        if conn is not None and (conn.address, conn.topic) == (address, packet.topic):
+            return conn
+        if conn is not None:
+            log.info("route to %s changed: closing its connection", packet.destination)
+            self._close(packet.destination, now)
+        if self.links.is_suppressed(packet.destination, now):
+            return None
+        return self._connect(packet.destination, address, packet.topic, now)
+
+    def _connect(self, dest: str, address: str, topic: str, now: int) -> _Connection | None:
+        p = kafka.producer(
+            self.settings,
+            extra={
+                "bootstrap.servers": address,
+                "message.timeout.ms": self.options.delivery_timeout_ms,
+                "socket.connection.setup.timeout.ms": int(self.options.connect_timeout_s * 1000),
+            },
+        )
+        try:
+            _handshake(p, topic, address, self.options.connect_timeout_s)
+            self.relay.watch(address, self.settings.instance, self.options.connect_timeout_s)
+        except (KafkaException, _ConnectFailed, TimeoutError) as exc:
+            now = self.clock.now_ms()  # the back-off counts from the failure, not the attempt
+            reason = f"connect to {dest} at {address} failed: {exc}"
+            log.warning("%s", reason)
+            self._publish(self.links.on_failed_connect(dest, address, reason, now))
+            self._audit("suppression", now, service=dest, reason=reason)
+            return None
+        now = self.clock.now_ms()
+        conn = _Connection(address, p, topic)
+        self._conns[dest] = conn
+        self._publish(self.links.on_connected(dest, address, now))
+        log.info("connected to %s at %s", dest, address)
+        return conn
+
+    def _bootstrap(self, address: str) -> str:
+        return self.settings.kafka_bootstrap if address == LOCAL_ADDRESS else address
+
+    def _drop(self, dest: str) -> None:
+        conn = self._conns.pop(dest, None)
+        if conn is None:
+            return
+        conn.producer.flush(0)
+        if not any(c.address == conn.address for c in self._conns.values()):
+            self.relay.unwatch(conn.address)
+
+    def _close(self, dest: str, now: int) -> None:
+        self._drop(dest)
+        self._publish(self.links.close(dest, now))
+
+    def _close_idle(self) -> None:
+        now = self.clock.now_ms()
+        for dest in self.links.idle(now):
+            log.info("closing idle connection to %s", dest)
+            self._close(dest, now)
+
+    def _publish(self, event: LinkEvent | None) -> None:
+        """Tell the transmitter (``links``); the record goes out with the next poll."""
+        if event is None or self._local is None:
+            return
+        self._local.produce(
+            self.names.links, key=event.destination.encode(), value=event.model_dump_json()
+        )
+        self._local.poll(0)
+
+    def _audit(self, kind: AuditKind, now: int, **fields: Any) -> None:
+        self.audit.emit(
+            [AuditEvent(kind=kind, event_ms=now, instance=self.settings.instance, **fields)]
+        )
+
+    # ----------------------------------------------------------------- views
+    def _publish_view(self, view: RedisView, now: int) -> None:
+        if not view.due(now):
+            return
+        suppressed = self.links.suppressed(now)
+        CONNECTIONS.labels("transport").set(len(self._conns))
+        SUPPRESSED_DESTINATIONS.labels("transport").set(len(suppressed))
+        snapshot = json.dumps({"updated_ms": now, "connections": self.links.rows(now)})
+        key, zkey = self.names.connections_view_key, self.names.suppress_key
+
+        def writes(pipe: redis.client.Pipeline) -> None:
+            pipe.set(key, snapshot)
+            pipe.delete(zkey)
+            if suppressed:
+                pipe.zadd(zkey, dict(suppressed))
+
+        view.offer(writes)
+
+
+class _ConnectFailed(Exception):
+    pass
+
+
+def _handshake(p: Producer, topic: str, address: str, timeout_s: float) -> None:
+    """The next hop's inbound topic is there: the address is a cluster hosting that instance."""
+    md = p.list_topics(topic, timeout=timeout_s)
+    tmd = md.topics.get(topic)
+    if tmd is None or tmd.error is not None or not tmd.partitions:
+        raise _ConnectFailed(f"no topic {topic!r} at {address}")
+
+
+def _commit(c: Consumer) -> None:
+    try:
+        c.commit(asynchronous=True)
+    except KafkaException as exc:  # nothing consumed yet, or a passing error: next tick again
+        if exc.args[0].code() != KafkaError._NO_OFFSET:
+            log.warning("could not commit the outbound position: %s", exc)
+
+
+def _load_suppression(r: redis.Redis, names: Names) -> dict[str, int]:
+    try:
+        raw: list[tuple[bytes, float]] = r.zrange(names.suppress_key, 0, -1, withscores=True)  # type: ignore[assignment]
+    except redis.RedisError:
+        return {}
+    return {k.decode(): int(v) for k, v in raw}
+
+
+def _log_error(m: Message) -> None:
+    err = m.error()
+    if err is not None and err.code() != KafkaError._PARTITION_EOF:
+        log.warning("consumer error: %s", err)
