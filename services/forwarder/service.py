@@ -7,6 +7,10 @@ ours to recover: nobody acknowledged it, so the origin sends it again), holds re
 only (`ksb.forwarding.ForwardQueue`), and copies each one unchanged to the next hop's ``inbound``
 topic on the cluster our own route names, first in first out at priority 5. Every 5th tick it
 drops what it could not forward within `Intervals.forwarder_stale_ms`.
+
+The acks of what it forwarded to another cluster are written there, where the origin may not
+reach: the forwarder relays them onto its own cluster (`ksb.ack_relay`), the cluster the origin's
+route reached it on, so every hop carries the acks one cluster back.
 """
 
 from __future__ import annotations
@@ -16,9 +20,17 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import OFFSET_END, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_END,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
 from ksb import kafka
+from ksb.ack_relay import AckRelay
 from ksb.catalog import CatalogView
 from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
@@ -67,6 +79,7 @@ class Forwarder:
         self._producers: dict[str, Producer] = {}  # bootstrap servers -> producer
         self._reports: list[tuple[str, str | None]] = []  # (message id, error) from callbacks
         self._pieces = Reassembler()  # fragments of large messages passing through
+        self.relay = AckRelay(settings, batch=self.options.batch, clock=self.clock)
 
     def run(self, stop: threading.Event) -> None:
         s = self.settings
@@ -97,6 +110,8 @@ class Forwarder:
                 self._poll_inbound(inbound)
                 ticker.poll(self.clock.now_ms())
                 self._forward()
+                if self.relay.pump(self._producer(self.settings.kafka_bootstrap)):
+                    self._producer(self.settings.kafka_bootstrap).poll(0)
         finally:
             HEALTHY.labels("forwarder").set(0)
             log.info(
@@ -108,6 +123,7 @@ class Forwarder:
             )
             inbound.close()
             watcher.close()
+            self.relay.close()
             for p in self._producers.values():
                 p.flush(2)
             self._producers.clear()
@@ -145,6 +161,11 @@ class Forwarder:
                 continue
             local = hop.address == LOCAL_ADDRESS
             address = self.settings.kafka_bootstrap if local else hop.address
+            try:
+                self.relay.watch(address, record.from_instance)
+            except (KafkaException, TimeoutError) as exc:
+                self.queue.failed(record.message_id, f"cannot reach {address}: {exc}")
+                continue
             values = wire_records(record, self.settings.fragment_bytes)
             report = self._report(record.message_id, len(values))
             for value in values:

@@ -92,7 +92,7 @@ class Transport:
         self.clock = clock or SystemClock()
         self.ready = threading.Event()
         self.links = Links(self.intervals)
-        self.relay = AckRelay(settings, batch=self.options.batch)
+        self.relay = AckRelay(settings, batch=self.options.batch, clock=self.clock)
         self.handlers = TaskHandlers("transport", self.options.task_handlers)
         self.sent = 0
         self.dropped = 0

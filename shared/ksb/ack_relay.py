@@ -26,6 +26,7 @@ from confluent_kafka import (
 )
 
 from ksb import kafka
+from ksb.clock import Clock, SystemClock
 from ksb.kafka import TopicSpec
 from ksb.names import Names
 from ksb.settings import Settings
@@ -41,7 +42,11 @@ class AckRelay:
 
     settings: Settings
     batch: int = 500
+    clock: Clock = field(default_factory=SystemClock)
+    retry_after_ms: int = 5_000
+    """A cluster that could not be reached is not tried again before this (each try blocks)."""
     _consumers: dict[tuple[str, str], Consumer] = field(default_factory=dict)
+    _unreachable: dict[str, tuple[int, str]] = field(default_factory=dict)
     _ensured_here: set[str] = field(default_factory=set)
     relayed: int = 0
 
@@ -56,9 +61,18 @@ class AckRelay:
         """
         if self.is_local(address) or (address, instance) in self._consumers:
             return
+        now = self.clock.now_ms()
+        until, why = self._unreachable.get(address, (0, ""))
+        if now < until:
+            raise TimeoutError(f"{address} was unreachable moments ago: {why}")
         topic = Names(instance).acks
         far = self.settings.model_copy(update={"kafka_bootstrap": address})
-        kafka.ensure_topics(kafka.admin(far), [TopicSpec(topic, 1)], timeout_s=timeout_s)
+        try:
+            kafka.ensure_topics(kafka.admin(far), [TopicSpec(topic, 1)], timeout_s=timeout_s)
+        except (KafkaException, TimeoutError) as exc:
+            self._unreachable[address] = (self.clock.now_ms() + self.retry_after_ms, str(exc))
+            raise
+        self._unreachable.pop(address, None)
         if instance not in self._ensured_here:
             kafka.ensure_topics(kafka.admin(self.settings), [TopicSpec(topic, 1)])
             self._ensured_here.add(instance)

@@ -36,6 +36,7 @@ __all__ = [
     "LOCAL_ADDRESS",
     "QUEUE_DISABLED",
     "ROUTE_EXPIRED",
+    "Headers",
     "Link",
     "LinkEvent",
     "Links",
@@ -164,11 +165,6 @@ class Links:
 
     def connected(self) -> set[str]:
         return {d for d, link in self._links.items() if link.connected}
-
-    def to_connect(self, pending: Iterable[str], now_ms: int) -> list[str]:
-        """Destinations with pending messages, not connected and not suppressed: try these now."""
-        waiting = [d for d in pending if not (d in self._links and self._links[d].connected)]
-        return self.suppression.due(sorted(set(waiting)), now_ms)
 
     def on_connected(self, destination: str, address: str, now_ms: int) -> LinkEvent:
         link = self._links.setdefault(destination, Link(destination, address))

@@ -9,23 +9,48 @@ from ksb.protocol import AckRecord, InboundMessage
 from ksb.sequencing import Backoff
 from ksb.ticker import Intervals
 from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import ROUTE_EXPIRED, Links, route_for, route_problem
+from ksb.transport import (
+    ROUTE_EXPIRED,
+    Headers,
+    LinkEvent,
+    Links,
+    Packet,
+    Peers,
+    route_for,
+    route_problem,
+)
 
 T0 = 1_700_000_000_000
 
 
 def test_suppression_schedule_15s_after_disconnect_60s_after_failed_connect() -> None:
     links = Links(Intervals())
-    assert links.to_connect(["B"], T0) == ["B"]
-    links.on_failed_connect("B", "x:1", "refused", T0)
-    assert links.to_connect(["B"], T0 + 59_999) == []
-    assert links.to_connect(["B"], T0 + 60_000) == ["B"]
-    links.on_connected("B", "x:1", T0 + 60_000)
-    assert links.to_connect(["B"], T0 + 60_000) == []  # connected: nothing to open
-    links.on_disconnect("B", "broken", T0 + 61_000)
+    assert not links.is_suppressed("B", T0)
+    failed = links.on_failed_connect("B", "x:1", "refused", T0)
+    assert (failed.kind, failed.suppressed_until_ms, failed.reason) == (
+        "failed",
+        T0 + 60_000,
+        "refused",
+    )
+    assert links.is_suppressed("B", T0 + 59_999)
+    assert not links.is_suppressed("B", T0 + 60_000)
+    assert links.on_connected("B", "x:1", T0 + 60_000).kind == "connected"
+    assert links.connected() == {"B"}
+    gone = links.on_disconnect("B", "broken", T0 + 61_000)
+    assert gone is not None and gone.suppressed_until_ms == T0 + 76_000
+    assert links.on_disconnect("B", "again", T0 + 61_001) is None  # already down: no event
     assert links.suppressed(T0 + 61_000) == {"B": T0 + 76_000}
-    assert links.to_connect(["B"], T0 + 75_999) == []
-    assert links.to_connect(["B"], T0 + 76_000) == ["B"]
+    assert links.is_suppressed("B", T0 + 75_999)
+    assert not links.is_suppressed("B", T0 + 76_000)
+
+
+def test_a_failed_attempt_restarts_the_full_back_off_and_a_disconnect_never_shortens_it() -> None:
+    links = Links(Intervals(suppress_after_disconnect_ms=15, suppress_after_failed_connect_ms=60))
+    links.on_connected("B", "x:1", T0)
+    links.on_failed_connect("B", "x:1", "refused", T0)
+    links.on_failed_connect("B", "x:1", "refused", T0 + 50)
+    assert links.suppressed(T0 + 50) == {"B": T0 + 110}
+    assert links.link("B") is not None and links.link("B").failed_attempts == 2  # type: ignore[union-attr]
 
 
 def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
@@ -34,10 +59,68 @@ def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
     links.on_activity("B", T0 + 10_000, sent=3)
     assert links.idle(T0 + 99_999) == []
     assert links.idle(T0 + 100_000) == ["B"]
+    closed = links.close("B", T0 + 100_000)
+    assert closed is not None and (closed.kind, closed.suppressed_until_ms) == ("closed", None)
+    assert links.close("B", T0 + 100_001) is None
     other = Links(Intervals())
     other.restore_suppression({"C": T0 + 5_000, "D": T0 - 1}, T0)
-    assert other.to_connect(["C", "D"], T0) == ["D"]
+    assert other.is_suppressed("C", T0) and not other.is_suppressed("D", T0)
     assert links.rows(T0 + 10_000)[0]["sent"] == 3
+
+
+def test_packet_headers_round_trip_and_foreign_records_are_refused() -> None:
+    packet = Packet("B", "LOCAL", "ksb.B.inbound", T0)
+    as_kafka_hands_them: Headers = [
+        (k, v.encode() if isinstance(v, str) else v) for k, v in packet.headers()
+    ]
+    assert Packet.from_headers(as_kafka_hands_them) == packet
+    assert Packet.from_headers(None) is None
+    assert Packet.from_headers([("ksb-destination", b"B")]) is None
+    bad_time: Headers = [*packet.headers()[:3], ("ksb-taken-ms", b"soon")]
+    assert Packet.from_headers(bad_time) is None
+
+
+def _event(
+    kind: str, dest: str = "B", until: int | None = None, reason: str | None = None
+) -> LinkEvent:
+    return LinkEvent.model_validate(
+        {
+            "destination": dest,
+            "kind": kind,
+            "address": "x:1",
+            "event_ms": T0,
+            "suppressed_until_ms": until,
+            "reason": reason,
+        }
+    )
+
+
+def test_peers_hold_back_suppressed_destinations_and_report_each_return_once() -> None:
+    peers = Peers()
+    assert peers.sendable({"B", "C"}, T0) == {"B", "C"}
+    peers.apply(_event("failed", until=T0 + 1_000, reason="refused"))
+    assert peers.sendable({"B", "C"}, T0 + 999) == {"C"}
+    assert peers.failures() == {"B": "refused"}
+    assert peers.reopened(T0 + 999) == []
+    assert peers.reopened(T0 + 1_000) == ["B"]  # the suppression ran out: resend at once
+    assert peers.reopened(T0 + 1_001) == []  # only once
+    assert peers.sendable({"B"}, T0 + 1_000) == {"B"}
+    assert peers.failures() == {"B": "refused"}  # still the last word until it connects
+    peers.apply(_event("disconnected", until=T0 + 2_000, reason="broken"))
+    peers.apply(_event("connected"))
+    assert peers.sendable({"B"}, T0 + 1_500) == {"B"}
+    assert peers.failures() == {}
+    assert peers.reopened(T0 + 1_500) == ["B"]
+    peers.apply(_event("closed"))  # closed on purpose (idle): nothing held back
+    assert peers.sendable({"B"}, T0 + 1_500) == {"B"} and peers.reopened(T0 + 1_500) == []
+
+
+def test_peers_forget_errors_of_destinations_with_nothing_left() -> None:
+    peers = Peers()
+    peers.apply(_event("failed", "B", T0 + 10, "refused"))
+    peers.apply(_event("failed", "C", T0 + 10, "refused"))
+    peers.forget({"C"})
+    assert peers.failures() == {"C": "refused"}
 
 
 def _msg(seq: int, conv: str = "c", level: int = 5, dest: str = "B", t: int = T0) -> InboundMessage:
