@@ -15,11 +15,13 @@ route reached it on, so every hop carries the acks one cluster back.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from confluent_kafka import (
     OFFSET_END,
     KafkaError,
@@ -40,7 +42,9 @@ from ksb.fragments import Reassembler, wire_records
 from ksb.metrics import CONNECTIONS, HEALTHY, export_transport_defaults, serve_metrics
 from ksb.names import Names
 from ksb.protocol import FragmentRecord, parse_inbound
+from ksb.redis_view import RedisView
 from ksb.settings import Settings
+from ksb.task_handlers import TaskHandlers
 from ksb.ticker import Intervals, Ticker
 from ksb.transport import LOCAL_ADDRESS
 
@@ -55,6 +59,9 @@ class ForwarderOptions:
 
     batch: int = 500
     delivery_timeout_ms: int = 5_000
+    view_every_ms: int = 500
+    task_handlers: int | None = None
+    """Task handler threads (None: 2 x CPUs); they publish the view to Redis."""
 
 
 class Forwarder:
@@ -80,6 +87,7 @@ class Forwarder:
         self._reports: list[tuple[str, str | None]] = []  # (message id, error) from callbacks
         self._pieces = Reassembler()  # fragments of large messages passing through
         self.relay = AckRelay(settings, batch=self.options.batch, clock=self.clock)
+        self.handlers = TaskHandlers("forwarder", self.options.task_handlers)
 
     def run(self, stop: threading.Event) -> None:
         s = self.settings
@@ -91,10 +99,14 @@ class Forwarder:
         inbound.assign(
             [TopicPartition(self.names.inbound, p, OFFSET_END) for p in sorted(md.partitions)]
         )
+        r = redis.Redis.from_url(s.redis_url)
+        view = RedisView("forwarded", r, self.handlers, self.options.view_every_ms)
         ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
+        ticker.every(1, "task_handlers", self.handlers.on_tick)
         ticker.every(5, "drop_stale", lambda _t: self._drop_stale())
         export_transport_defaults("forwarder")
         port = serve_metrics(s.metrics_port, host=s.metrics_host)
+        self.handlers.start()
         HEALTHY.labels("forwarder").set(1)
         self.ready.set()
         log.info(
@@ -110,10 +122,12 @@ class Forwarder:
                 self._poll_inbound(inbound)
                 ticker.poll(self.clock.now_ms())
                 self._forward()
+                self._publish_view(view)
                 if self.relay.pump(self._producer(self.settings.kafka_bootstrap)):
                     self._producer(self.settings.kafka_bootstrap).poll(0)
         finally:
             HEALTHY.labels("forwarder").set(0)
+            self.handlers.stop(2)
             log.info(
                 "forwarder stopped after %d tick(s): %d forwarded, %d dropped, %d held (dropped)",
                 ticker.tick,
@@ -127,6 +141,7 @@ class Forwarder:
             for p in self._producers.values():
                 p.flush(2)
             self._producers.clear()
+            r.close()
 
     def _poll_inbound(self, c: Any) -> None:
         now = self.clock.now_ms()
@@ -176,6 +191,18 @@ class Forwarder:
                     on_delivery=report,
                 )
         CONNECTIONS.labels("forwarder").set(len(self._producers))
+
+    def _publish_view(self, view: RedisView) -> None:
+        now = self.clock.now_ms()
+        if not view.due(now):
+            return
+        snapshot = json.dumps({"updated_ms": now, "messages": self.queue.rows(now)})
+        key = self.names.forwarded_view_key
+
+        def writes(pipe: redis.client.Pipeline) -> None:
+            pipe.set(key, snapshot)
+
+        view.offer(writes)
 
     def _producer(self, address: str) -> Producer:
         p = self._producers.get(address)

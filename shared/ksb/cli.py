@@ -546,6 +546,30 @@ def transmission(
     _print_rows("Connections", view.get("connections", []))
 
 
+def read_forwarded(settings: Settings) -> list[dict[str, Any]]:
+    """What the forwarder holds (sys.dm_broker_forwarded_messages): empty before it published."""
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        raw = r.get(Names(settings.instance).forwarded_view_key)
+    finally:
+        r.close()
+    rows: list[dict[str, Any]] = json.loads(raw)["messages"] if raw else []
+    return rows
+
+
+@app.command("forwarded")
+@_reported
+def forwarded(
+    as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] = False,
+) -> None:
+    """Messages the forwarder holds on their way to another instance: where to, how long, why."""
+    rows = read_forwarded(_settings())
+    if as_json:
+        _echo_json(rows)
+        return
+    _print_rows("Forwarded messages", rows)
+
+
 @app.command("tasks")
 @_reported
 def tasks(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] = False) -> None:

@@ -153,6 +153,11 @@ class Names:
         return f"ksb:{self.instance}:transmission"
 
     @property
+    def forwarded_view_key(self) -> str:
+        """JSON view of what the forwarder holds (like sys.dm_broker_forwarded_messages)."""
+        return f"ksb:{self.instance}:forwarded"
+
+    @property
     def connections_view_key(self) -> str:
         """JSON view of the transport's connections (like sys.dm_broker_connections)."""
         return f"ksb:{self.instance}:connections"

@@ -400,6 +400,11 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
     try:
         handles = [a.client.begin_dialog(I, T, C) for _ in range(5)]
         for k in range(40):
+            if k == 5:  # the forwarder's task handlers publish what it holds
+                assert (
+                    b_forwarder.forwarder.handlers.alive == b_forwarder.forwarder.handlers.size > 0
+                )
+                assert _forwarded_view_published(sb)
             if k == 10:
                 b_forwarder.stop()  # whatever it held is gone; nothing was acknowledged
             if k == 20:
@@ -425,6 +430,20 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
         c.close()
         b_forwarder.stop()
         b_dispatcher.stop()
+
+
+def _forwarded_view_published(settings: Settings, timeout_s: float = 10) -> bool:
+    r = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            raw = r.get(Names(settings.instance).forwarded_view_key)
+            if raw and "updated_ms" in json.loads(raw):
+                return True
+            time.sleep(0.05)
+        return False
+    finally:
+        r.close()
 
 
 def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance]) -> None:
