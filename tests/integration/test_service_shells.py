@@ -1,7 +1,8 @@
-"""The tick-driven service shells start, say they are ready and stop cleanly on SIGTERM.
+"""The cross-instance services start on their own, say they are ready and stop cleanly on SIGTERM.
 
-They do no cross-instance work yet (issue 5), but `make run` and deployments already start them, so
-a shell that crashes at start-up or ignores SIGTERM would break every stack.
+`make run` and deployments start them as processes (`python -m services.<name>`), so one that
+crashes at start-up or ignores SIGTERM would break every stack; their work is tested in
+test_two_instances and test_two_clusters.
 """
 
 from __future__ import annotations
