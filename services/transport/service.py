@@ -35,6 +35,8 @@ from confluent_kafka import (
 from ksb import kafka
 from ksb.ack_relay import AckRelay
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.catalog import CatalogView
+from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
 from ksb.fragments import wire_records
 from ksb.metrics import CONNECTIONS, HEALTHY, SUPPRESSED_DESTINATIONS, serve_metrics
@@ -44,7 +46,7 @@ from ksb.redis_view import RedisView
 from ksb.settings import Settings
 from ksb.task_handlers import TaskHandlers
 from ksb.ticker import Intervals, Ticker
-from ksb.transport import LOCAL_ADDRESS, LinkEvent, Links, Packet
+from ksb.transport import LOCAL_ADDRESS, LinkEvent, Links, Packet, route_for
 
 __all__ = ["Transport", "TransportOptions"]
 
@@ -92,6 +94,7 @@ class Transport:
         self.clock = clock or SystemClock()
         self.ready = threading.Event()
         self.links = Links(self.intervals)
+        self.catalog = CatalogView(load_catalog(settings))
         self.relay = AckRelay(settings, batch=self.options.batch, clock=self.clock)
         self.handlers = TaskHandlers("transport", self.options.task_handlers)
         self.sent = 0
@@ -106,6 +109,8 @@ class Transport:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
         self._local = kafka.producer(s)
+        watcher = CatalogWatcher(s)
+        watcher.view = self.catalog
         outbound = self._outbound_consumer()
         r = redis.Redis.from_url(s.redis_url)
         view = RedisView("connections", r, self.handlers, self.options.view_every_ms)
@@ -113,6 +118,7 @@ class Transport:
         ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
         ticker.every(1, "task_handlers", self.handlers.on_tick)
         ticker.every(1, "commit", lambda _t: _commit(outbound))
+        ticker.every(2, "close_rerouted", lambda _t: self._close_rerouted())
         ticker.every(5, "close_idle", lambda _t: self._close_idle())
         port = serve_metrics(s.metrics_port, host=s.metrics_host)
         self.handlers.start()
@@ -126,6 +132,9 @@ class Transport:
         )
         try:
             while not stop.is_set():
+                if watcher.poll(0):
+                    self.catalog = watcher.view
+                    self._close_rerouted()
                 self._carry(kafka.consume_batch(outbound, self.options.batch, 0.02))
                 now = self.clock.now_ms()
                 self._delivery_reports(now)
@@ -144,6 +153,7 @@ class Transport:
             )
             _commit(outbound)
             outbound.close()
+            watcher.close()
             self.relay.close()
             for conn in self._conns.values():
                 conn.producer.flush(2)
@@ -270,6 +280,19 @@ class Transport:
     def _close(self, dest: str, now: int) -> None:
         self._drop(dest)
         self._publish(self.links.close(dest, now))
+
+    def _close_rerouted(self) -> None:
+        """A route that changed or expired stops use of its path now, not when it idles out;
+        packets already picked for the old path are still carried (they name it)."""
+        now = self.clock.now_ms()
+        for dest, conn in list(self._conns.items()):
+            route = route_for(self.catalog, dest, now, instance=self.settings.instance)
+            if route is None or (self._bootstrap(route.address), Names(route.next_hop).inbound) != (
+                conn.address,
+                conn.topic,
+            ):
+                log.info("route to %s changed or expired: closing its connection", dest)
+                self._close(dest, now)
 
     def _close_idle(self) -> None:
         now = self.clock.now_ms()
