@@ -8,6 +8,21 @@ whose lock is held is not work a new reader could do.
 
 It also applies poison-message handling: after ``poison_rollbacks`` rollbacks in a row the queue is
 disabled in the catalog and a BROKER_QUEUE_DISABLED event is published.
+
+Periodic tasks (`ksb.ticker`, every ``settings.tick_ms``): the task handlers are checked and a dead
+one restarted, and each queue monitor takes its tick (`QueueMonitor.on_tick`) in its next check. The
+monitors themselves run on the faster ``activation_check_ms`` loop.
+
+What runs on the task handlers (`ksb.task_handlers`, 2 x CPUs unless given), because one queue's
+slow I/O must not hold up every other queue's activation decisions:
+
+* writing the monitor rows (``sys.dm_broker_queue_monitors``) to Redis (`ksb.redis_view`);
+* disabling a poisoned queue in the catalog and publishing BROKER_QUEUE_DISABLED: reading the
+  catalog topic and writing a new version takes seconds. The Redis mark that makes RECEIVE refuse
+  stays on the loop, so the queue stops at once; the catalog follows.
+
+Starting and reaping activated tasks stays on the loop: the running-task count every decision
+reads must not lag behind a start still queued for a handler.
 """
 
 from __future__ import annotations
@@ -30,18 +45,25 @@ from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog import CatalogView, Queue
 from ksb.catalog_store import CatalogWatcher, apply_catalog, load_catalog
 from ksb.clock import Clock, SystemClock
+from ksb.errors import KsbError
 from ksb.metrics import HEALTHY, RUNNABLE_GROUPS, TASKS_RUNNING, TASKS_STARTED, WAITING_READERS
 from ksb.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.names import Names
 from ksb.protocol import DeadLetterRequest, dumps
 from ksb.reader import QueueReader
+from ksb.redis_view import RedisView, Writes
 from ksb.runner import REPO_ROOT, service_env
 from ksb.settings import Settings
+from ksb.task_handlers import TaskHandlers
+from ksb.ticker import Intervals, Ticker
 
 __all__ = ["ActivationService", "QueueWatch"]
 
 log = logging.getLogger("ksb.activation")
 _MAX_CANDIDATES = 512
+
+HANDLERS_STOP_S = 10.0
+"""How long shutdown waits for the handlers to finish queued work (a catalog write takes seconds)."""
 
 
 @dataclass
@@ -70,6 +92,7 @@ class ActivationService:
         *,
         clock: Clock | None = None,
         redis_client: redis.Redis | None = None,
+        task_handlers: int | None = None,
     ) -> None:
         self.settings = settings
         self.names = Names(settings.instance)
@@ -80,7 +103,27 @@ class ActivationService:
         self._producer: Producer | None = None
         self.audit = Audit()
         self._watcher: CatalogWatcher | None = None
-        self._next_tick_ms = 0
+        self.handlers = TaskHandlers("activation", task_handlers)
+        """Async work off the monitor loop: monitor rows to Redis, poisoned-queue catalog writes."""
+        self.ticker = self._schedule(self.clock.now_ms())
+        self._monitor_tick = False
+        self._rows = RedisView("monitors", self.redis, self.handlers)
+        """Offered at most once per check, when a row changed; not rate-limited beyond that."""
+        self._disabling: set[str] = set()
+        """Queues disabled in Redis whose catalog write a handler has not finished yet."""
+        self._disabling_lock = threading.Lock()
+
+    def _schedule(self, start_ms: int) -> Ticker:
+        """The periodic timer: task handlers checked, then the monitors' tick noted, every tick."""
+        ticker = Ticker(start_ms, Intervals(tick_ms=self.settings.tick_ms).schedule)
+        ticker.every(1, "task_handlers", self.handlers.on_tick)
+        ticker.every(1, "queue_monitors", self._note_monitor_tick)
+        return ticker
+
+    def _note_monitor_tick(self, _tick: int) -> None:
+        # The monitors' tick is taken in each queue's next check, with that queue's other events,
+        # so a queue still acts on at most one decision per check.
+        self._monitor_tick = True
 
     # ----------------------------------------------------------------- life cycle
     def start(self) -> None:
@@ -91,14 +134,23 @@ class ActivationService:
         self._watcher = CatalogWatcher(s)
         self._watcher.view = CatalogView(load_catalog(s))
         self._sync(self._watcher.view, altered=set())
-        self._next_tick_ms = self.clock.now_ms() + s.tick_ms
+        # Ticks count from here: the seconds spent creating topics and reading the catalog are not
+        # ticks the monitors missed.
+        self.ticker = self._schedule(self.clock.now_ms())
         self.ready.set()
-        log.info("activation ready (instance %s, %d monitor(s))", s.instance, len(self.watches))
+        log.info(
+            "activation ready (instance %s, %d monitor(s), tick %d ms, %d task handlers)",
+            s.instance,
+            len(self.watches),
+            s.tick_ms,
+            self.handlers.size,
+        )
 
     def run(self, stop: threading.Event) -> None:
-        self.start()
-        HEALTHY.labels("activation").set(1)
+        self.handlers.start()
         try:
+            self.start()
+            HEALTHY.labels("activation").set(1)
             while not stop.is_set():
                 self.step()
                 stop.wait(self.settings.activation_check_ms / 1000)
@@ -107,7 +159,9 @@ class ActivationService:
             self.close()
 
     def close(self) -> None:
-        """Stop the tasks this service started (their open transactions roll back), then the monitors."""
+        """Finish the handlers' work, stop the tasks this service started (their open transactions
+        roll back), then the monitors."""
+        self.handlers.stop(HANDLERS_STOP_S)  # drains: the newest monitor rows are written
         for w in self.watches.values():
             for p in w.tasks.values():
                 if p.poll() is None:
@@ -129,7 +183,10 @@ class ActivationService:
     # ----------------------------------------------------------------- catalog
     def _sync(self, view: CatalogView, altered: set[str]) -> None:
         """Create, drop and re-configure monitors; mirror disabled queues into Redis."""
-        disabled = [q.name for q in view.queues.values() if q.status == "OFF"]
+        with self._disabling_lock:
+            # A queue being disabled stays so while its catalog write is still on its way.
+            disabled = sorted(self._disabling)
+        disabled += [q.name for q in view.queues.values() if q.status == "OFF"]
         policies: dict[str | bytes | bytearray | memoryview[int] | int | float, Any] = {
             q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter
         }
@@ -179,14 +236,16 @@ class ActivationService:
             new = self._watcher.view
             altered = {n for n, q in new.queues.items() if old.queues.get(n) != q}
             self._sync(new, altered)
-        now = self.clock.now_ms()
-        tick = now >= self._next_tick_ms
-        if tick:
-            self._next_tick_ms = now + self.settings.tick_ms
+        self.ticker.poll(self.clock.now_ms())  # restarts dead handlers; notes the monitors' tick
+        tick, self._monitor_tick = self._monitor_tick, False
+        changed = False
         for w in list(self.watches.values()):
-            self._check(w, tick)
+            changed |= self._check(w, tick)
+        if changed:
+            self._rows.offer(self._rows_snapshot())
 
-    def _check(self, w: QueueWatch, tick: bool) -> None:
+    def _check(self, w: QueueWatch, tick: bool) -> bool:
+        """One queue's events and decision; True when its monitor row changed."""
         exited = self._reap(w)
         obs, activity, rollbacks = self._observe_all(w)
         decisions: list[Decision] = []
@@ -217,7 +276,7 @@ class ActivationService:
         for d in decisions:
             if self._act(w, d):
                 break
-        self._publish_view(w, obs)
+        return self._update_view(w, obs)
 
     def _observe(self, w: QueueWatch) -> QueueObservation:
         return self._observe_all(w)[0]
@@ -364,33 +423,56 @@ class ActivationService:
             self._producer.flush(5)
 
     def _poisoned(self, w: QueueWatch, rollbacks: int) -> None:
-        """Rollbacks in a row: disable the queue (unless poison handling is OFF); no message is lost."""
+        """Rollbacks in a row: disable the queue (unless poison handling is OFF); no message is lost.
+
+        Redis first, on the loop: RECEIVE refuses from this moment. The catalog write and the event
+        follow on a task handler (inline if none takes it: the catalog must not be left behind).
+        """
+        name = w.queue.name
         if w.queue.poison_message_handling != "ON" or w.queue.status != "ON":
             return
-        assert self._watcher is not None
-        current = load_catalog(self.settings)
-        queues = tuple(
-            q.model_copy(update={"status": "OFF"}) if q.name == w.queue.name else q
-            for q in current.queues
-        )
-        apply_catalog(self.settings, current.model_copy(update={"queues": queues}))
-        self.redis.sadd(self.names.disabled_key, w.queue.name)
-        self.redis.set(self.names.rollbacks_key(w.queue.name), 0)
-        event = {
-            "v": 1,
-            "kind": "BROKER_QUEUE_DISABLED",
-            "instance": self.settings.instance,
-            "queue": w.queue.name,
-            "reason": f"{rollbacks} rollbacks in a row",
-            "event_ms": self.clock.now_ms(),
-        }
-        assert self._producer is not None
-        self._producer.produce(
-            self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode()
-        )
-        self._producer.flush(5)
-        log.warning("queue %s disabled after %d rollbacks in a row", w.queue.name, rollbacks)
-        self._audit("queue_disabled", w, f"{rollbacks} rollbacks in a row")
+        with self._disabling_lock:
+            if name in self._disabling:
+                return
+            self._disabling.add(name)
+        self.redis.sadd(self.names.disabled_key, name)
+        self.redis.set(self.names.rollbacks_key(name), 0)
+        reason = f"{rollbacks} rollbacks in a row"
+        log.warning("queue %s disabled after %s", name, reason)
+        self._audit("queue_disabled", w, reason)
+        try:
+            self.handlers.submit("disable_queue", lambda: self._disable_in_catalog(name, reason))
+        except KsbError as exc:
+            log.warning(
+                "no task handler for disabling %s (%s); writing the catalog inline", name, exc
+            )
+            self._disable_in_catalog(name, reason)
+
+    def _disable_in_catalog(self, name: str, reason: str) -> None:
+        """On a task handler: STATUS = OFF in a new catalog version, then BROKER_QUEUE_DISABLED."""
+        try:
+            current = load_catalog(self.settings)
+            queues = tuple(
+                q.model_copy(update={"status": "OFF"}) if q.name == name else q
+                for q in current.queues
+            )
+            apply_catalog(self.settings, current.model_copy(update={"queues": queues}))
+            event = {
+                "v": 1,
+                "kind": "BROKER_QUEUE_DISABLED",
+                "instance": self.settings.instance,
+                "queue": name,
+                "reason": reason,
+                "event_ms": self.clock.now_ms(),
+            }
+            assert self._producer is not None
+            self._producer.produce(
+                self.names.activation, key=name.encode(), value=json.dumps(event).encode()
+            )
+            self._producer.flush(5)
+        finally:
+            with self._disabling_lock:
+                self._disabling.discard(name)
 
     def _audit(self, kind: AuditKind, w: QueueWatch, reason: str) -> None:
         if self.audit.enabled:
@@ -426,7 +508,7 @@ class ActivationService:
                     )
         return rows
 
-    def _publish_view(self, w: QueueWatch, obs: QueueObservation) -> None:
+    def _update_view(self, w: QueueWatch, obs: QueueObservation) -> bool:
         view = {
             "queue": w.queue.name,
             "state": w.monitor.state,
@@ -442,9 +524,22 @@ class ActivationService:
             "notifications": w.notifications,
             "tasks": sorted(w.tasks),
         }
-        if view != w.view:
-            w.view = view
-            self.redis.hset(self.names.monitors_key, w.queue.name, json.dumps(view))
+        if view == w.view:
+            return False
+        w.view = view
+        return True
+
+    def _rows_snapshot(self) -> Writes:
+        """Every monitor's row, for a task handler to write: a newer snapshot replaces an older
+        one not yet written, so each carries all rows, not only the changed ones."""
+        key = self.names.monitors_key
+        rows = {name: json.dumps(w.view) for name, w in self.watches.items() if w.view}
+
+        def writes(pipe: redis.client.Pipeline) -> None:
+            for name, row in rows.items():
+                pipe.hset(key, name, row)
+
+        return writes
 
 
 def _s(v: Any) -> str:

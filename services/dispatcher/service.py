@@ -10,23 +10,31 @@ Periodic tasks (`ksb.ticker`, every ``settings.tick_ms``):
 * every tick, the task handlers (`ksb.task_handlers`) are checked and a dead one is restarted;
 * a broker that failed to start (no valid catalog applied yet, missing queue topics, Kafka
   unreachable) is retried every 5th tick, or on the next tick after a new catalog
-  record (`ksb.broker_start`). Until then the process stays up with health 0 and the reason in the
-  ``ksb_broker_info`` metric, the log and a BCN.
+  record (`ksb.broker_start`), or, when Kafka was unreachable, on the next tick after a probe finds
+  it answering again. Until then the process stays up with health 0, /healthz answers 503 with the
+  reason, and the reason is in the ``ksb_broker_info`` metric, the log and a BCN.
 
-What runs on the task handlers: publishing broker configuration notifications (BCNs) to
-``ksb.<instance>.bcn``. A BCN is not part of any dispatcher transaction (a failed start has none, and
-the catalog change it reports was written by whoever applied it), and waiting for Kafka to acknowledge
-it, for seconds while Kafka is down, must not stall the transaction loop or the retry ticks. The
-per-commit metrics stay inline on purpose: they are CPU work that a thread hop under the GIL would
-only make slower.
+What runs on the task handlers:
+
+* publishing broker configuration notifications (BCNs) to ``ksb.<instance>.bcn``. A BCN is not part
+  of any dispatcher transaction (a failed start has none, and the catalog change it reports was
+  written by whoever applied it), and waiting for Kafka to acknowledge it, for seconds while Kafka
+  is down, must not stall the transaction loop or the retry ticks;
+* the Kafka probe (`_KafkaProbe`): a metadata request that takes its whole time-out exactly when
+  Kafka is down, so it must not run on the loop either.
+
+The per-commit metrics stay inline on purpose: they are CPU work that a thread hop under the GIL
+would only make slower.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from confluent_kafka import (
     TIMESTAMP_NOT_AVAILABLE,
@@ -54,7 +62,7 @@ from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
 from ksb.endpoint import decode_endpoint, encode_endpoint
 from ksb.engine import Engine, Outputs
-from ksb.errors import ProtocolError
+from ksb.errors import KsbError, ProtocolError
 from ksb.fragments import Reassembler
 from ksb.metrics import (
     BROKER_START_FAILURES,
@@ -68,6 +76,8 @@ from ksb.metrics import (
     REQUESTS,
     TIME_IN_QUEUE,
     TXN_SECONDS,
+    register_health_check,
+    unregister_health_check,
 )
 from ksb.names import Names
 from ksb.protocol import (
@@ -86,7 +96,13 @@ from ksb.settings import Settings
 from ksb.task_handlers import TaskHandlers, TaskQueueFull
 from ksb.ticker import Ticker, TickSchedule
 
-__all__ = ["REASSEMBLY_STALE_MS", "START_TIMEOUT_S", "Dispatcher"]
+__all__ = [
+    "PROBE_TIMEOUT_S",
+    "REASSEMBLY_STALE_MS",
+    "START_TIMEOUT_S",
+    "Dispatcher",
+    "kafka_answers",
+]
 
 REASSEMBLY_STALE_MS = 60_000
 """A large inbound message still missing fragments this long after its first one is forgotten."""
@@ -96,6 +112,9 @@ START_TIMEOUT_S = 10.0
 
 BCN_FLUSH_S = 10.0
 """How long a task handler waits for Kafka to acknowledge BCNs before logging that they are late."""
+
+PROBE_TIMEOUT_S = 1.0
+"""How long the Kafka probe waits for metadata: short, so an answer is back before the next tick."""
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -110,7 +129,10 @@ class Dispatcher:
         clock: Clock | None = None,
         task_handlers: int | None = None,
         retry_every_ticks: int = BROKER_RETRY_EVERY,
+        kafka_probe: Callable[[], bool] | None = None,
     ) -> None:
+        """`kafka_probe` says whether Kafka answers now (default `kafka_answers`); tests use it to
+        simulate an outage, as they use `clock` to simulate time."""
         self.settings = settings
         self.names = Names(settings.instance)
         self.clock = clock or SystemClock()
@@ -123,6 +145,9 @@ class Dispatcher:
         self.ticker.every(1, "task_handlers", self.handlers.on_tick)
         self.ticker.every(1, "broker_start", self._broker_tick)
         self._bcn = _BcnPublisher(settings, self.names, self.handlers)
+        self._kafka_probe = _KafkaProbe(
+            self.handlers, kafka_probe or (lambda: kafka_answers(settings))
+        )
         self._catalog_probe: Consumer | None = None
         self._catalog_end: int | None = None
         self._producer: Producer | None = None
@@ -192,13 +217,18 @@ class Dispatcher:
         return True
 
     def _broker_tick(self, tick: int) -> None:
-        """The every-5th-tick retry (and the next tick after a new catalog record)."""
+        """The every-5th-tick retry (and the next tick after a new catalog record or Kafka's return)."""
         if self.broker.started:
             return
+        for sent_tick, reachable in self._kafka_probe.answers():
+            if self.broker.on_probe(sent_tick, reachable):
+                log.info("Kafka answers again; retrying the broker start on tick %d", tick)
         if self._catalog_moved():
             self.broker.note_configuration_change()
         if self.broker.due(tick):
             self.try_start(tick)
+        elif self.broker.probe_due(tick) and self._kafka_probe.submit(tick):
+            self.broker.probe_sent(tick)
 
     def _catalog_moved(self) -> bool:
         """Whether a catalog record arrived since the last look (a cheap watermark query)."""
@@ -276,6 +306,7 @@ class Dispatcher:
     # ----------------------------------------------------------------- the loop
     def run(self, stop: threading.Event) -> None:
         """Start the broker (retrying on the ticks) and run it until `stop` is set."""
+        register_health_check("dispatcher", self.broker.problem)
         self.handlers.start()
         # Not "dispatcher ready": that line means the broker takes requests (tests wait for it).
         log.info(
@@ -299,6 +330,7 @@ class Dispatcher:
                 self.ticker.poll(self.clock.now_ms())
         finally:
             HEALTHY.labels("dispatcher").set(0)
+            unregister_health_check("dispatcher", self.broker.problem)
             self.handlers.stop(BCN_FLUSH_S)
             self.close()
 
@@ -487,6 +519,59 @@ class _BcnPublisher:
             if self._producer is not None:
                 self._producer.flush(2)
                 self._producer = None
+
+
+def kafka_answers(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether Kafka answers a metadata request within `timeout_s`.
+
+    A fresh admin client each time: a long-lived one backs its reconnects off for up to ten seconds
+    and would notice Kafka's return late.
+    """
+    try:
+        kafka.admin(settings).list_topics(timeout=timeout_s)
+    except KafkaException:
+        return False
+    return True
+
+
+class _KafkaProbe:
+    """Runs a Kafka probe on a task handler; the loop takes the answers on its next tick.
+
+    Answers carry the tick the probe was sent on, so `BrokerStart.on_probe` can tell a stale one
+    from news.
+    """
+
+    def __init__(self, handlers: TaskHandlers, probe: Callable[[], bool]) -> None:
+        self._handlers = handlers
+        self._probe = probe
+        self._answers: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+
+    def submit(self, tick: int) -> bool:
+        """Called on the loop's thread: hand a probe to a handler; False when none would take it."""
+        try:
+            self._handlers.submit("kafka_probe", lambda: self._ask(tick))
+        except KsbError as exc:  # full or stopping: the next tick probes again
+            log.warning("Kafka probe not sent on tick %d: %s", tick, exc)
+            return False
+        return True
+
+    def _ask(self, tick: int) -> None:
+        # An answer is queued whatever happens (a probe that raises counts as silence), so the
+        # loop never waits for one that will not come.
+        reachable = False
+        try:
+            reachable = self._probe()
+        finally:
+            self._answers.put((tick, reachable))
+
+    def answers(self) -> list[tuple[int, bool]]:
+        """The answers that arrived since the last call, oldest first."""
+        got: list[tuple[int, bool]] = []
+        while True:
+            try:
+                got.append(self._answers.get_nowait())
+            except queue.Empty:
+                return got
 
 
 def _bcn_delivered(err: KafkaError | None, _msg: Message) -> None:

@@ -12,6 +12,14 @@ A configuration change (a new catalog record) also makes the next tick retry, as
 ENABLE_BROKER starts a broker at once instead of waiting for the timer: the operator has just done
 what the failure asked for, and waiting up to four more ticks would only look like a hang.
 
+Kafka coming back is the same kind of news. While a start failed because Kafka did not answer, the
+dispatcher asks it, cheaply and off its loop, on every tick (`probe_due`); a probe that finds Kafka
+answering after an earlier probe found it silent makes the next tick retry (`on_probe`). Only that
+edge, seen by the probes themselves, counts: a Kafka that answers metadata requests and still fails
+the start (a transaction coordinator not ready, a topic it refuses to create) stays on the 5th-tick
+cadence instead of being retried on every other tick for as long as it lasts. The price is that a
+Kafka back before the first probe after a failed attempt waits for the cadence, at most four ticks.
+
 Everything here is pure: the dispatcher does the I/O and hands in ticks, failures and milliseconds.
 """
 
@@ -29,6 +37,7 @@ from ksb.protocol import BcnEvent, BrokerNotification
 
 __all__ = [
     "BROKER_RETRY_EVERY",
+    "KAFKA_UNAVAILABLE",
     "BrokerNotStarted",
     "BrokerStart",
     "BrokerState",
@@ -39,6 +48,9 @@ __all__ = [
 
 BROKER_RETRY_EVERY = 5
 """A failed start is retried on every 5th tick (Service Broker's cadence)."""
+
+KAFKA_UNAVAILABLE = "kafka_unavailable"
+"""The failure code of a start that Kafka did not answer; the one a Kafka probe can cut short."""
 
 
 class BrokerState(str, Enum):
@@ -92,7 +104,7 @@ def failure_from_exception(exc: BaseException) -> StartFailure:
     if isinstance(exc, BrokerNotStarted):
         return exc.failure
     if isinstance(exc, (KafkaException, TimeoutError)):
-        return StartFailure("kafka_unavailable", f"Kafka: {exc}")
+        return StartFailure(KAFKA_UNAVAILABLE, f"Kafka: {exc}")
     if isinstance(exc, (KsbError, ValueError)):  # CatalogError, bad JSON, pydantic's errors
         return StartFailure("invalid_catalog", f"catalog record unreadable: {exc}")
     return StartFailure("start_error", f"{type(exc).__name__}: {exc}")
@@ -116,10 +128,24 @@ class BrokerStart:
         self.started_tick: int | None = None
         self.catalog_version = 0
         self._changed = False
+        self._kafka_back = False
+        """A probe found Kafka answering again: the next `due` says yes."""
+        self._kafka_seen_down = False
+        """A probe since the latest attempt found Kafka silent."""
+        self._probe_sent_tick: int | None = None
 
     @property
     def started(self) -> bool:
         return self.state is BrokerState.STARTED
+
+    @property
+    def waiting_for_kafka(self) -> bool:
+        """Whether the latest attempt failed because Kafka did not answer."""
+        return (
+            self.state is BrokerState.FAILED
+            and self.failure is not None
+            and self.failure.code == KAFKA_UNAVAILABLE
+        )
 
     def due(self, tick: int) -> bool:
         """Whether to try a start on this tick: every 5th while failed, or after a change."""
@@ -127,7 +153,41 @@ class BrokerStart:
             return False
         if self.state is BrokerState.NOT_STARTED:
             return True
-        return self._changed or tick % self.retry_every == 0
+        return self._changed or self._kafka_back or tick % self.retry_every == 0
+
+    def probe_due(self, tick: int) -> bool:
+        """Whether to ask Kafka on this tick if it answers again.
+
+        Only while the start failed for want of Kafka, never on a tick that retries anyway, and one
+        probe at a time; a probe unanswered for `retry_every` ticks counts as lost (its handler died).
+        """
+        if not self.waiting_for_kafka or self.due(tick):
+            return False
+        sent = self._probe_sent_tick
+        return sent is None or tick - sent >= self.retry_every
+
+    def probe_sent(self, tick: int) -> None:
+        """A probe was handed to a task handler on `tick`."""
+        self._probe_sent_tick = tick
+
+    def on_probe(self, sent_tick: int, reachable: bool) -> bool:
+        """A probe's answer; True when it makes the next tick retry (Kafka answers after silence).
+
+        An answer to a probe sent before the latest attempt is stale: that attempt knows better.
+        """
+        if sent_tick == self._probe_sent_tick:
+            self._probe_sent_tick = None
+        stale = self.last_attempt_tick is not None and sent_tick < self.last_attempt_tick
+        if stale or not self.waiting_for_kafka:
+            return False
+        if not reachable:
+            self._kafka_seen_down = True
+            return False
+        if not self._kafka_seen_down:
+            return False  # no probe saw it silent: it may have answered all along
+        self._kafka_seen_down = False
+        self._kafka_back = True
+        return True
 
     def note_configuration_change(self) -> None:
         """A new catalog record arrived: worth a retry on the next tick instead of the 5th."""
@@ -139,6 +199,9 @@ class BrokerStart:
         self.attempts += 1
         self.last_attempt_tick = tick
         self._changed = False
+        self._kafka_back = False
+        self._kafka_seen_down = False  # what the probes saw before this attempt is history
+        self._probe_sent_tick = None
 
     def on_failed(self, failure: StartFailure, now_ms: int) -> BrokerNotification:
         """The attempt failed: the broker stays down until a later tick retries."""
@@ -159,6 +222,17 @@ class BrokerStart:
             return None
         self.catalog_version = version
         return self._bcn("catalog_changed", now_ms, attempt=0)
+
+    def problem(self) -> str | None:
+        """None once started; otherwise why not, in one line (the body of /healthz)."""
+        if self.started:
+            return None
+        if self.failure is None:
+            return f"broker of instance {self.instance} not started yet (first attempt)"
+        return (
+            f"broker of instance {self.instance} not started ({self.failure.code}, "
+            f"attempt {self.attempts}): {self.failure.reason}"
+        )
 
     def status(self) -> dict[str, Any]:
         """For health views and logs: the state and, while not started, why."""

@@ -1,10 +1,23 @@
-"""Prometheus metrics shared by the services, and the /metrics + /healthz endpoint."""
+"""Prometheus metrics shared by the services, and the /metrics + /healthz endpoint.
+
+/healthz is what docker-compose's health checks (and any orchestrator) ask, so it must say "no"
+while a service is up but not doing its job: a dispatcher whose broker has not started keeps its
+process alive and retries, and a 200 would hide exactly that. A component reports itself unhealthy
+in two ways, both per component so every service gets the rule without its own endpoint code:
+
+* its `HEALTHY` gauge (``ksb_service_up``) is 0: starting, stopping or stopped;
+* a health check it registered (`register_health_check`) returns a reason: the one line that
+  /healthz answers with, so an operator reading ``docker inspect`` sees why, not only that.
+
+The decision is the pure `health_problems`; `process_health` feeds it from this process.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -32,9 +45,17 @@ __all__ = [
     "TRANSMISSION_DEPTH",
     "TXN_SECONDS",
     "WAITING_READERS",
+    "HealthCheck",
     "export_transport_defaults",
+    "health_problems",
+    "metrics_server",
+    "process_health",
+    "register_health_check",
     "serve_metrics",
+    "unregister_health_check",
 ]
+
+log = logging.getLogger("ksb.metrics")
 
 REQUESTS = Counter("ksb_requests_total", "Requests handled by the dispatcher", ["kind"])
 ERRORS = Counter("ksb_errors_total", "Requests refused, with the reason code", ["code"])
@@ -106,21 +127,92 @@ BROKER_STATUS = Info(
 
 
 def export_transport_defaults(component: str) -> None:
-    """Publish a shell's cross-instance gauges as 0: dashboards then show "none", not "no data".
+    """Publish a service's cross-instance gauges as 0: dashboards then show "none", not "no data".
 
-    Labelled series only exist once set. The transmitter sets its own figures on every view
-    refresh; the tick-driven shells (transport, forwarder) call this at start-up until they hold
-    connections of their own (issue 5).
+    Labelled series only exist once set; the transport sets its own on every view refresh, the
+    forwarder calls this at start-up (it counts producers as they open).
     """
     CONNECTIONS.labels(component).set(0)
     SUPPRESSED_DESTINATIONS.labels(component).set(0)
+
+
+HealthCheck = Callable[[], str | None]
+"""Returns None while its component is healthy, otherwise why not (one line, for people)."""
+
+NOT_UP = "ksb_service_up is 0 (starting, stopping or stopped)"
+"""The reason given for a component whose gauge is 0 and whose check (if any) says nothing more."""
+
+_checks: dict[str, HealthCheck] = {}
+_checks_lock = threading.Lock()
+
+
+def register_health_check(component: str, check: HealthCheck) -> None:
+    """Make /healthz ask `check` about `component` (one check per component; the newest wins)."""
+    with _checks_lock:
+        _checks[component] = check
+
+
+def unregister_health_check(component: str, check: HealthCheck) -> None:
+    """Forget `check`, unless another one has replaced it since (a newer instance's)."""
+    with _checks_lock:
+        if _checks.get(component) == check:
+            del _checks[component]
+
+
+def health_problems(up: Mapping[str, float], reasons: Mapping[str, str | None]) -> dict[str, str]:
+    """Component -> why it is unhealthy, for each one whose gauge is 0 or whose check objects.
+
+    A component without a gauge sample has not said anything yet and counts as healthy unless its
+    check objects; the check's reason is preferred to the gauge's because it says why.
+    """
+    problems: dict[str, str] = {}
+    for component in sorted(up.keys() | reasons.keys()):
+        reason = reasons.get(component)
+        if reason:
+            problems[component] = reason
+        elif up.get(component, 1.0) == 0:
+            problems[component] = NOT_UP
+    return problems
+
+
+def process_health(components: Collection[str] | None = None) -> dict[str, str]:
+    """`health_problems` of this process's components (all of them, or only `components`).
+
+    A check that raises reports the exception as its reason: a broken check must not pass.
+    """
+    up = {s.labels["service"]: s.value for family in HEALTHY.collect() for s in family.samples}
+    with _checks_lock:
+        checks = dict(_checks)
+    if components is not None:
+        wanted = set(components)
+        up = {c: v for c, v in up.items() if c in wanted}
+        checks = {c: fn for c, fn in checks.items() if c in wanted}
+    return health_problems(up, {c: _ask(c, fn) for c, fn in checks.items()})
+
+
+def _ask(component: str, check: HealthCheck) -> str | None:
+    try:
+        return check()
+    except Exception as exc:
+        log.exception("health check of %s raised", component)
+        return f"health check raised {type(exc).__name__}: {exc}"
+
+
+def _healthz_reply(problems: Mapping[str, str]) -> tuple[int, bytes]:
+    if not problems:
+        return 200, b'{"status": "ok"}'
+    return 503, json.dumps({"status": "unhealthy", "problems": dict(problems)}).encode()
 
 
 JsonRoute = Callable[[], Any]
 
 
 def serve_metrics(
-    port: int, routes: Mapping[str, JsonRoute] | None = None, *, host: str = "127.0.0.1"
+    port: int,
+    routes: Mapping[str, JsonRoute] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    components: Collection[str] | None = None,
 ) -> int:
     """Serve /metrics, /healthz and the service's JSON views on `host`; port 0 disables it.
 
@@ -129,10 +221,32 @@ def serve_metrics(
 
     Views (like /monitors and /tasks of the activation service) are callables returning JSON-able
     data, computed per request so they are never stale.
+
+    /healthz answers 200 ``{"status": "ok"}``, or 503 with ``{"status": "unhealthy", "problems":
+    {component: reason}}`` while a component reports itself unhealthy (`process_health`).
+    `components` limits that to some components; None means every component of the process, which
+    in production is one service.
     """
     if port <= 0:
         return 0
+    server = metrics_server(port, routes, host=host, components=components)
+    threading.Thread(target=server.serve_forever, name="ksb-http", daemon=True).start()
+    return server.server_address[1]
+
+
+def metrics_server(
+    port: int,
+    routes: Mapping[str, JsonRoute] | None = None,
+    *,
+    host: str = "127.0.0.1",
+    components: Collection[str] | None = None,
+) -> ThreadingHTTPServer:
+    """The server `serve_metrics` runs, bound (port 0: any free port) but not yet serving.
+
+    For callers that own its life (tests): ``serve_forever`` in a thread, then ``shutdown``.
+    """
     views = dict(routes or {})
+    only = None if components is None else frozenset(components)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -140,7 +254,8 @@ def serve_metrics(
             if path == "/metrics":
                 self._reply(200, CONTENT_TYPE_LATEST, generate_latest())
             elif path == "/healthz":
-                self._reply(200, "application/json", b'{"status": "ok"}')
+                code, body = _healthz_reply(process_health(only))
+                self._reply(code, "application/json", body)
             elif path in views:
                 body = json.dumps(views[path](), default=str).encode()
                 self._reply(200, "application/json", body)
@@ -157,6 +272,4 @@ def serve_metrics(
         def log_message(self, format: str, *args: Any) -> None:
             return
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    threading.Thread(target=server.serve_forever, name="ksb-http", daemon=True).start()
-    return server.server_address[1]
+    return ThreadingHTTPServer((host, port), Handler)

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
 from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog
+from ksb.catalog_store import apply_catalog, load_catalog
 from ksb.cli import app
 from ksb.client import KsbClient
 from ksb.errors import QueueDisabled
@@ -177,8 +178,17 @@ def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
             time.sleep(0.1)
         with pytest.raises(QueueDisabled):
             client.transaction().receive("TargetQueue", waitfor_ms=100)
-        events = [json.loads(v) for _k, v in read_topic(fast_settings, names.activation) if v]
-        assert "BROKER_QUEUE_DISABLED" in [e["kind"] for e in events]
+        # The catalog write and the event follow on a task handler, seconds after RECEIVE stops;
+        # re-enabling before the event could be overtaken by that write.
+        kinds: list[str] = []
+        while time.monotonic() < deadline and "BROKER_QUEUE_DISABLED" not in kinds:
+            time.sleep(0.1)
+            kinds = [
+                json.loads(v)["kind"] for _k, v in read_topic(fast_settings, names.activation) if v
+            ]
+        assert "BROKER_QUEUE_DISABLED" in kinds
+        status = {q.name: q.status for q in load_catalog(fast_settings).queues}
+        assert status["TargetQueue"] == "OFF"
         # Re-enable: the message is still there.
         apply_catalog(fast_settings, parse_catalog(cat))
         while time.monotonic() < deadline + 15 and r.sismember(names.disabled_key, "TargetQueue"):
@@ -236,3 +246,44 @@ def test_dead_letter_policy_moves_one_bad_message_and_keeps_the_queue_running(
         assert json.loads(again.message_body) == {"bad": True}
         monitors = runner.invoke(app, ["monitors", "--json"], env=env)
         assert [row["queue"] for row in json.loads(monitors.output)] == ["TargetQueue"]
+
+
+class HandlerKilled(BaseException):
+    """Escapes a task's `except Exception`: its handler thread dies, as after a bug in a callback."""
+
+
+def test_a_dead_task_handler_is_restarted_by_the_running_service_on_its_next_tick(
+    fast_settings: Settings, stop_all: list[Any]
+) -> None:
+    act = ThreadActivation(fast_settings)  # no catalog: no monitors, only the loop and its ticks
+    stop_all.append(act)
+    handlers = act.service.handlers
+    assert handlers.alive == handlers.size >= 2
+
+    def restarts() -> float:
+        return (
+            REGISTRY.get_sample_value("ksb_task_handler_restarts_total", {"service": "activation"})
+            or 0.0
+        )
+
+    before = restarts()
+
+    def die() -> None:
+        raise HandlerKilled("escapes the task's except Exception")
+
+    handlers.submit("die", die)
+    deadline = time.monotonic() + 5
+    while handlers.alive == handlers.size and restarts() == before:
+        assert time.monotonic() < deadline, "the handler did not die"
+        time.sleep(0.005)
+    died_tick = act.service.ticker.tick
+    # The loop's next tick restarts it: within one tick, plus slack for a busy machine.
+    deadline = time.monotonic() + fast_settings.tick_ms / 1000 + 1
+    while handlers.alive < handlers.size:
+        assert time.monotonic() < deadline, "the dead handler was not restarted"
+        time.sleep(0.01)
+    assert restarts() == before + 1
+    assert act.service.ticker.tick <= died_tick + 2
+    done = threading.Event()  # the restarted pool takes work again
+    handlers.submit("after", done.set)
+    assert done.wait(5)

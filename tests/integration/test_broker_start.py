@@ -1,27 +1,34 @@
 """A dispatcher started before its broker can start stays up, says why, and starts on a later tick.
 
 The real case: docker-compose starts the dispatcher before anyone applied the catalog, or a catalog
-record names queue topics that were never created. Ticks are 100 ms here, so "every 5th tick" is
-half a second.
+record names queue topics that were never created, or Kafka is not answering yet. Ticks are 100 ms
+here, so "every 5th tick" is half a second.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import REGISTRY
 
 from ksb import kafka
 from ksb.catalog import parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
+from ksb.metrics import metrics_server
 from ksb.names import Names
 from ksb.protocol import BrokerNotification, parse_bcn
 from ksb.settings import Settings
 from services.dispatcher import Dispatcher
+from services.dispatcher.service import kafka_answers
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import read_topic, receive_all
 
@@ -34,8 +41,8 @@ TICK_MS = 100
 class StartingDispatcher:
     """A dispatcher thread that, unlike the `dispatcher` fixture, does not wait to be ready."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.dispatcher = Dispatcher(settings, task_handlers=2)
+    def __init__(self, settings: Settings, dispatcher: Dispatcher | None = None) -> None:
+        self.dispatcher = dispatcher or Dispatcher(settings, task_handlers=2)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.dispatcher.run, args=(self.stop_event,))
         self.thread.start()
@@ -77,6 +84,29 @@ def wait_bcn(
         time.sleep(0.05)
 
 
+@pytest.fixture
+def healthz() -> Iterator[str]:
+    """/healthz as `python -m services.dispatcher` serves it, judging the dispatcher only."""
+    server = metrics_server(0, components=["dispatcher"])
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/healthz"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, json.loads(exc.read())
+
+
 def service_up() -> float | None:
     return REGISTRY.get_sample_value("ksb_service_up", {"service": "dispatcher"})
 
@@ -91,7 +121,7 @@ def deliver_one(settings: Settings) -> None:
 
 
 def test_started_before_its_catalog_it_starts_within_ticks_of_the_apply(
-    fast: Settings, starting: StartingDispatcher
+    fast: Settings, starting: StartingDispatcher, healthz: str
 ) -> None:
     d = starting.dispatcher
     failed = wait_bcn(fast, lambda b: b.event == "start_failed")
@@ -101,6 +131,11 @@ def test_started_before_its_catalog_it_starts_within_ticks_of_the_apply(
     assert starting.thread.is_alive() and not d.ready.is_set()
     assert service_up() == 0
     assert d.broker.status()["code"] == "no_catalog"
+    code, body = get(healthz)
+    assert code == 503 and body["status"] == "unhealthy", body
+    reason = body["problems"]["dispatcher"]
+    assert f"instance {fast.instance} not started (no_catalog, attempt" in reason
+    assert "ksb catalog apply" in reason
 
     before = d.ticker.tick
     applied = apply_catalog(fast, parse_catalog(BASIC_CATALOG))
@@ -112,6 +147,7 @@ def test_started_before_its_catalog_it_starts_within_ticks_of_the_apply(
     assert (started.catalog_version, started.code, started.reason) == (applied.version, None, None)
     assert started.attempt == d.broker.attempts
     assert service_up() == 1
+    assert get(healthz) == (200, {"status": "ok"})
 
     deliver_one(fast)
 
@@ -152,6 +188,43 @@ def test_missing_queue_topics_are_retried_every_fifth_tick(fast: Settings) -> No
         assert d.broker.started_tick is not None and d.broker.started_tick % 5 == 0
         started = wait_bcn(fast, lambda b: b.event == "started")
         assert started.catalog_version == 1
+        deliver_one(fast)
+    finally:
+        starting.stop()
+
+
+def test_a_start_kafka_failed_is_retried_on_the_tick_after_kafka_answers(fast: Settings) -> None:
+    """The 5th-tick retry is pushed out of reach (1000 ticks): only the Kafka probe can start it."""
+    apply_catalog(fast, parse_catalog(BASIC_CATALOG))
+    probes: list[bool] = []
+
+    def probe() -> bool:
+        # Silent for the first two probes, then the real question to the real Kafka.
+        probes.append(len(probes) >= 2 and kafka_answers(fast))
+        return probes[-1]
+
+    d = Dispatcher(fast, task_handlers=2, retry_every_ticks=1000, kafka_probe=probe)
+    real_start = d.start
+    calls: list[int] = []
+
+    def start() -> None:
+        calls.append(1)
+        if len(calls) == 1:  # Kafka does not answer the first attempt
+            raise KafkaException(KafkaError(KafkaError._TRANSPORT, "all brokers down (simulated)"))
+        real_start()
+
+    d.start = start  # type: ignore[method-assign]
+    starting = StartingDispatcher(fast, d)
+    try:
+        failed = wait_bcn(fast, lambda b: b.event == "start_failed")
+        assert failed.code == "kafka_unavailable" and failed.attempt == 1
+        assert d.ready.wait(15), d.broker.status()
+        # Ticks 1 and 2 probe silence, tick 3 an answer, so tick 4 retries (a busy machine may
+        # push the answer past a tick or two).
+        assert probes[:3] == [False, False, True]
+        assert d.broker.attempts == 2
+        assert d.broker.started_tick is not None and 4 <= d.broker.started_tick <= 8
+        assert wait_bcn(fast, lambda b: b.event == "started").attempt == 2
         deliver_one(fast)
     finally:
         starting.stop()

@@ -11,9 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import redis
 from prometheus_client import REGISTRY
 
 from ksb.clock import ManualClock
+from ksb.settings import Settings
 from ksb.task_handlers import (
     HandlersStopped,
     TaskHandlers,
@@ -22,6 +24,7 @@ from ksb.task_handlers import (
     handlers_to_restart,
 )
 from ksb.ticker import Ticker, TickSchedule
+from services.activation import ActivationService
 
 
 class HandlerKilled(BaseException):
@@ -210,3 +213,34 @@ def test_a_full_queue_refuses_instead_of_blocking_the_caller(service: str) -> No
     finally:
         gate.set()
         handlers.stop(5)
+
+
+def test_the_activation_service_restarts_a_dead_handler_on_its_next_tick() -> None:
+    """The wiring, not the pool: the service's own ticker checks its handlers on every tick."""
+    clock = ManualClock(start_ms=0)
+    settings = Settings(instance="unit", tick_ms=5000, redis_url="redis://127.0.0.1:1/0")
+    # Building the service touches neither Kafka nor Redis (the client connects on first use).
+    act = ActivationService(
+        settings,
+        clock=clock,
+        redis_client=redis.Redis.from_url(settings.redis_url),
+        task_handlers=2,
+    )
+    act.handlers.start()
+    try:
+        restarts = sample("ksb_task_handler_restarts_total", "activation")
+
+        def die() -> None:
+            raise HandlerKilled("escapes the task's except Exception")
+
+        act.handlers.submit("die", die)
+        wait_until(lambda: act.handlers.alive == 1)
+        clock.advance(4.999)
+        assert act.ticker.poll(clock.now_ms()) == []
+        assert act.handlers.alive == 1
+        clock.advance(0.001)
+        assert act.ticker.poll(clock.now_ms()) == ["task_handlers", "queue_monitors"]
+        assert act.handlers.alive == 2
+        assert sample("ksb_task_handler_restarts_total", "activation") == restarts + 1
+    finally:
+        act.handlers.stop(2)
