@@ -147,7 +147,7 @@ class Forwarder:
         now = self.clock.now_ms()
         for m in c.consume(self.options.batch, 0.02):
             if m.error() is not None or m.value() is None:
-                _log_error(m)
+                kafka.log_consumer_error(m, log)
                 continue
             try:
                 got = parse_inbound(m.value())
@@ -240,9 +240,3 @@ class Forwarder:
         dropped = self.queue.drop_stale(now, self.intervals.forwarder_stale_ms)
         if dropped:
             log.info("dropped %d message(s) not forwarded in time (the origins resend)", dropped)
-
-
-def _log_error(m: Message) -> None:
-    err = m.error()
-    if err is not None and err.code() != KafkaError._PARTITION_EOF:
-        log.warning("consumer error: %s", err)

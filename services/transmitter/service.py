@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from ksb import kafka
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
@@ -153,7 +153,7 @@ class Transmitter:
         n = 0
         for m in c.consume(self.options.batch, 0.02):
             if m.error() is not None or m.value() is None:
-                _log_error(m)
+                kafka.log_consumer_error(m, log)
                 continue
             try:
                 record = InboundMessage.model_validate_json(m.value() or b"")
@@ -191,7 +191,7 @@ class Transmitter:
     def _poll_acks(self, c: Consumer, timeout_s: float) -> None:
         for m in c.consume(self.options.batch, timeout_s):
             if m.error() is not None or m.value() is None:
-                _log_error(m)
+                kafka.log_consumer_error(m, log)
                 continue
             try:
                 ack = AckRecord.model_validate_json(m.value() or b"")
@@ -209,7 +209,7 @@ class Transmitter:
         """The transport's connection changes: suppression, and destinations that came back."""
         for m in c.consume(self.options.batch, 0):
             if m.error() is not None or m.value() is None:
-                _log_error(m)
+                kafka.log_consumer_error(m, log)
                 continue
             try:
                 self.peers.apply(LinkEvent.model_validate_json(m.value() or b""))
@@ -325,9 +325,3 @@ def _parse(raw: bytes) -> InboundMessage | None:
         return InboundMessage.model_validate_json(raw)
     except ValueError:
         return None
-
-
-def _log_error(m: Message) -> None:
-    err = m.error()
-    if err is not None and err.code() != KafkaError._PARTITION_EOF:
-        log.warning("consumer error: %s", err)

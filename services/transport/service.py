@@ -177,7 +177,7 @@ class Transport:
         now = self.clock.now_ms()
         for m in batch:
             if m.error() is not None or m.value() is None:
-                _log_error(m)
+                kafka.log_consumer_error(m, log)
                 continue
             packet = Packet.from_headers(m.headers())
             if packet is None:
@@ -359,9 +359,3 @@ def _load_suppression(r: redis.Redis, names: Names) -> dict[str, int]:
     except redis.RedisError:
         return {}
     return {k.decode(): int(v) for k, v in raw}
-
-
-def _log_error(m: Message) -> None:
-    err = m.error()
-    if err is not None and err.code() != KafkaError._PARTITION_EOF:
-        log.warning("consumer error: %s", err)

@@ -6,6 +6,7 @@ end-to-end latency) and use short sessions so a restarted service rejoins in abo
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ __all__ = [
     "core_topics",
     "dead_letter_topic",
     "ensure_topics",
+    "log_consumer_error",
     "producer",
     "queue_topic",
     "read_to_end",
@@ -113,6 +115,13 @@ def queue_topic(names: Names, queue: Queue) -> TopicSpec:
 
 def dead_letter_topic(names: Names, queue: Queue) -> TopicSpec:
     return TopicSpec(names.dead_letters(queue.name), 1)
+
+
+def log_consumer_error(m: Message, logger: logging.Logger) -> None:
+    """Warn about a consumer error record; end-of-partition markers are not errors."""
+    err = m.error()
+    if err is not None and err.code() != KafkaError._PARTITION_EOF:
+        logger.warning("consumer error: %s", err)
 
 
 def consume_batch(c: Consumer, max_n: int, timeout_s: float) -> list[Message]:

@@ -7,13 +7,9 @@ here, so "every 5th tick" is half a second.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException
@@ -23,12 +19,12 @@ from ksb import kafka
 from ksb.catalog import parse_catalog
 from ksb.catalog_store import apply_catalog
 from ksb.client import KsbClient
-from ksb.metrics import metrics_server
 from ksb.names import Names
 from ksb.protocol import BrokerNotification, parse_bcn
 from ksb.settings import Settings
 from services.dispatcher import Dispatcher
 from services.dispatcher.service import kafka_answers
+from tests.healthz import get, serving_healthz
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import read_topic, receive_all
 
@@ -87,24 +83,8 @@ def wait_bcn(
 @pytest.fixture
 def healthz() -> Iterator[str]:
     """/healthz as `python -m services.dispatcher` serves it, judging the dispatcher only."""
-    server = metrics_server(0, components=["dispatcher"])
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/healthz"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-
-def get(url: str) -> tuple[int, Any]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
+    with serving_healthz("dispatcher") as url:
+        yield url
 
 
 def service_up() -> float | None:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import threading
-import urllib.error
-import urllib.request
 import uuid
 from collections.abc import Iterator
 
@@ -15,11 +11,11 @@ from ksb.metrics import (
     HEALTHY,
     NOT_UP,
     health_problems,
-    metrics_server,
     process_health,
     register_health_check,
     unregister_health_check,
 )
+from tests.healthz import get, serving_healthz
 
 
 @pytest.fixture
@@ -34,24 +30,8 @@ def component() -> Iterator[str]:
 @pytest.fixture
 def healthz(component: str) -> Iterator[str]:
     """The URL of /healthz on a server that only judges `component`."""
-    server = metrics_server(0, components=[component])
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/healthz"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
-
-
-def get(url: str) -> tuple[int, dict[str, object]]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, json.loads(exc.read())
+    with serving_healthz(component) as url:
+        yield url
 
 
 def test_the_gauge_at_zero_or_a_check_with_a_reason_is_a_problem() -> None:
