@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from confluent_kafka import Producer
 
 from ksb.catalog import Catalog, parse_catalog
 from ksb.catalog_store import apply_catalog
@@ -20,6 +21,7 @@ from ksb.names import Names
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
 from ksb.ticker import Intervals
+from ksb.transport import Packet
 from services.forwarder import Forwarder
 from services.transmitter import Transmitter, TransmitterOptions
 from services.transport import Transport, TransportOptions
@@ -171,6 +173,32 @@ def test_request_reply_across_instances(pair: tuple[Instance, Instance]) -> None
     # the transmitter reports what it sent and what was acknowledged to the audit topic
     kinds = _audit_kinds(a.settings, {"transmit", "acknowledge"})
     assert {"transmit", "acknowledge"} <= kinds
+
+
+def test_foreign_records_on_outbound_and_links_are_skipped_and_nothing_else_is_held_up(
+    pair: tuple[Instance, Instance], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone with access to the cluster can write to the internal topics: a record that is not
+    a packet, or not a link event, is skipped with a warning naming it, and traffic goes on."""
+    a, b = pair
+    names = Names(a.settings.instance)
+    raw = Producer({"bootstrap.servers": a.settings.kafka_bootstrap})
+    raw.produce(names.outbound, value=b'{"not": "a packet"}')  # no packet headers
+    packet = Packet(b.settings.instance, "LOCAL", Names(b.settings.instance).inbound, 2**62)
+    raw.produce(names.outbound, value=b"not json", headers=packet.headers())
+    raw.produce(names.links, value=b'{"destination": "x"}')
+    raw.flush(10)
+    h = a.client.begin_dialog(I, T, C)
+    for n in range(5):
+        a.client.send(h, "//t/Request", json.dumps({"conv": 0, "n": n}))
+    a.client.flush()
+    got = receive_all(b.client, "TargetQueue", 5, timeout_s=30)
+    check_exactly_once_in_order([json.loads(m.message_body) for m in got], 1, 5)
+    _wait_view_empty(a.settings)
+    text = caplog.text
+    assert "has no packet headers: skipped" in text
+    assert "unreadable outbound record" in text
+    assert "unreadable links record" in text
 
 
 def _audit_kinds(settings: Settings, wanted: set[str], timeout_s: float = 15) -> set[str]:
