@@ -4,8 +4,14 @@ Starts a fresh local stack under ``var/demo/``, every service that exists under 
 child process, applies ``infra/demo/catalog.yaml`` and runs an order-processing request/reply: an
 order client opens dialogs and SENDs order lines; the order service RECEIVEs them and replies in the
 same transaction, ending each dialog after its last line; the client receives the replies and ends
-its side. The summary checks that every endpoint is CLOSED and that the error topic is empty, and
-the exit code says whether it all worked.
+its side. The summary checks that every endpoint is CLOSED and that the error topic is empty.
+
+A second broker instance, "demo-b" (``infra/demo/catalog-b.yaml``), runs its own dispatcher,
+transmitter and transport on the same Kafka cluster and Redis. A stock client on "demo" then opens
+dialogs to the warehouse on "demo-b" through a route: its messages cross from ``ksb.demo.*`` to
+``ksb.demo-b.*`` and the replies come back. That part checks exactly-once and in-order delivery,
+that both transmission queues drain and that the connection is up. The exit code says whether it
+all worked.
 
 Ctrl-C (or SIGTERM) at any moment stops the services, then the stack: nothing is left running.
 """
@@ -30,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import redis
 from confluent_kafka import Message
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -44,6 +51,7 @@ from ksb.errors import KsbError
 from ksb.localstack import LocalStack, LocalStackError, start_stack
 from ksb.names import Names
 from ksb.protocol import QueueMessage
+from ksb.redis_view import read_transmission_view
 from ksb.runner import ServiceProcess
 from ksb.settings import Settings, load_settings
 
@@ -52,9 +60,14 @@ __all__ = ["main"]
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_WORKDIR = REPO_ROOT / "var" / "demo"
 DEFAULT_CATALOG = REPO_ROOT / "infra" / "demo" / "catalog.yaml"
+DEFAULT_CATALOG_B = REPO_ROOT / "infra" / "demo" / "catalog-b.yaml"
 # Services in start order; a name counts only once `services/<name>/__main__.py` exists.
 SERVICE_NAMES = ("dispatcher", "transmitter", "transport", "forwarder", "activation")
 INSTANCE = "demo"
+# The second instance runs only what carries dialogs across; its process names get this suffix.
+INSTANCE_B = "demo-b"
+SERVICE_NAMES_B = ("dispatcher", "transmitter", "transport")
+SUFFIX_B = "-b"
 
 # Names from infra/demo/catalog.yaml; checked against the loaded catalog before anything runs.
 CLIENT_SERVICE = "//demo/orders/OrderClient"
@@ -62,6 +75,15 @@ ORDER_SERVICE = "//demo/orders/OrderService"
 CONTRACT = "//demo/orders/OrderContract"
 ORDER_LINE = "//demo/orders/OrderLine"
 LINE_ACCEPTED = "//demo/orders/LineAccepted"
+# The cross-instance part: the stock client is on INSTANCE, the warehouse on INSTANCE_B.
+STOCK_CLIENT = "//demo/warehouse/StockClient"
+WAREHOUSE = "//demo/warehouse/Warehouse"
+STOCK_CONTRACT = "//demo/warehouse/StockContract"
+RESERVE_STOCK = "//demo/warehouse/ReserveStock"
+STOCK_RESERVED = "//demo/warehouse/StockReserved"
+CROSS_LINES = 3  # ReserveStock messages per cross-instance dialog
+CROSS_TIMEOUT_S = 60.0  # how long the cross-instance dialogs may take
+DRAIN_TIMEOUT_S = 30.0  # how long the transmission queues may take to empty afterwards
 
 RECEIVE_WAIT_MS = 200
 MAX_COMMITS_IN_FLIGHT = 64  # per reader: commits sent whose outcome has not come back yet
@@ -89,6 +111,8 @@ class DemoOptions:
     catalog: Path
     timeout_s: float
     spark: bool = True
+    cross_dialogs: int = 10
+    catalog_b: Path = DEFAULT_CATALOG_B
 
 
 def parse_args(argv: list[str] | None) -> DemoOptions:
@@ -112,6 +136,18 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
     )
     parser.add_argument("--catalog", type=Path, default=DEFAULT_CATALOG, help="catalog YAML")
     parser.add_argument(
+        "--catalog-b",
+        type=Path,
+        default=DEFAULT_CATALOG_B,
+        help=f"catalog YAML of the second instance, {INSTANCE_B}",
+    )
+    parser.add_argument(
+        "--cross-dialogs",
+        type=int,
+        default=10,
+        help=f"dialogs from {INSTANCE} to {INSTANCE_B} (default 10)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=180.0, help="seconds the dialogs may take (default 180)"
     )
     parser.add_argument(
@@ -121,7 +157,7 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
         help="do not run the Spark audit/SLA job (local mode) beside the services",
     )
     a = parser.parse_args(argv)
-    for name in ("dialogs", "messages_per_dialog", "window"):
+    for name in ("dialogs", "messages_per_dialog", "window", "cross_dialogs"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return DemoOptions(
@@ -133,6 +169,8 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
         spark=a.spark,
         catalog=a.catalog.resolve(),
         timeout_s=a.timeout,
+        cross_dialogs=a.cross_dialogs,
+        catalog_b=a.catalog_b.resolve(),
     )
 
 
@@ -315,13 +353,14 @@ def open_dialog(client: KsbClient, order_no: int, lines: int, stats: Stats) -> N
 # --------------------------------------------------------------------------- reading the topics
 
 
-def endpoint_states(settings: Settings) -> Counter[str]:
-    """Endpoints by state, from the latest record of each in the compacted endpoints topic."""
+def endpoint_states(settings: Settings, handles: set[str] | None = None) -> Counter[str]:
+    """Endpoints by state, from the latest record of each in the compacted endpoints topic
+    (only those of `handles` if given: one instance can hold several scenarios' dialogs)."""
     latest: dict[str, str] = {}
 
     def fold(m: Message) -> None:
         key, value = m.key(), m.value()
-        if key is not None and value is not None:
+        if key is not None and value is not None and (handles is None or key.decode() in handles):
             latest[key.decode()] = decode_endpoint(value).state.name
 
     _read(settings, Names(settings.instance).endpoints, fold)
@@ -355,21 +394,29 @@ SPARK_JOB = "spark-audit"
 SPARK_MODULE = "ksb.spark"
 
 
-def available_services() -> list[str]:
-    return [n for n in SERVICE_NAMES if (REPO_ROOT / "services" / n / "__main__.py").is_file()]
+def available_services(names: tuple[str, ...] = SERVICE_NAMES) -> list[str]:
+    return [n for n in names if (REPO_ROOT / "services" / n / "__main__.py").is_file()]
+
+
+def service_processes(
+    settings: Settings, names: list[str], logs: Path, suffix: str = ""
+) -> list[ServiceProcess]:
+    """One (not yet started) process per name; `suffix` tells a second instance's apart in the
+    process names and logs, while each still runs its own `services.<name>` module."""
+    procs = []
+    for name in names:
+        module = SPARK_MODULE if name == SPARK_JOB else f"services.{name}"
+        procs.append(
+            ServiceProcess(f"{name}{suffix}", settings, logs / f"{name}{suffix}.log", module=module)
+        )
+    return procs
 
 
 @contextlib.contextmanager
-def running_services(
-    settings: Settings, names: list[str], logs: Path
-) -> Iterator[list[ServiceProcess]]:
+def running_services(procs: list[ServiceProcess]) -> Iterator[list[ServiceProcess]]:
     """Start the services, wait for each to log "ready", and stop them all on the way out."""
-    procs: list[ServiceProcess] = []
     try:
-        for name in names:
-            module = SPARK_MODULE if name == SPARK_JOB else None
-            proc = ServiceProcess(name, settings, logs / f"{name}.log", module=module)
-            procs.append(proc)
+        for proc in procs:
             proc.start()
         for proc in procs:
             marker = "audit job running" if proc.module == SPARK_MODULE else "ready"
@@ -423,13 +470,35 @@ def _wait_for_catalog(dispatcher: ServiceProcess | None, version: int) -> None:
 
 
 def _check_catalog(catalog: Catalog) -> None:
-    services = {s.name for s in catalog.services}
+    _require(
+        catalog,
+        "the demo catalog",
+        services=(CLIENT_SERVICE, ORDER_SERVICE, STOCK_CLIENT),
+        routes=(WAREHOUSE,),
+    )
+
+
+def _check_catalog_b(catalog: Catalog) -> None:
+    _require(catalog, f"the {INSTANCE_B} catalog", services=(WAREHOUSE,), routes=(STOCK_CLIENT,))
+
+
+def _require(
+    catalog: Catalog, what: str, services: tuple[str, ...], routes: tuple[str, ...]
+) -> None:
+    """Fail before anything starts if a catalog lacks a name the demo's applications use."""
     types = {m.name for m in catalog.message_types}
-    missing = [n for n in (CLIENT_SERVICE, ORDER_SERVICE) if n not in services]
-    missing += [n for n in (ORDER_LINE, LINE_ACCEPTED) if n not in types]
-    missing += [CONTRACT] if CONTRACT not in {c.name for c in catalog.contracts} else []
+    contracts = {c.name for c in catalog.contracts}
+    missing = [n for n in services if n not in {s.name for s in catalog.services}]
+    missing += [
+        f"a route for {n}" for n in routes if n not in {r.service_name for r in catalog.routes}
+    ]
+    missing += [n for n in (RESERVE_STOCK, STOCK_RESERVED) if n not in types]
+    missing += [STOCK_CONTRACT] if STOCK_CONTRACT not in contracts else []
+    if CLIENT_SERVICE in services:
+        missing += [n for n in (ORDER_LINE, LINE_ACCEPTED) if n not in types]
+        missing += [CONTRACT] if CONTRACT not in contracts else []
     if missing:
-        raise KsbError(f"the demo catalog lacks {', '.join(missing)}")
+        raise KsbError(f"{what} lacks {', '.join(missing)}")
 
 
 # --------------------------------------------------------------------------- signals
@@ -536,7 +605,7 @@ def run_dialogs(
     return _summarise(opts, stats, elapsed, states, errors)
 
 
-def _guarded(stats: Stats, who: str, fn: Callable[..., None], *args: Any) -> None:
+def _guarded(stats: Stats | CrossStats, who: str, fn: Callable[..., None], *args: Any) -> None:
     try:
         fn(*args)
     except Exception as exc:
@@ -590,11 +659,17 @@ def _drive(
     return elapsed
 
 
-def _settled_states(settings: Settings, expected: int) -> Counter[str]:
-    """Endpoint states once all 2N endpoints are CLOSED, or whatever they are after the wait."""
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+def _settled_states(
+    settings: Settings,
+    expected: int,
+    handles: set[str] | None = None,
+    timeout_s: float = SETTLE_TIMEOUT_S,
+) -> Counter[str]:
+    """Endpoint states once `expected` endpoints (of `handles`, if given) are CLOSED, or whatever
+    they are after the wait."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        states = endpoint_states(settings)
+        states = endpoint_states(settings, handles)
         if states.get("CLOSED", 0) >= expected or time.monotonic() > deadline:
             return states
         time.sleep(0.25)
@@ -654,6 +729,336 @@ def _summarise(
     return Outcome(ok=not problems, summary=summary)
 
 
+# --------------------------------------------------------------------------- across two instances
+
+
+@dataclass
+class CrossStats:
+    """What crossed between the instances, from both sides' threads, under one lock."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    lines_received: dict[str, list[int]] = field(default_factory=dict)
+    """On B: each conversation's ReserveStock lines, in the order committed RECEIVEs took them."""
+    message_ids: Counter[str] = field(default_factory=Counter)
+    replies: Counter[str] = field(default_factory=Counter)
+    """On A: StockReserved replies per conversation handle."""
+    ended: set[str] = field(default_factory=set)
+    failures: list[str] = field(default_factory=list)
+
+    def fail(self, what: str) -> None:
+        with self.lock:
+            self.failures.append(what)
+
+    def received(self, got: list[tuple[str, str, int]]) -> None:
+        with self.lock:
+            for conversation_id, message_id, line in got:
+                self.lines_received.setdefault(conversation_id, []).append(line)
+                self.message_ids[message_id] += 1
+
+    def replied(self, handles: list[str], ended: list[str]) -> None:
+        with self.lock:
+            self.replies.update(handles)
+            self.ended.update(ended)
+
+    def n_ended(self) -> int:
+        with self.lock:
+            return len(self.ended)
+
+
+def warehouse(client: KsbClient, queue: str, stats: CrossStats, stop: threading.Event) -> None:
+    """The target on instance B: RECEIVE reservations; once a dialog's last line is in, reply
+    StockReserved and END it in the same transaction. Counts only what a commit applied."""
+    while not stop.is_set():
+        tx = client.transaction()
+        msgs = tx.receive(queue, waitfor_ms=RECEIVE_WAIT_MS)
+        if not msgs:
+            tx.rollback()
+            continue
+        got: list[tuple[str, str, int]] = []
+        for m in msgs:
+            if m.message_type_name == RESERVE_STOCK:
+                line = json.loads(m.message_body)
+                got.append((m.conversation_id, m.message_id, int(line["line"])))
+                if line["line"] == CROSS_LINES - 1:
+                    reply = {"order_id": line["order_id"], "lines": CROSS_LINES}
+                    tx.send(m.conversation_handle, STOCK_RESERVED, json.dumps(reply))
+                    tx.end_conversation(m.conversation_handle)
+            elif m.message_type_name in (END_DIALOG, ERROR):
+                if m.message_type_name == ERROR:
+                    stats.fail(f"warehouse got an Error: {m.message_body.decode(errors='replace')}")
+                tx.end_conversation(m.conversation_handle)
+        try:
+            tx.commit()
+        except KsbError as exc:  # not applied: the messages are received again
+            stats.fail(f"warehouse: commit not applied: {exc}")
+            continue
+        stats.received(got)
+
+
+def stock_client(
+    client: KsbClient, queue: str, dialogs: int, stats: CrossStats, stop: threading.Event
+) -> None:
+    """The initiator's reader on instance A: take the reply, END its side on the EndDialog."""
+    while not stop.is_set() and stats.n_ended() < dialogs:
+        tx = client.transaction()
+        msgs = tx.receive(queue, waitfor_ms=RECEIVE_WAIT_MS)
+        if not msgs:
+            tx.rollback()
+            continue
+        replies: list[str] = []
+        ended: list[str] = []
+        for m in msgs:
+            if m.message_type_name == STOCK_RESERVED:
+                replies.append(m.conversation_handle)
+            elif m.message_type_name in (END_DIALOG, ERROR):
+                if m.message_type_name == ERROR:
+                    body = m.message_body.decode(errors="replace")
+                    stats.fail(f"stock client got an Error: {body}")
+                tx.end_conversation(m.conversation_handle)
+                ended.append(m.conversation_handle)
+        try:
+            tx.commit()
+        except KsbError as exc:
+            stats.fail(f"stock client: commit not applied: {exc}")
+            continue
+        stats.replied(replies, ended)
+
+
+def open_stock_dialog(client: KsbClient, order_no: int) -> str:
+    """BEGIN DIALOG to the warehouse on the other instance and SEND one line per message."""
+    handle = client.begin_dialog(STOCK_CLIENT, WAREHOUSE, STOCK_CONTRACT)
+    for line in range(CROSS_LINES):
+        body = {"order_id": f"order-{order_no:06d}", "line": line, "sku": f"SKU-{line:04d}"}
+        client.send(handle, RESERVE_STOCK, json.dumps(body))
+    return handle
+
+
+def delivery_problems(stats: CrossStats, handles: list[str]) -> list[str]:
+    """Exactly once and in order: each dialog's lines arrived 0, 1, 2 ... once each, nothing
+    else arrived, no message id twice, and each dialog got one reply and one end."""
+    expected = list(range(CROSS_LINES))
+    wrong = [h for h in handles if stats.lines_received.get(h) != expected]
+    problems = [
+        f"dialog {h}: warehouse received lines {stats.lines_received.get(h, [])}, "
+        f"expected {expected}"
+        for h in wrong[:5]
+    ]
+    strangers = set(stats.lines_received) - set(handles)
+    if strangers:
+        problems.append(f"warehouse received {len(strangers)} dialog(s) nobody opened")
+    twice = [mid for mid, n in stats.message_ids.items() if n > 1]
+    if twice:
+        problems.append(f"{len(twice)} message id(s) received more than once")
+    no_reply = [h for h in handles if stats.replies[h] != 1]
+    if no_reply:
+        problems.append(f"{len(no_reply)} dialog(s) without exactly one StockReserved reply")
+    if len(stats.ended) < len(handles):
+        problems.append(f"{len(handles) - len(stats.ended)} dialog(s) not ended by the client")
+    return problems
+
+
+def wait_transmission_drained(
+    settings: Settings, since_ms: int, timeout_s: float = DRAIN_TIMEOUT_S
+) -> dict[str, Any]:
+    """The instance's transmission queue view once it is empty in a snapshot taken after
+    `since_ms` (an older one could predate the last sends), or the last view after the wait."""
+    r = redis.Redis.from_url(settings.redis_url)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            view = read_transmission_view(r, Names(settings.instance))
+            fresh = (view["updated_ms"] or 0) >= since_ms
+            if (fresh and not view["messages"]) or time.monotonic() > deadline:
+                return view
+            time.sleep(0.1)
+    finally:
+        r.close()
+
+
+def connection_state(view: dict[str, Any], destination: str) -> str:
+    """The transport's connection row to `destination` (like sys.dm_broker_connections)."""
+    rows = [c for c in view["connections"] if c.get("destination") == destination]
+    return str(rows[0].get("state")) if rows else "no connection"
+
+
+def run_cross_instance(
+    opts: DemoOptions,
+    sa: Settings,
+    sb: Settings,
+    queues: tuple[str, str],
+    services: list[ServiceProcess],
+) -> Outcome:
+    """Dialogs from the stock client on A to the warehouse on B, then check what crossed.
+    `queues` are the stock client's queue on A and the warehouse's on B."""
+    stock_queue, warehouse_queue = queues
+    errors_before = len(error_records(sa))
+    stats = CrossStats()
+    stop = threading.Event()
+    client_a, client_b = KsbClient(sa), KsbClient(sb)
+    threads: list[threading.Thread] = []
+    handles: list[str] = []
+    interrupted = False
+    elapsed = 0.0
+    try:
+        client_a.reader(stock_queue)
+        client_b.reader(warehouse_queue)
+        threads = [
+            threading.Thread(
+                target=_guarded,
+                args=(stats, "warehouse", warehouse, client_b, warehouse_queue, stats, stop),
+                name="demo-warehouse",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=_guarded,
+                args=(
+                    stats,
+                    "stock client",
+                    stock_client,
+                    client_a,
+                    stock_queue,
+                    opts.cross_dialogs,
+                    stats,
+                    stop,
+                ),
+                name="demo-stock-client",
+                daemon=True,
+            ),
+        ]
+        for t in threads:
+            t.start()
+        say(
+            f"running {opts.cross_dialogs} dialogs x {CROSS_LINES} reservations across instances, "
+            f"{STOCK_CLIENT} on {INSTANCE} -> {WAREHOUSE} on {INSTANCE_B}"
+        )
+        started = time.perf_counter()
+        handles = [open_stock_dialog(client_a, n) for n in range(opts.cross_dialogs)]
+        client_a.flush()
+        _await_cross(stats, opts.cross_dialogs, services)
+        elapsed = time.perf_counter() - started
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+        client_a.close()
+        client_b.close()
+        del client_a, client_b  # as in run_dialogs: nothing may keep a producer alive past here
+    if interrupted:
+        raise KeyboardInterrupt
+    return _check_cross(sa, sb, stats, handles, elapsed, errors_before)
+
+
+def _await_cross(stats: CrossStats, dialogs: int, services: list[ServiceProcess]) -> None:
+    """Until the client has ended every dialog, a reader crashed, a service died or time is up."""
+    deadline = time.monotonic() + CROSS_TIMEOUT_S
+    while stats.n_ended() < dialogs:
+        if any("crashed" in f for f in stats.failures):
+            return
+        dead = [s.name for s in services if not s.alive()]
+        if dead:
+            stats.fail(f"service(s) exited during the demo: {', '.join(dead)}")
+            return
+        if time.monotonic() > deadline:
+            stats.fail(f"cross-instance dialogs timed out after {CROSS_TIMEOUT_S:.0f}s")
+            return
+        time.sleep(0.02)
+
+
+@dataclass(frozen=True)
+class CrossFacts:
+    """What Kafka and Redis say about the cross-instance dialogs once they have settled."""
+
+    states_a: Counter[str]
+    states_b: Counter[str]
+    waiting: dict[str, int]
+    """Unacknowledged messages in each instance's transmission queue view."""
+    links: dict[tuple[str, str], str]
+    """Connection state by (from instance, to instance), from each transport's view."""
+    errors: list[dict[str, Any]]
+
+    @property
+    def closed(self) -> int:
+        return self.states_a.get("CLOSED", 0) + self.states_b.get("CLOSED", 0)
+
+    @property
+    def all_closed(self) -> bool:
+        return self.closed == sum(self.states_a.values()) + sum(self.states_b.values())
+
+
+def _observe_cross(
+    sa: Settings, sb: Settings, handles: list[str], settled: bool, errors_before: int
+) -> CrossFacts:
+    """Endpoints CLOSED on both sides first, then both transmission queues in views taken after
+    that: once both ends are CLOSED nothing is still on its way, so an empty view means drained.
+    Dialogs that did not all end (`settled` False) will not settle: read once, do not wait."""
+    settle_s, drain_s = (SETTLE_TIMEOUT_S, DRAIN_TIMEOUT_S) if settled else (0.0, 1.0)
+    states_a = _settled_states(sa, len(handles), set(handles), settle_s)
+    states_b = _settled_states(sb, len(handles), timeout_s=settle_s)
+    settled_ms = int(time.time() * 1000)
+    view_a = wait_transmission_drained(sa, settled_ms, drain_s)
+    view_b = wait_transmission_drained(sb, settled_ms, drain_s)
+    return CrossFacts(
+        states_a=states_a,
+        states_b=states_b,
+        waiting={INSTANCE: len(view_a["messages"]), INSTANCE_B: len(view_b["messages"])},
+        links={
+            (INSTANCE, INSTANCE_B): connection_state(view_a, INSTANCE_B),
+            (INSTANCE_B, INSTANCE): connection_state(view_b, INSTANCE),
+        },
+        errors=error_records(sa)[errors_before:] + error_records(sb),
+    )
+
+
+def _check_cross(
+    sa: Settings,
+    sb: Settings,
+    stats: CrossStats,
+    handles: list[str],
+    elapsed: float,
+    errors_before: int,
+) -> Outcome:
+    """Exactly once and in order, every endpoint CLOSED, both transmission queues drained, both
+    connections up and no new error records; the summary line says which held."""
+    n = len(handles)
+    facts = _observe_cross(sa, sb, handles, stats.n_ended() >= n > 0, errors_before)
+    delivery = delivery_problems(stats, handles)
+    problems = list(stats.failures) + delivery
+    if facts.closed != 2 * n or not facts.all_closed:
+        problems.append(
+            f"cross-instance endpoints not all CLOSED: {INSTANCE} {dict(facts.states_a)}, "
+            f"{INSTANCE_B} {dict(facts.states_b)} (expected CLOSED {n} on each)"
+        )
+    drained = not any(facts.waiting.values())
+    if not drained:
+        problems.append(f"transmission queues not drained: {facts.waiting} unacknowledged")
+    problems += [
+        f"connection {src} -> {dst}: {state}"
+        for (src, dst), state in facts.links.items()
+        if state != "CONNECTED"
+    ]
+    problems += [f"error record: {r.get('code')}: {r.get('reason')}" for r in facts.errors[:5]]
+
+    links = ", ".join(f"{src} -> {dst} {state}" for (src, dst), state in facts.links.items())
+    say(
+        f"  connections: {links}; `ksb transmission` shows them (KSB_INSTANCE={INSTANCE}|{INSTANCE_B})"
+    )
+    received = sum(len(lines) for lines in stats.lines_received.values())
+    summary = (
+        f"cross-instance: {n} dialogs {INSTANCE} -> {INSTANCE_B}, {received} messages and "
+        f"{sum(stats.replies.values())} replies in {elapsed:.2f}s, "
+        f"{'exactly once and in order' if not delivery else 'NOT exactly once and in order'}, "
+        f"endpoints {facts.closed}/{2 * n} CLOSED, "
+        f"transmission queues {'drained' if drained else 'NOT drained'}, "
+        f"connection {INSTANCE} -> {INSTANCE_B} {facts.links[(INSTANCE, INSTANCE_B)]}, "
+        f"{len(facts.errors)} errors"
+    )
+    for p in problems:
+        say(f"PROBLEM: {p}")
+    return Outcome(ok=not problems, summary=summary)
+
+
 def _report_sla(out_dir: Path, wait_s: float = 40.0) -> None:
     """The Spark job closes an SLA window once the watermark passes it: wait a little for the
     first Parquet files, then say where `make report` will find them."""
@@ -672,7 +1077,8 @@ def _print_env(stack: LocalStack, settings: Settings) -> None:
     say(f"  export KSB_INSTANCE={settings.instance}")
     say(f"  export KSB_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}")
     say(f"  export KSB_REDIS_URL={stack.redis_url}")
-    say("then e.g. `ksb endpoints --leaked` or `ksb errors`.")
+    say("then e.g. `ksb endpoints --leaked` or `ksb errors`;")
+    say(f"KSB_INSTANCE={INSTANCE_B} for the second instance, e.g. `ksb transmission`.")
     sys.stdout.flush()
 
 
@@ -691,8 +1097,9 @@ def _wait_until_interrupted(services: list[ServiceProcess]) -> bool:
 
 
 def demo(opts: DemoOptions) -> int:
-    catalog = load_catalog_file(opts.catalog)
+    catalog, catalog_b = load_catalog_file(opts.catalog), load_catalog_file(opts.catalog_b)
     _check_catalog(catalog)
+    _check_catalog_b(catalog_b)
     _guard_workdir(opts.workdir)
     say(f"starting the local stack (Kafka + Redis) under {opts.workdir}")
     t0 = time.perf_counter()
@@ -709,38 +1116,66 @@ def demo(opts: DemoOptions) -> int:
             spark_checkpoint_dir=str(opts.workdir / "spark" / "checkpoints"),
             spark_output_dir=str(opts.workdir / "spark"),
         )
-        names = available_services() + ([SPARK_JOB] if opts.spark else [])
-        say(f"starting services: {', '.join(names)}")
-        with running_services(settings, names, opts.workdir / "logs") as services:
+        settings_b = load_settings(
+            instance=INSTANCE_B, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url
+        )
+        logs = opts.workdir / "logs"
+        procs = service_processes(
+            settings, available_services() + ([SPARK_JOB] if opts.spark else []), logs
+        )
+        procs += service_processes(settings_b, available_services(SERVICE_NAMES_B), logs, SUFFIX_B)
+        say(f"starting services: {', '.join(p.name for p in procs)}")
+        with running_services(procs) as services:
             pids = [f"kafka={stack.kafka_pid}", f"redis={stack.redis_pid}"]
             pids += [f"{s.name}={s.proc.pid}" for s in services if s.proc is not None]
             say("pids: " + " ".join(pids))
-            applied = apply_catalog(settings, catalog)
-            _wait_for_catalog(
-                next((s for s in services if s.name == "dispatcher"), None), applied.version
-            )
-            say(
-                f"catalog v{applied.version} applied from {opts.catalog.name}: "
-                f"{len(catalog.message_types)} message types, "
-                f"{len(catalog.contracts)} contract(s), "
-                f"{len(catalog.queues)} queues, {len(catalog.services)} services, "
-                f"{len(catalog.priorities)} priorities"
+            _apply_catalogs(
+                [
+                    (settings, catalog, opts.catalog, "dispatcher"),
+                    (settings_b, catalog_b, opts.catalog_b, f"dispatcher{SUFFIX_B}"),
+                ],
+                services,
             )
             outcome = run_dialogs(opts, settings, catalog, services)
             print(outcome.summary, flush=True)
+            queues = (_queue_of(catalog, STOCK_CLIENT), _queue_of(catalog_b, WAREHOUSE))
+            cross = run_cross_instance(opts, settings, settings_b, queues, services)
+            print(cross.summary, flush=True)
             if opts.spark:
                 _report_sla(opts.workdir / "spark" / INSTANCE)
-            say("demo OK" if outcome.ok else "demo FAILED")
+            ok = outcome.ok and cross.ok
+            say("demo OK" if ok else "demo FAILED")
             if opts.keep_running:
                 _print_env(stack, settings)
                 if not _wait_until_interrupted(services):
                     return EXIT_FAILED
-            return EXIT_OK if outcome.ok else EXIT_FAILED
+            return EXIT_OK if ok else EXIT_FAILED
     finally:
         _defer_interrupts()
         say("stopping the stack")
         stack.stop()
         (opts.workdir / "demo.pid").unlink(missing_ok=True)
+
+
+def _apply_catalogs(
+    catalogs: list[tuple[Settings, Catalog, Path, str]], services: list[ServiceProcess]
+) -> None:
+    """Apply each instance's catalog, then wait for its dispatcher (the name last in each tuple)
+    to have loaded it: all are applied first, so the dispatchers load them in the same wait."""
+    versions = [apply_catalog(settings, catalog).version for settings, catalog, _, _ in catalogs]
+    for (settings, catalog, path, reader), version in zip(catalogs, versions, strict=True):
+        _wait_for_catalog(next((s for s in services if s.name == reader), None), version)
+        say(
+            f"catalog v{version} applied to {settings.instance} from {path.name}: "
+            f"{len(catalog.message_types)} message types, "
+            f"{len(catalog.contracts)} contract(s), "
+            f"{len(catalog.queues)} queues, {len(catalog.services)} services, "
+            f"{len(catalog.priorities)} priorities, {len(catalog.routes)} route(s)"
+        )
+
+
+def _queue_of(catalog: Catalog, service: str) -> str:
+    return next(s.queue for s in catalog.services if s.name == service)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,16 @@ SUMMARY = re.compile(
     r"^summary: 20 dialogs, 120 messages in [0-9.]+s \([0-9]+ msg/s\), "
     r"latency p50 [0-9.]+ ms p99 [0-9.]+ ms, endpoints 40/40 CLOSED, 0 errors$"
 )
+# The dialogs from instance demo to instance demo-b: 10 by default, 3 reservations each.
+CROSS_INSTANCE = re.compile(
+    r"^cross-instance: 10 dialogs demo -> demo-b, 30 messages and 10 replies in [0-9.]+s, "
+    r"exactly once and in order, endpoints 20/20 CLOSED, transmission queues drained, "
+    r"connection demo -> demo-b CONNECTED, 0 errors$"
+)
 # What each recorded pid must still be running if it were leaked (guards against pid reuse).
 PID_COMMANDS = {"kafka": b"kafka.Kafka", "redis": b"redis-server"}
+# The second instance's processes run the same service modules under names ending in this.
+SUFFIX_B = "-b"
 
 
 def _demo_cmd(workdir: Path, *extra: str) -> list[str]:
@@ -67,7 +75,8 @@ def _running(name: str, pid: int) -> bool:
         return False
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
-    return PID_COMMANDS.get(name, f"services.{name}".encode()) in cmdline
+    module = f"services.{name.removesuffix(SUFFIX_B)}".encode()
+    return PID_COMMANDS.get(name, module) in cmdline
 
 
 class _Lines:
@@ -131,9 +140,11 @@ def test_demo_runs_clean_and_reports(demo_dir: Path) -> None:
     assert result.returncode == 0, out
     lines = result.stdout.splitlines()
     assert any(SUMMARY.match(line) for line in lines), out
+    assert any(CROSS_INSTANCE.match(line) for line in lines), out
     assert "demo OK" in lines, out
     pids = _parse_pids(lines)
     assert {"kafka", "redis", "dispatcher"} <= set(pids), out
+    assert {"dispatcher-b", "transmitter-b", "transport-b"} <= set(pids), out
     assert [name for name, pid in pids.items() if _running(name, pid)] == [], out
 
 
@@ -152,6 +163,8 @@ def test_keep_running_stops_everything_on_sigint(demo_dir: Path) -> None:
         pids = _parse_pids(lines.seen)
         summary = lines.wait_for("summary: ", 200)
         assert SUMMARY.match(summary), "\n".join(lines.seen)
+        cross = lines.wait_for("cross-instance: ", 120)
+        assert CROSS_INSTANCE.match(cross), "\n".join(lines.seen)
         bootstrap = lines.wait_for("  export KSB_KAFKA_BOOTSTRAP=", 30)
         lines.wait_for("  export KSB_REDIS_URL=redis://127.0.0.1:", 30)
         # Still serving while it waits for Ctrl-C.
