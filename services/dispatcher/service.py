@@ -240,9 +240,11 @@ class Dispatcher:
             )
         except KafkaException:
             return False  # Kafka or the topic is not there yet: the 5th tick retries anyway
-        moved = self._catalog_end is not None and end != self._catalog_end
+        # No baseline means the topic was missing at the last attempt (that attempt created it):
+        # any record there now is one the attempt may not have seen.
+        previous = 0 if self._catalog_end is None else self._catalog_end
         self._catalog_end = end
-        return moved
+        return end != previous
 
     def _close_catalog_probe(self) -> None:
         if self._catalog_probe is not None:

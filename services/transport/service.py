@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,9 +168,14 @@ class Transport:
     def _outbound_consumer(self) -> Consumer:
         """Assigned, not subscribed (one reader, no group join delay); starts where it stopped."""
         c = kafka.consumer(self.settings, group=self.names.transport_group)
-        tp = TopicPartition(self.names.outbound, 0)
-        committed = c.committed([tp], timeout=10)[0].offset
-        c.assign([TopicPartition(tp.topic, 0, committed if committed >= 0 else OFFSET_BEGINNING)])
+        committed = _committed(c, TopicPartition(self.names.outbound, 0))
+        c.assign(
+            [
+                TopicPartition(
+                    self.names.outbound, 0, committed if committed >= 0 else OFFSET_BEGINNING
+                )
+            ]
+        )
         return c
 
     # ----------------------------------------------------------------- packets
@@ -343,6 +349,33 @@ def _handshake(p: Producer, topic: str, address: str, timeout_s: float) -> None:
     tmd = md.topics.get(topic)
     if tmd is None or tmd.error is not None or not tmd.partitions:
         raise _ConnectFailed(f"no topic {topic!r} at {address}")
+
+
+_COORDINATOR_NOT_READY = frozenset(
+    {
+        KafkaError.NOT_COORDINATOR,
+        KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE,
+        KafkaError._TIMED_OUT,
+    }
+)
+
+
+def _committed(c: Consumer, tp: TopicPartition, timeout_s: float = 60) -> int:
+    """The committed offset (negative: none), waiting out a group coordinator that is still
+    loading on a freshly started Kafka (NOT_COORDINATOR, COORDINATOR_LOAD_IN_PROGRESS)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return int(c.committed([tp], timeout=10)[0].offset)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if not (err.retriable() or err.code() in _COORDINATOR_NOT_READY):
+                raise
+            if time.monotonic() > deadline:
+                raise
+            log.info("outbound position not readable yet (%s): retrying", exc.args[0].str())
+            time.sleep(0.2)
 
 
 def _commit(c: Consumer) -> None:
