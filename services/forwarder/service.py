@@ -46,7 +46,7 @@ from ksb.redis_view import RedisView
 from ksb.settings import Settings
 from ksb.task_handlers import TaskHandlers
 from ksb.ticker import Intervals, Ticker
-from ksb.transport import LOCAL_ADDRESS
+from ksb.transport import bootstrap_of
 
 __all__ = ["Forwarder", "ForwarderOptions"]
 
@@ -174,8 +174,7 @@ class Forwarder:
             if isinstance(hop, str):
                 self.queue.failed(record.message_id, hop)
                 continue
-            local = hop.address == LOCAL_ADDRESS
-            address = self.settings.kafka_bootstrap if local else hop.address
+            address = bootstrap_of(hop.address, self.settings.kafka_bootstrap)
             try:
                 self.relay.watch(address, record.from_instance)
             except (KafkaException, TimeoutError) as exc:
@@ -197,22 +196,13 @@ class Forwarder:
         if not view.due(now):
             return
         snapshot = json.dumps({"updated_ms": now, "messages": self.queue.rows(now)})
-        key = self.names.forwarded_view_key
-
-        def writes(pipe: redis.client.Pipeline) -> None:
-            pipe.set(key, snapshot)
-
-        view.offer(writes)
+        view.offer_value(self.names.forwarded_view_key, snapshot)
 
     def _producer(self, address: str) -> Producer:
         p = self._producers.get(address)
         if p is None:
-            p = kafka.producer(
-                self.settings,
-                extra={
-                    "bootstrap.servers": address,
-                    "message.timeout.ms": self.options.delivery_timeout_ms,
-                },
+            p = kafka.remote_producer(
+                self.settings, address, delivery_timeout_ms=self.options.delivery_timeout_ms
             )
             self._producers[address] = p
         return p

@@ -32,7 +32,7 @@ from ksb.catalog_store import CatalogWatcher, load_catalog
 from ksb.clock import Clock, SystemClock
 from ksb.metrics import HEALTHY, TRANSMISSION_DEPTH, serve_metrics
 from ksb.names import Names
-from ksb.protocol import AckRecord, InboundMessage
+from ksb.protocol import AckRecord, InboundMessage, dumps
 from ksb.redis_view import RedisView
 from ksb.sequencing import Backoff
 from ksb.settings import Settings
@@ -106,7 +106,6 @@ class Transmitter:
         view = RedisView("transmission", r, self.handlers, self.options.view_every_ms)
         ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
         ticker.every(1, "task_handlers", self.handlers.on_tick)
-        ticker.every(1, "retransmit", lambda _t: self._retransmit())
         ticker.every(2, "reclassify", lambda _t: self._reclassify())
         ticker.every(2, "reregister", lambda _t: self._reregister())
         ticker.every(2, "trim_caches", lambda _t: self._trim_caches())
@@ -235,6 +234,13 @@ class Transmitter:
             self.catalog, destination, self.clock.now_ms(), instance=self.settings.instance
         )
 
+    def _packet(self, destination: str, now: int) -> Packet | None:
+        """Where the transport carries messages for `destination` now (None: no usable route)."""
+        route = self._route(destination)
+        if route is None:
+            return None
+        return Packet(destination, route.address, Names(route.next_hop).inbound, now)
+
     def _reclassify(self) -> None:
         """Catalog or route change: re-resolve every message's route (the transport follows the
         address each packet names, so a changed route moves the connection with it)."""
@@ -246,19 +252,18 @@ class Transmitter:
         p = self._outbound
         assert p is not None
         p.poll(0)
-        live = self.peers.sendable(self.queue.pending_destinations(), now)
-        if not live:
-            return
-        for record in self.queue.take(now, live, self.options.batch):
+        packets: dict[str, Packet | None] = {}  # one route lookup per destination and batch
+        for record in self.queue.take(now, self.peers.reachable(now), self.options.batch):
             dest = record.to_instance
-            route = self._route(dest)
-            if route is None:  # expired this very moment: its retransmission will find it held
+            if dest not in packets:
+                packets[dest] = self._packet(dest, now)
+            packet = packets[dest]
+            if packet is None:  # expired this very moment: its retransmission will find it held
                 continue
-            packet = Packet(dest, route.address, Names(route.next_hop).inbound, now)
             p.produce(
                 self.names.outbound,
                 key=record.conversation_id.encode(),
-                value=record.model_dump_json(),
+                value=dumps(record),
                 headers=packet.headers(),
             )
             level, starved = self.queue.last_take.get(record.message_id, (record.priority, False))
@@ -279,9 +284,6 @@ class Transmitter:
             [AuditEvent(kind=kind, event_ms=now, instance=self.settings.instance, **fields)]
         )
 
-    def _retransmit(self) -> None:
-        self.queue.retransmit_due(self.clock.now_ms())
-
     # ----------------------------------------------------------------- views
     def _publish_view(self, view: RedisView, now: int) -> None:
         if not view.due(now):
@@ -292,12 +294,7 @@ class Transmitter:
         depth = self.queue.depth_by_priority()
         for level in range(1, 11):
             TRANSMISSION_DEPTH.labels(str(level)).set(depth.get(level, 0))
-        key = self.names.transmission_view_key
-
-        def writes(pipe: redis.client.Pipeline) -> None:
-            pipe.set(key, snapshot)
-
-        view.offer(writes)
+        view.offer_value(self.names.transmission_view_key, snapshot)
 
 
 def _records_until(

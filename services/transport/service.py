@@ -47,7 +47,7 @@ from ksb.redis_view import RedisView
 from ksb.settings import Settings
 from ksb.task_handlers import TaskHandlers
 from ksb.ticker import Intervals, Ticker
-from ksb.transport import LOCAL_ADDRESS, LinkEvent, Links, Packet, route_for
+from ksb.transport import LinkEvent, Links, Packet, bootstrap_of, route_for
 
 __all__ = ["Transport", "TransportOptions"]
 
@@ -199,12 +199,13 @@ class Transport:
             self._send(conn, packet, m, now)
 
     def _send(self, conn: _Connection, packet: Packet, m: Message, now: int) -> None:
+        raw = m.value() or b""
         try:
-            record = InboundMessage.model_validate_json(m.value() or b"")
+            record = InboundMessage.model_validate_json(raw)
         except ValueError as exc:
             log.warning("unreadable outbound record at %s: %s", m.offset(), exc)
             return
-        for value in wire_records(record, self.settings.fragment_bytes):
+        for value in wire_records(record, self.settings.fragment_bytes, whole=raw):
             conn.producer.produce(
                 conn.topic,
                 key=m.key(),
@@ -235,7 +236,7 @@ class Transport:
     # ----------------------------------------------------------------- connections
     def _connection(self, packet: Packet, now: int) -> _Connection | None:
         """The open connection for the packet's destination, opened now if it may be."""
-        address = self._bootstrap(packet.address)
+        address = bootstrap_of(packet.address, self.settings.kafka_bootstrap)
         conn = self._conns.get(packet.destination)
         if conn is not None and (conn.address, conn.topic) == (address, packet.topic):
             return conn
@@ -247,13 +248,11 @@ class Transport:
         return self._connect(packet.destination, address, packet.topic, now)
 
     def _connect(self, dest: str, address: str, topic: str, now: int) -> _Connection | None:
-        p = kafka.producer(
+        p = kafka.remote_producer(
             self.settings,
-            extra={
-                "bootstrap.servers": address,
-                "message.timeout.ms": self.options.delivery_timeout_ms,
-                "socket.connection.setup.timeout.ms": int(self.options.connect_timeout_s * 1000),
-            },
+            address,
+            delivery_timeout_ms=self.options.delivery_timeout_ms,
+            connect_timeout_s=self.options.connect_timeout_s,
         )
         try:
             _handshake(p, topic, address, self.options.connect_timeout_s)
@@ -271,9 +270,6 @@ class Transport:
         self._publish(self.links.on_connected(dest, address, now))
         log.info("connected to %s at %s", dest, address)
         return conn
-
-    def _bootstrap(self, address: str) -> str:
-        return self.settings.kafka_bootstrap if address == LOCAL_ADDRESS else address
 
     def _drop(self, dest: str) -> None:
         conn = self._conns.pop(dest, None)
@@ -293,7 +289,11 @@ class Transport:
         now = self.clock.now_ms()
         for dest, conn in list(self._conns.items()):
             route = route_for(self.catalog, dest, now, instance=self.settings.instance)
-            if route is None or (self._bootstrap(route.address), Names(route.next_hop).inbound) != (
+            own = self.settings.kafka_bootstrap
+            if route is None or (
+                bootstrap_of(route.address, own),
+                Names(route.next_hop).inbound,
+            ) != (
                 conn.address,
                 conn.topic,
             ):

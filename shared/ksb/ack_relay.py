@@ -30,6 +30,7 @@ from ksb.clock import Clock, SystemClock
 from ksb.kafka import TopicSpec
 from ksb.names import Names
 from ksb.settings import Settings
+from ksb.transport import bootstrap_of
 
 __all__ = ["AckRelay"]
 
@@ -51,7 +52,8 @@ class AckRelay:
     relayed: int = 0
 
     def is_local(self, address: str) -> bool:
-        return address in ("LOCAL", self.settings.kafka_bootstrap)
+        own = self.settings.kafka_bootstrap
+        return bootstrap_of(address, own) == own
 
     def watch(self, address: str, instance: str, timeout_s: float = 5.0) -> None:
         """Carry `instance`'s acks from the cluster at `address` (nothing to do for our own).

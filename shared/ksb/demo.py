@@ -644,14 +644,7 @@ def _drive(
             progress.update(ended, completed=n_ended)
             if n_ended >= opts.dialogs:
                 break
-            if stats.failures and any("crashed" in f for f in stats.failures):
-                break
-            dead = [s.name for s in services if not s.alive()]
-            if dead:
-                stats.fail(f"service(s) exited during the demo: {', '.join(dead)}")
-                break
-            if time.monotonic() > deadline:
-                stats.fail(f"timed out after {opts.timeout_s:.0f}s")
+            if _should_stop(stats, services, deadline, f"timed out after {opts.timeout_s:.0f}s"):
                 break
             time.sleep(0.05)
     elapsed = time.perf_counter() - started
@@ -953,17 +946,27 @@ def run_cross_instance(
 def _await_cross(stats: CrossStats, dialogs: int, services: list[ServiceProcess]) -> None:
     """Until the client has ended every dialog, a reader crashed, a service died or time is up."""
     deadline = time.monotonic() + CROSS_TIMEOUT_S
+    timed_out = f"cross-instance dialogs timed out after {CROSS_TIMEOUT_S:.0f}s"
     while stats.n_ended() < dialogs:
-        if any("crashed" in f for f in stats.failures):
-            return
-        dead = [s.name for s in services if not s.alive()]
-        if dead:
-            stats.fail(f"service(s) exited during the demo: {', '.join(dead)}")
-            return
-        if time.monotonic() > deadline:
-            stats.fail(f"cross-instance dialogs timed out after {CROSS_TIMEOUT_S:.0f}s")
+        if _should_stop(stats, services, deadline, timed_out):
             return
         time.sleep(0.02)
+
+
+def _should_stop(
+    stats: Stats | CrossStats, services: list[ServiceProcess], deadline: float, timed_out: str
+) -> bool:
+    """A reader crashed, a service died (recorded as a failure) or time is up (recorded too)."""
+    if any("crashed" in f for f in stats.failures):
+        return True
+    dead = [s.name for s in services if not s.alive()]
+    if dead:
+        stats.fail(f"service(s) exited during the demo: {', '.join(dead)}")
+        return True
+    if time.monotonic() > deadline:
+        stats.fail(timed_out)
+        return True
+    return False
 
 
 @dataclass(frozen=True)

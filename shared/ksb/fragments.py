@@ -20,9 +20,14 @@ from ksb.protocol import FragmentRecord, InboundMessage, dumps
 __all__ = ["Reassembler", "wire_records"]
 
 
-def wire_records(record: InboundMessage, fragment_bytes: int) -> list[bytes]:
-    """The record values that carry `record`: itself, or its fragments when it is too long."""
-    whole = dumps(record)
+def wire_records(
+    record: InboundMessage, fragment_bytes: int, whole: bytes | None = None
+) -> list[bytes]:
+    """The record values that carry `record`: itself, or its fragments when it is too long.
+
+    `whole` is `record` already serialized (as read from a topic), so it is not serialized again.
+    """
+    whole = dumps(record) if whole is None else whole
     if len(whole) <= fragment_bytes:
         return [whole]
     pieces = [whole[i : i + fragment_bytes] for i in range(0, len(whole), fragment_bytes)]

@@ -32,6 +32,7 @@ __all__ = [
     "producer",
     "queue_topic",
     "read_to_end",
+    "remote_producer",
 ]
 
 
@@ -51,6 +52,24 @@ def producer(
         conf["transaction.timeout.ms"] = settings.txn_timeout_ms
     conf.update(extra or {})
     return Producer(conf)
+
+
+def remote_producer(
+    settings: Settings,
+    address: str,
+    *,
+    delivery_timeout_ms: int,
+    connect_timeout_s: float | None = None,
+) -> Producer:
+    """A producer to the cluster at `address` (bootstrap list): a failed delivery is reported
+    within `delivery_timeout_ms`, which is how a broken link to another instance shows."""
+    extra: dict[str, Any] = {
+        "bootstrap.servers": address,
+        "message.timeout.ms": delivery_timeout_ms,
+    }
+    if connect_timeout_s is not None:
+        extra["socket.connection.setup.timeout.ms"] = int(connect_timeout_s * 1000)
+    return producer(settings, extra=extra)
 
 
 def consumer(

@@ -57,6 +57,14 @@ class RedisView:
         except KsbError as exc:  # full or stopping: the next snapshot goes out instead
             log.warning("%s view not published now: %s", self.name, exc)
 
+    def offer_value(self, key: str, value: str) -> None:
+        """The common case: the whole view is one JSON string under one key."""
+
+        def writes(pipe: redis.client.Pipeline) -> None:
+            pipe.set(key, value)
+
+        self.offer(writes)
+
     def _write(self) -> None:
         with self._lock:
             writes, self._latest = self._latest, None

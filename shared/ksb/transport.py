@@ -23,7 +23,7 @@ dead peer; losing them only means retrying sooner.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +42,7 @@ __all__ = [
     "Links",
     "Packet",
     "Peers",
+    "bootstrap_of",
     "delivery_problem",
     "route_for",
     "route_problem",
@@ -49,6 +50,12 @@ __all__ = [
 
 LOCAL_ADDRESS = "LOCAL"
 """A route address meaning the cluster this instance runs on."""
+
+
+def bootstrap_of(address: str, own_bootstrap: str) -> str:
+    """The Kafka bootstrap list a route address names (``LOCAL``: our own cluster's)."""
+    return own_bootstrap if address == LOCAL_ADDRESS else address
+
 
 ROUTE_EXPIRED = "route expired"
 """How the reason for a message held behind an expired route begins (status ``ROUTE_EXPIRED``)."""
@@ -303,6 +310,15 @@ def _text(value: str | bytes | None) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+@dataclass(frozen=True)
+class _NotSuppressed:
+    until: dict[str, int]
+    now_ms: int
+
+    def __contains__(self, destination: object) -> bool:
+        return isinstance(destination, str) and self.until.get(destination, 0) <= self.now_ms
+
+
 class Peers:
     """The transmitter's picture of the transport's connections, folded from ``links`` events.
 
@@ -329,7 +345,13 @@ class Peers:
                 self._errors[dest] = event.reason
 
     def sendable(self, destinations: Iterable[str], now_ms: int) -> set[str]:
-        return {d for d in destinations if self._until.get(d, 0) <= now_ms}
+        reachable = self.reachable(now_ms)
+        return {d for d in destinations if d in reachable}
+
+    def reachable(self, now_ms: int) -> Container[str]:
+        """Every destination not suppressed at `now_ms`, as a filter for the scheduler: asking it
+        costs a dict lookup, where listing the destinations with messages costs a full scan."""
+        return _NotSuppressed(dict(self._until), now_ms)
 
     def reopened(self, now_ms: int) -> list[str]:
         """Destinations connected again, or whose suppression ran out, since the last call."""
