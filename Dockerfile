@@ -18,8 +18,8 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY shared shared
 COPY services services
-# Editable on purpose: ksb.runner.REPO_ROOT is the source tree, the working directory of activated
-# tasks (python -m ksb.activated) and of the service processes ksb starts.
+# Editable on purpose: devtools.runner.REPO_ROOT is the source tree, the working directory of activated
+# tasks (python -m ksb.activation.activated) and of the service processes ksb starts.
 RUN pip install --no-cache-dir -e '.[spark,faust]'
 COPY infra infra
 COPY --from=spark-jars /opt/ksb/spark-jars /opt/ksb/spark-jars

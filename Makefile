@@ -45,7 +45,7 @@ $(STAMP_APT):
 	touch $@
 
 run: setup
-	$(PY) -m ksb.demo
+	$(PY) -m devtools.demo
 
 test: setup $(STAMP_SPARK)
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -70,13 +70,13 @@ fmt: $(STAMP_PY)
 
 # Start / stop only the embedded stack (Kafka + Redis) in the background, state under var/.
 up: setup
-	$(PY) -m ksb.localstack up
+	$(PY) -m devtools.localstack up
 
 down:
-	$(PY) -m ksb.localstack down
+	$(PY) -m devtools.localstack down
 
 report: setup $(STAMP_SPARK)
-	$(PY) -m ksb.report
+	$(PY) -m ksb.spark.report
 
 clean:
 	rm -rf var $(CACHE)

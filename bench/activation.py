@@ -37,15 +37,15 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
-from ksb import kafka
-from ksb.catalog import Catalog, parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient, Transaction
-from ksb.monitor import Decision
+from devtools.runner import REPO_ROOT, ServiceProcess
+from ksb.activation.monitor import Decision
+from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
-from ksb.protocol import QueueMessage
-from ksb.runner import REPO_ROOT, ServiceProcess, service_env
-from ksb.settings import Settings, load_settings
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient, Transaction
+from ksb.settings import Settings, load_settings, settings_env
+from ksb.wire.protocol import QueueMessage
 from services.activation.service import ActivationService, QueueWatch
 
 __all__ = [
@@ -196,7 +196,7 @@ def _start_recording_service(settings: Settings, log_path: Path) -> ServiceProce
         service.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.activation", "service"],
             cwd=REPO_ROOT,
-            env=service_env(settings),
+            env=settings_env(settings),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -55,15 +55,15 @@ from bench.e2e import (
     start_receivers,
 )
 from bench.stats import fmt_ms, fmt_x, now_ns
-from ksb.catalog import Catalog, parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
+from devtools.runner import ServiceProcess
+from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
-from ksb.redis_view import read_transmission_view
-from ksb.runner import ServiceProcess
-from ksb.service import configure_logging, stop_on_signals
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_view import read_transmission_view
+from ksb.runtime.service import configure_logging, stop_on_signals
+from ksb.runtime.ticker import INTERVAL_ENV, Intervals
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings, load_settings
-from ksb.ticker import INTERVAL_ENV, Intervals
 from services.transmitter import TransmitterOptions
 from services.transport import Transport, TransportOptions
 

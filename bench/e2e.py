@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
-from ksb.catalog import Catalog, parse_catalog
-from ksb.client import KsbClient
+from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
-from ksb.protocol import QueueMessage
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
+from ksb.wire.protocol import QueueMessage
 
 __all__ = [
     "INITIATOR",

@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import fmt_ms, fmt_x, make_body, now_ns, parse_body
-from ksb.catalog import Catalog, parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
+from devtools.runner import ServiceProcess
+from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
-from ksb.runner import ServiceProcess
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 
 __all__ = [

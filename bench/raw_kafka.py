@@ -1,6 +1,6 @@
 """The baseline: plain confluent-kafka produce and read_committed consume on one partition.
 
-Same client settings as KSB's own (`ksb.kafka.producer` / `ksb.kafka.consumer`: idempotent,
+Same client settings as KSB's own (`ksb.runtime.kafka.producer` / `ksb.runtime.kafka.consumer`: idempotent,
 acks=all, lz4, short fetch wait), so the gap to KSB is what KSB adds, not a different tuning.
 """
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-import ksb.kafka as kafka
+import ksb.runtime.kafka as kafka
 from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
 from ksb.settings import Settings
 

@@ -30,12 +30,12 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from ksb import kafka
+from devtools.local_prometheus import Prometheus
+from devtools.localstack import free_port
+from devtools.runner import ServiceProcess
 from ksb.audit import AuditEvent
-from ksb.local_prometheus import Prometheus
-from ksb.localstack import free_port
 from ksb.names import Names
-from ksb.runner import ServiceProcess
+from ksb.runtime import kafka
 from ksb.settings import Settings
 
 __all__ = ["SparkOptions", "format_lines", "run_spark_audit"]

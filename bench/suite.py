@@ -27,9 +27,9 @@ from bench.raw_kafka import run_raw
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
-from ksb.catalog_store import apply_catalog
-from ksb.localstack import start_stack
-from ksb.runner import ServiceProcess
+from devtools.localstack import start_stack
+from devtools.runner import ServiceProcess
+from ksb.runtime.catalog_store import apply_catalog
 from ksb.settings import Settings
 
 __all__ = ["Options", "run"]

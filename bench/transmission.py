@@ -1,4 +1,4 @@
-"""The transmission scheduler alone (`ksb.transmission.TransmissionScheduler`), in process.
+"""The transmission scheduler alone (`ksb.transmission.scheduler.TransmissionScheduler`), in process.
 
 No Kafka, no transport: a simulated sender that makes one `next()` decision every ``SLOT_US`` of a
 virtual clock, with arrivals at random offsets between decisions, so a message that goes at the
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.stats import fmt_ms, fmt_x
-from ksb.transmission import Pending, TransmissionScheduler
+from ksb.transmission.scheduler import Pending, TransmissionScheduler
 
 __all__ = ["SchedulerOptions", "format_lines", "run_scheduler"]
 

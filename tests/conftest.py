@@ -21,7 +21,7 @@ try:
 except ModuleNotFoundError:  # a plain checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))
 
-from ksb.localstack import start_stack
+from devtools.localstack import start_stack
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from ksb.metrics import metrics_server
+from ksb.runtime.metrics import metrics_server
 
 __all__ = ["get", "serving_healthz"]
 

@@ -2,21 +2,21 @@
 
 Each monitor follows its queue topic (the same `QueueIndex` readers use) and the readers' traces in
 Redis (waiting sessions, last receive, last empty receive, rollbacks in a row, task heartbeats), feeds
-`ksb.monitor.QueueMonitor` and acts on its decision: start an activated task (internal activation) or
+`ksb.activation.monitor.QueueMonitor` and acts on its decision: start an activated task (internal activation) or
 publish a QUEUE_ACTIVATION event (external activation). Runnable work, not lag, drives it: a group
 whose lock is held is not work a new reader could do.
 
 It also applies poison-message handling: after ``poison_rollbacks`` rollbacks in a row the queue is
 disabled in the catalog and a BROKER_QUEUE_DISABLED event is published.
 
-Periodic tasks (`ksb.ticker`, every ``settings.tick_ms``): the task handlers are checked and a dead
+Periodic tasks (`ksb.runtime.ticker`, every ``settings.tick_ms``): the task handlers are checked and a dead
 one restarted, and each queue monitor takes its tick (`QueueMonitor.on_tick`) in its next check. The
 monitors themselves run on the faster ``activation_check_ms`` loop.
 
-What runs on the task handlers (`ksb.task_handlers`, 2 x CPUs unless given), because one queue's
+What runs on the task handlers (`ksb.runtime.task_handlers`, 2 x CPUs unless given), because one queue's
 slow I/O must not hold up every other queue's activation decisions:
 
-* writing the monitor rows (``sys.dm_broker_queue_monitors``) to Redis (`ksb.redis_view`);
+* writing the monitor rows (``sys.dm_broker_queue_monitors``) to Redis (`ksb.runtime.redis_view`);
 * disabling a poisoned queue in the catalog and publishing BROKER_QUEUE_DISABLED: reading the
   catalog topic and writing a new version takes seconds. The Redis mark that makes RECEIVE refuse
   stays on the loop, so the queue stops at once; the catalog follows.
@@ -40,22 +40,27 @@ from typing import Any
 import redis
 from confluent_kafka import Producer
 
-from ksb import kafka
+from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog import CatalogView, Queue
-from ksb.catalog_store import CatalogWatcher, apply_catalog, load_catalog
+from ksb.catalog.model import CatalogView, Queue
 from ksb.clock import Clock, SystemClock
 from ksb.errors import KsbError
-from ksb.metrics import HEALTHY, RUNNABLE_GROUPS, TASKS_RUNNING, TASKS_STARTED, WAITING_READERS
-from ksb.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.names import Names
-from ksb.protocol import DeadLetterRequest, dumps
-from ksb.reader import QueueReader
-from ksb.redis_view import RedisView, Writes
-from ksb.runner import REPO_ROOT, service_env
-from ksb.settings import Settings
-from ksb.task_handlers import TaskHandlers
-from ksb.ticker import Intervals, Ticker
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import CatalogWatcher, apply_catalog, load_catalog
+from ksb.runtime.metrics import (
+    HEALTHY,
+    RUNNABLE_GROUPS,
+    TASKS_RUNNING,
+    TASKS_STARTED,
+    WAITING_READERS,
+)
+from ksb.runtime.redis_view import RedisView, Writes
+from ksb.runtime.task_handlers import TaskHandlers
+from ksb.runtime.ticker import Intervals, Ticker
+from ksb.sdk.reader import QueueReader
+from ksb.settings import Settings, settings_env
+from ksb.wire.protocol import DeadLetterRequest, dumps
 
 __all__ = ["ActivationService", "QueueWatch"]
 
@@ -340,13 +345,20 @@ class ActivationService:
         act = w.queue.activation
         task_id = f"{w.queue.name}-{uuid.uuid4().hex[:8]}"
         if act.procedure is not None:
-            argv = [sys.executable, "-m", "ksb.activated", w.queue.name, act.procedure, task_id]
+            argv = [
+                sys.executable,
+                "-m",
+                "ksb.activation.activated",
+                w.queue.name,
+                act.procedure,
+                task_id,
+            ]
             shell = False
         else:
             argv = [act.command or "true"]
             shell = True
         # Commands get the instance's KSB_* settings plus which queue and task they are.
-        env = service_env(
+        env = settings_env(
             self.settings,
             ACTIVATED_QUEUE=w.queue.name,
             ACTIVATED_TASK_ID=task_id,
@@ -359,7 +371,6 @@ class ActivationService:
         w.tasks[task_id] = subprocess.Popen(
             argv[0] if shell else argv,
             shell=shell,
-            cwd=REPO_ROOT,
             env=env,
             start_new_session=True,
         )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ksb.metrics import serve_metrics
-from ksb.service import configure_logging, stop_on_signals
+from ksb.runtime.metrics import serve_metrics
+from ksb.runtime.service import configure_logging, stop_on_signals
 from ksb.settings import load_settings
 from services.dispatcher.service import Dispatcher
 

@@ -1,16 +1,16 @@
-"""The dispatcher's I/O shell around `ksb.engine.Engine`.
+"""The dispatcher's I/O shell around `ksb.dialog.engine.Engine`.
 
 It consumes the requests topic and writes each batch's outputs, endpoint changes and consumed offsets
 in one Kafka transaction. On start, and after any failed transaction, it rebuilds the engine from
 Kafka (catalog, endpoints, queue topics) after fencing any older dispatcher with init_transactions, so
 a crash at any point neither loses nor duplicates a message.
 
-Periodic tasks (`ksb.ticker`, every ``settings.tick_ms``):
+Periodic tasks (`ksb.runtime.ticker`, every ``settings.tick_ms``):
 
-* every tick, the task handlers (`ksb.task_handlers`) are checked and a dead one is restarted;
+* every tick, the task handlers (`ksb.runtime.task_handlers`) are checked and a dead one is restarted;
 * a broker that failed to start (no valid catalog applied yet, missing queue topics, Kafka
   unreachable) is retried every 5th tick, or on the next tick after a new catalog
-  record (`ksb.broker_start`), or, when Kafka was unreachable, on the next tick after a probe finds
+  record (`ksb.dialog.broker_start`), or, when Kafka was unreachable, on the next tick after a probe finds
   it answering again. Until then the process stays up with health 0, /healthz answers 503 with the
   reason, and the reason is in the ``ksb_broker_info`` metric, the log and a BCN.
 
@@ -48,23 +48,23 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Histogram
 
-from ksb import kafka
 from ksb.audit import Audit, KafkaAudit, dispatcher_events
-from ksb.broker_start import (
+from ksb.catalog.model import Catalog, CatalogView
+from ksb.clock import Clock, SystemClock
+from ksb.dialog.broker_start import (
     BROKER_RETRY_EVERY,
     BrokerNotStarted,
     BrokerStart,
     failure_from_exception,
     start_problem,
 )
-from ksb.catalog import Catalog, CatalogView
-from ksb.catalog_store import CatalogWatcher, load_catalog
-from ksb.clock import Clock, SystemClock
-from ksb.endpoint import decode_endpoint, encode_endpoint
-from ksb.engine import Engine, Outputs
+from ksb.dialog.endpoint import decode_endpoint, encode_endpoint
+from ksb.dialog.engine import Engine, Outputs
 from ksb.errors import KsbError, ProtocolError
-from ksb.fragments import Reassembler
-from ksb.metrics import (
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
+from ksb.runtime.metrics import (
     BROKER_START_FAILURES,
     BROKER_STATUS,
     COMMITS,
@@ -79,8 +79,11 @@ from ksb.metrics import (
     register_health_check,
     unregister_health_check,
 )
-from ksb.names import Names
-from ksb.protocol import (
+from ksb.runtime.task_handlers import TaskHandlers, TaskQueueFull
+from ksb.runtime.ticker import Ticker, TickSchedule
+from ksb.settings import Settings
+from ksb.wire.fragments import Reassembler
+from ksb.wire.protocol import (
     AnyRequest,
     BrokerNotification,
     CommitOutcome,
@@ -92,9 +95,6 @@ from ksb.protocol import (
     parse_queue_record,
     parse_request,
 )
-from ksb.settings import Settings
-from ksb.task_handlers import TaskHandlers, TaskQueueFull
-from ksb.ticker import Ticker, TickSchedule
 
 __all__ = [
     "PROBE_TIMEOUT_S",

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import tempfile
 
-import ksb.kafka as kafka
+import ksb.runtime.kafka as kafka
+from ksb.activation.external import ActivationPlanner, load_config
 from ksb.errors import CatalogError
-from ksb.external_activation import ActivationPlanner, load_config
-from ksb.metrics import serve_metrics
 from ksb.names import Names
-from ksb.service import configure_logging
+from ksb.runtime.metrics import serve_metrics
+from ksb.runtime.service import configure_logging
 from ksb.settings import Settings, load_settings
 from services.external_activator.service import ActivatorWorker, ReaderSupervisor, build_app
 

@@ -2,7 +2,7 @@
 
 Service Broker's external activation leaves running readers to a program outside the broker; this
 is that program for KSB. A faust agent follows ``ksb.<instance>.activation``; `ReaderSupervisor`
-applies each event through the pure `ksb.external_activation.ActivationPlanner` and starts, counts
+applies each event through the pure `ksb.activation.external.ActivationPlanner` and starts, counts
 and reaps the configured shell commands. A faust timer keeps each queue's minimum running.
 
 Why faust: the events are a plain keyed stream, and a faust agent gives the consumer group, offset
@@ -33,13 +33,12 @@ import faust
 from faust.types import TP
 from mode.types.signals import BaseSignalT
 
+from ksb.activation.external import ActivationPlanner, StartDecision, parse_event
 from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
-from ksb.external_activation import ActivationPlanner, StartDecision, parse_event
-from ksb.metrics import HEALTHY
 from ksb.names import Names
-from ksb.runner import service_env
-from ksb.settings import Settings
+from ksb.runtime.metrics import HEALTHY
+from ksb.settings import Settings, settings_env
 
 __all__ = ["ActivatorWorker", "ReaderSupervisor", "build_app"]
 
@@ -116,9 +115,9 @@ class ReaderSupervisor:
     def _start(self, queue: str) -> None:
         spec = self.planner.readers(queue)
         task_id = f"{queue}-ext-{uuid.uuid4().hex[:8]}"
-        # The command gets the instance's KSB_* settings (so `python -m ksb.activated` and KsbClient
+        # The command gets the instance's KSB_* settings (so `python -m ksb.activation.activated` and KsbClient
         # find Kafka and Redis) plus which queue and task it is, as internal activation does.
-        env = service_env(self.settings, ACTIVATED_QUEUE=queue, ACTIVATED_TASK_ID=task_id)
+        env = settings_env(self.settings, ACTIVATED_QUEUE=queue, ACTIVATED_TASK_ID=task_id)
         # Its own session: stopping it signals the whole group, the shell and what it started.
         proc = subprocess.Popen(spec.command, shell=True, env=env, start_new_session=True)
         self.readers[queue].append(_Reader(task_id, proc))

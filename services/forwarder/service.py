@@ -4,12 +4,12 @@ A sender whose route names this instance as its next hop (``via``) writes to our
 topic records whose ``to_instance`` is someone else; our dispatcher leaves those alone and this
 service picks them up. It reads ``inbound`` from its end (what arrived while it was down is not
 ours to recover: nobody acknowledged it, so the origin sends it again), holds records in memory
-only (`ksb.forwarding.ForwardQueue`), and copies each one unchanged to the next hop's ``inbound``
+only (`ksb.transmission.forwarding.ForwardQueue`), and copies each one unchanged to the next hop's ``inbound``
 topic on the cluster our own route names, first in first out at priority 5. Every 5th tick it
 drops what it could not forward within `Intervals.forwarder_stale_ms`.
 
 The acks of what it forwarded to another cluster are written there, where the origin may not
-reach: the forwarder relays them onto its own cluster (`ksb.ack_relay`), the cluster the origin's
+reach: the forwarder relays them onto its own cluster (`ksb.transmission.ack_relay`), the cluster the origin's
 route reached it on, so every hop carries the acks one cluster back.
 """
 
@@ -31,22 +31,22 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from ksb import kafka
-from ksb.ack_relay import AckRelay
-from ksb.catalog import CatalogView
-from ksb.catalog_store import CatalogWatcher, load_catalog
+from ksb.catalog.model import CatalogView
 from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
-from ksb.forwarding import ForwardQueue, next_hop
-from ksb.fragments import Reassembler, wire_records
-from ksb.metrics import CONNECTIONS, HEALTHY, export_transport_defaults, serve_metrics
 from ksb.names import Names
-from ksb.protocol import FragmentRecord, parse_inbound
-from ksb.redis_view import RedisView
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
+from ksb.runtime.metrics import CONNECTIONS, HEALTHY, export_transport_defaults, serve_metrics
+from ksb.runtime.redis_view import RedisView
+from ksb.runtime.task_handlers import TaskHandlers
+from ksb.runtime.ticker import Intervals, Ticker
 from ksb.settings import Settings
-from ksb.task_handlers import TaskHandlers
-from ksb.ticker import Intervals, Ticker
-from ksb.transport import bootstrap_of
+from ksb.transmission.ack_relay import AckRelay
+from ksb.transmission.forwarding import ForwardQueue, next_hop
+from ksb.transmission.links import bootstrap_of
+from ksb.wire.fragments import Reassembler, wire_records
+from ksb.wire.protocol import FragmentRecord, parse_inbound
 
 __all__ = ["Forwarder", "ForwarderOptions"]
 

@@ -4,8 +4,8 @@ The loop: fold the ``transmission`` topic (what our dispatcher wrote, read_commi
 cluster's ``acks`` topic into the transmission queue, resolve each destination's route (which
 address and next hop carry it), pick what goes next by priority for destinations that are not
 suppressed, and hand it to the transport as a packet on the ``outbound`` topic
-(`ksb.transport.Packet` headers). The transport answers on ``links``
-(`ksb.transport.LinkEvent`): a failed or broken connection suppresses its destination here too,
+(`ksb.transmission.links.Packet` headers). The transport answers on ``links``
+(`ksb.transmission.links.LinkEvent`): a failed or broken connection suppresses its destination here too,
 and a destination that connects again (or whose suppression ran out) gets everything it has not
 acknowledged queued again at once. What is not acknowledged in time is queued again on its
 back-off. State is in memory and rebuilt from the topics on start (all read from the
@@ -25,21 +25,21 @@ from typing import Any
 import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from ksb import kafka
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog import CatalogView, Route
-from ksb.catalog_store import CatalogWatcher, load_catalog
+from ksb.catalog.model import CatalogView, Route
 from ksb.clock import Clock, SystemClock
-from ksb.metrics import HEALTHY, TRANSMISSION_DEPTH, serve_metrics
+from ksb.dialog.sequencing import Backoff
 from ksb.names import Names
-from ksb.protocol import AckRecord, InboundMessage, dumps
-from ksb.redis_view import RedisView
-from ksb.sequencing import Backoff
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
+from ksb.runtime.metrics import HEALTHY, TRANSMISSION_DEPTH, serve_metrics
+from ksb.runtime.redis_view import RedisView
+from ksb.runtime.task_handlers import TaskHandlers
+from ksb.runtime.ticker import Intervals, Ticker
 from ksb.settings import Settings
-from ksb.task_handlers import TaskHandlers
-from ksb.ticker import Intervals, Ticker
-from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import LinkEvent, Packet, Peers, delivery_problem, route_for
+from ksb.transmission.links import LinkEvent, Packet, Peers, delivery_problem, route_for
+from ksb.transmission.queue import TransmissionQueue
+from ksb.wire.protocol import AckRecord, InboundMessage, dumps
 
 __all__ = ["Transmitter", "TransmitterOptions"]
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ksb.service import configure_logging, stop_on_signals
+from ksb.runtime.service import configure_logging, stop_on_signals
+from ksb.runtime.ticker import Intervals
 from ksb.settings import load_settings
-from ksb.ticker import Intervals
 from services.transport.service import Transport
 
 

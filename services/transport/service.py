@@ -3,9 +3,9 @@
 The loop: read the ``outbound`` topic (packets the transmitter picked, in order, each with its
 destination, address and next-hop topic in headers), open a connection to a destination that
 has packets and is not suppressed, send each packet (fragmented when large,
-`ksb.fragments.wire_records`) to the next hop's ``inbound``, relay acks from far clusters onto
-ours (`ksb.ack_relay`), and report every connection change on ``links``
-(`ksb.transport.LinkEvent`), which is how the transmitter learns what is suppressed and what
+`ksb.wire.fragments.wire_records`) to the next hop's ``inbound``, relay acks from far clusters onto
+ours (`ksb.transmission.ack_relay`), and report every connection change on ``links``
+(`ksb.transmission.links.LinkEvent`), which is how the transmitter learns what is suppressed and what
 came back. Packets for a suppressed destination, and packets older than `packet_ttl_ms`, are
 dropped: the transmission queue still holds them and sends them again, so nothing is lost.
 
@@ -33,25 +33,25 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from ksb import kafka
-from ksb.ack_relay import AckRelay
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog import CatalogView
-from ksb.catalog_store import CatalogWatcher, load_catalog
+from ksb.catalog.model import CatalogView
 from ksb.clock import Clock, SystemClock
-from ksb.fragments import wire_records
-from ksb.metrics import CONNECTIONS, HEALTHY, SUPPRESSED_DESTINATIONS, serve_metrics
 from ksb.names import Names
-from ksb.protocol import InboundMessage
-from ksb.redis_view import RedisView
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
+from ksb.runtime.metrics import CONNECTIONS, HEALTHY, SUPPRESSED_DESTINATIONS, serve_metrics
+from ksb.runtime.redis_view import RedisView
+from ksb.runtime.task_handlers import TaskHandlers
+from ksb.runtime.ticker import Intervals, Ticker
 from ksb.settings import Settings
-from ksb.task_handlers import TaskHandlers
-from ksb.ticker import Intervals, Ticker
-from ksb.transport import LinkEvent, Links, Packet, bootstrap_of, route_for
+from ksb.transmission.ack_relay import AckRelay
+from ksb.transmission.links import LinkEvent, Links, Packet, bootstrap_of, route_for
+from ksb.wire.fragments import wire_records
+from ksb.wire.protocol import InboundMessage
 
 __all__ = ["Transport", "TransportOptions"]
 
-log = logging.getLogger("ksb.transport")
+log = logging.getLogger("ksb.transmission.links")
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,9 @@ from typing import Any, Literal
 from confluent_kafka import KafkaError, Message, Producer
 from pydantic import BaseModel, ConfigDict
 
-from ksb.engine import Outputs
+from ksb.dialog.engine import Outputs
 from ksb.names import Names
-from ksb.protocol import CommitOutcome, QueueMessage
+from ksb.wire.protocol import CommitOutcome, QueueMessage
 
 __all__ = [
     "AUDIT_VERSION",

@@ -13,13 +13,13 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ksb.errors import CatalogError
 
-__all__ = ["Settings", "load_settings"]
+__all__ = ["Settings", "load_settings", "settings_env"]
 
 _PREFIX = "KSB_"
 # Variables that belong to other parts of the toolchain (the local stack, tests), not to a service.
 _FOREIGN = {"KSB_KAFKA_LIBS", "KSB_SPARK_JARS"}
 # The housekeeping intervals have their own reader, which refuses unknown names itself
-# (`ksb.ticker.Intervals.from_env`).
+# (`ksb.runtime.ticker.Intervals.from_env`).
 _INTERVALS_PREFIX = "KSB_INTERVAL_"
 
 
@@ -34,7 +34,7 @@ class Settings(BaseSettings):
     request_partitions: int = Field(1, ge=1)
     max_body_bytes: int = Field(1_048_576, ge=0)
     fragment_bytes: int = Field(262_144, ge=1024)
-    """Inbound records longer than this cross instances as fragments (`ksb.fragments`)."""
+    """Inbound records longer than this cross instances as fragments (`ksb.wire.fragments`)."""
     transmitter_memory_bytes: int = Field(64 * 1024 * 1024, ge=4096)
     """What the transmitter may hold in memory; beyond it, dialogs wait unclassified (issue 5)."""
     lock_ttl_ms: int = Field(30_000, ge=100)
@@ -77,3 +77,14 @@ def load_settings(**overrides: object) -> Settings:
     if unknown:
         raise CatalogError(f"unknown setting(s) in the environment: {', '.join(unknown)}")
     return Settings(**overrides)  # type: ignore[arg-type]
+
+
+def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
+    """The environment a child process (a service, an activated task) reads `settings` from: the
+    parent's variables without its own ``KSB_*`` ones, then one ``KSB_*`` variable per field."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIX)}
+    for name, value in settings.model_dump().items():
+        env[f"{_PREFIX}{name.upper()}"] = str(value)
+    env.update(extra)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

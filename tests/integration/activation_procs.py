@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from ksb.client import Transaction
-from ksb.protocol import QueueMessage
+from ksb.sdk.client import Transaction
+from ksb.wire.protocol import QueueMessage
 
 
 def reply(tx: Transaction, messages: list[QueueMessage]) -> None:

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from ksb.catalog import Catalog, parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
-from ksb.runner import ServiceProcess
+from devtools.runner import ServiceProcess
+from ksb.catalog.model import Catalog, parse_catalog
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 from services.dispatcher import Dispatcher
 from tests.conftest import Stack

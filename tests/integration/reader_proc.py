@@ -14,8 +14,8 @@ import sys
 import threading
 from typing import TextIO
 
-from ksb.client import KsbClient
 from ksb.errors import CommitRefused, LockLost
+from ksb.sdk.client import KsbClient
 from ksb.settings import load_settings
 
 

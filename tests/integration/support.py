@@ -8,12 +8,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, TopicPartition
 
-from ksb import kafka
-from ksb.client import KsbClient
-from ksb.endpoint import Endpoint, decode_endpoint
+from ksb.dialog.endpoint import Endpoint, decode_endpoint
 from ksb.names import Names
-from ksb.protocol import QueueMessage
+from ksb.runtime import kafka
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
+from ksb.wire.protocol import QueueMessage
 
 
 def receive_all(

@@ -14,12 +14,12 @@ import redis
 from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
-from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog, load_catalog
-from ksb.cli import app
-from ksb.client import KsbClient
+from ksb.catalog.model import parse_catalog
+from ksb.cli.app import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
+from ksb.runtime.catalog_store import apply_catalog, load_catalog
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 from services.activation import ActivationService
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher

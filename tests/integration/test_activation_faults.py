@@ -1,6 +1,6 @@
 """Activation under faults: the service killed, a task crashing, ALTER QUEUE while tasks run.
 
-The procedures at the top run inside activated tasks (`python -m ksb.activated`), which import this
+The procedures at the top run inside activated tasks (`python -m ksb.activation.activated`), which import this
 module by its dotted path; they talk to the test through Redis keys under ``ksbtest:<instance>``.
 """
 
@@ -23,15 +23,15 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog, load_catalog
-from ksb.cli import app
-from ksb.client import KsbClient, Transaction
+from devtools.runner import ServiceProcess
+from ksb.catalog.model import parse_catalog
+from ksb.cli.app import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
-from ksb.protocol import QueueMessage
-from ksb.runner import ServiceProcess
+from ksb.runtime.catalog_store import apply_catalog, load_catalog
+from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import Settings, load_settings
+from ksb.wire.protocol import QueueMessage
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import check_exactly_once_in_order, queue_receipts, read_topic
 from tests.integration.test_activation import ThreadActivation, monitor_view, with_target_queue
@@ -116,7 +116,7 @@ def _end_orphan_tasks(settings: Settings) -> None:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"ksb.activated" in cmdline:
+        if b"ksb.activation.activated" in cmdline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
 

@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from ksb.catalog import ERROR, Catalog
-from ksb.catalog_store import load_catalog
-from ksb.client import KsbClient
+from ksb.catalog.model import ERROR, Catalog
 from ksb.errors import CommitRefused
 from ksb.names import Names
+from ksb.runtime.catalog_store import load_catalog
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint, wait_error

@@ -15,13 +15,13 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import REGISTRY
 
-from ksb import kafka
-from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
+from ksb.catalog.model import parse_catalog
 from ksb.names import Names
-from ksb.protocol import BrokerNotification, parse_bcn
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
+from ksb.wire.protocol import BrokerNotification, parse_bcn
 from services.dispatcher import Dispatcher
 from services.dispatcher.service import kafka_answers
 from tests.healthz import get, serving_healthz

@@ -11,11 +11,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
-from ksb.catalog import END_DIALOG, Catalog
-from ksb.cli import app
-from ksb.client import KsbClient
+from ksb.catalog.model import END_DIALOG, Catalog
+from ksb.cli.app import app
+from ksb.dialog.views import ONE_SIDED_GRACE_MS
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
-from ksb.views import ONE_SIDED_GRACE_MS
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint
 

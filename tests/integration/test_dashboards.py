@@ -31,14 +31,14 @@ from typing import Any
 import prometheus_client
 import pytest
 
-import ksb.metrics  # noqa: F401  (registers the services' metrics in the default registry)
-from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
-from ksb.local_prometheus import Prometheus
-from ksb.localstack import free_port
-from ksb.runner import REPO_ROOT, ServiceProcess, service_env
-from ksb.settings import Settings
+import ksb.runtime.metrics  # noqa: F401  (registers the services' metrics in the default registry)
+from devtools.local_prometheus import Prometheus
+from devtools.localstack import free_port
+from devtools.runner import REPO_ROOT, ServiceProcess
+from ksb.catalog.model import parse_catalog
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient
+from ksb.settings import Settings, settings_env
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import receive_all
 
@@ -82,7 +82,7 @@ def panel_queries() -> list[PanelQuery]:
 
 
 def service_sample_names() -> set[str]:
-    """Sample names of every metric `ksb.metrics` registers, as Prometheus would store them."""
+    """Sample names of every metric `ksb.runtime.metrics` registers, as Prometheus would store them."""
     suffixes = {
         "counter": ("_total", "_created"),
         "histogram": ("_bucket", "_count", "_sum", "_created"),
@@ -156,7 +156,7 @@ class SparkExporter:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ksb.spark"],
                 cwd=log_path.parent,
-                env=service_env(settings),
+                env=settings_env(settings),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

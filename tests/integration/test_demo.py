@@ -1,4 +1,4 @@
-"""`python -m ksb.demo` end to end: its own stack, every service, a clean result and a clean stop.
+"""`python -m devtools.demo` end to end: its own stack, every service, a clean result and a clean stop.
 
 The demo starts its own stack on free ports (not the session's), so these tests only need to be
 marked `integration` to run with the others; they drive it as a user would, through a subprocess.
@@ -42,7 +42,7 @@ def _demo_cmd(workdir: Path, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "ksb.demo",
+        "devtools.demo",
         "--dialogs",
         "20",
         "--messages-per-dialog",

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from ksb.catalog import END_DIALOG, ERROR
-from ksb.client import KsbClient
+from ksb.catalog.model import END_DIALOG, ERROR
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint

@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import redis
 
-from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
+from devtools.runner import ServiceProcess
+from ksb.catalog.model import parse_catalog
 from ksb.names import Names
-from ksb.runner import ServiceProcess
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import receive_all
@@ -92,7 +92,7 @@ def test_external_activator_starts_readers_that_reply_never_above_max(
     cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 10}]
     apply_catalog(fast_settings, parse_catalog(cat))
     reader = (
-        f"{shlex.quote(sys.executable)} -m ksb.activated TargetQueue "
+        f"{shlex.quote(sys.executable)} -m ksb.activation.activated TargetQueue "
         "tests.integration.activation_procs:reply $ACTIVATED_TASK_ID"
     )
     config = tmp_path / "external_activator.yaml"

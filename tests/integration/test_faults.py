@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from ksb.client import KsbClient
-from ksb.runner import REPO_ROOT, ServiceProcess, service_env
-from ksb.settings import Settings
+from devtools.runner import REPO_ROOT, ServiceProcess
+from ksb.sdk.client import KsbClient
+from ksb.settings import Settings, settings_env
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import Flow, check_exactly_once_in_order, queue_receipts
 
@@ -99,7 +99,7 @@ def _start_reader(
                 str(top),
             ],
             cwd=REPO_ROOT,
-            env=service_env(settings),
+            env=settings_env(settings),
             stdout=f,
             stderr=subprocess.STDOUT,
         )

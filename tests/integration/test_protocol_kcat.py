@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ksb.catalog import END_DIALOG, Catalog
-from ksb.client import KsbClient
-from ksb.engine import target_handle
+from ksb.catalog.model import END_DIALOG, Catalog
+from ksb.dialog.engine import target_handle
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import receive_all, wait_endpoint

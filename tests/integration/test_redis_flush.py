@@ -12,12 +12,12 @@ import time
 import pytest
 import redis
 
-from ksb import kafka
-from ksb.client import KsbClient, Transaction
 from ksb.errors import CommitRefused, LockLost
 from ksb.names import Names
-from ksb.protocol import CommitRequest, QueueMessage, Receipt, SendRequest, dumps
+from ksb.runtime import kafka
+from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import Settings
+from ksb.wire.protocol import CommitRequest, QueueMessage, Receipt, SendRequest, dumps
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import Flow, queue_receipts, read_topic, receive_all, wait_error
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ksb.runner import ServiceProcess
+from devtools.runner import ServiceProcess
 from ksb.settings import Settings
 
 pytestmark = pytest.mark.integration

@@ -20,13 +20,13 @@ pytest.importorskip("pyarrow")
 from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
-from ksb import kafka
 from ksb.audit import AuditEvent
-from ksb.catalog import Catalog
-from ksb.client import KsbClient
+from ksb.catalog.model import Catalog
 from ksb.names import Names
-from ksb.report import load_outputs
+from ksb.runtime import kafka
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
+from ksb.spark.report import load_outputs
 from tests.conftest import Stack
 
 from .conftest import ThreadDispatcher

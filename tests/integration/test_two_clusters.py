@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from ksb.catalog import parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.localstack import start_stack
+from devtools.localstack import start_stack
+from ksb.catalog.model import parse_catalog
 from ksb.names import Names
+from ksb.runtime.catalog_store import apply_catalog
 from ksb.settings import Settings
 from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG

@@ -14,14 +14,14 @@ import pytest
 import redis
 from confluent_kafka import Producer
 
-from ksb.catalog import Catalog, parse_catalog
-from ksb.catalog_store import apply_catalog
-from ksb.client import KsbClient
+from ksb.catalog.model import Catalog, parse_catalog
+from ksb.dialog.sequencing import Backoff
 from ksb.names import Names
-from ksb.sequencing import Backoff
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.ticker import Intervals
+from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
-from ksb.ticker import Intervals
-from ksb.transport import Packet
+from ksb.transmission.links import Packet
 from services.forwarder import Forwarder
 from services.transmitter import Transmitter, TransmitterOptions
 from services.transport import Transport, TransportOptions

@@ -7,7 +7,8 @@ import json
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
-from ksb.broker_start import (
+from ksb.clock import ManualClock
+from ksb.dialog.broker_start import (
     KAFKA_UNAVAILABLE,
     BrokerNotStarted,
     BrokerStart,
@@ -16,10 +17,9 @@ from ksb.broker_start import (
     failure_from_exception,
     start_problem,
 )
-from ksb.clock import ManualClock
 from ksb.errors import CatalogError, ProtocolError
-from ksb.protocol import BrokerNotification, dumps, parse_bcn
-from ksb.ticker import Ticker, TickSchedule
+from ksb.runtime.ticker import Ticker, TickSchedule
+from ksb.wire.protocol import BrokerNotification, dumps, parse_bcn
 
 NO_CATALOG = StartFailure("no_catalog", "no catalog applied")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ksb.ddl import (
+from ksb.catalog.ddl import (
     AlterPriority,
     AlterQueue,
     CreatePriority,
@@ -13,8 +13,8 @@ from ksb.ddl import (
     apply_priority_statements,
     parse,
 )
+from ksb.catalog.priorities import ANY, BrokerPriority, PriorityTable, endpoint_levels
 from ksb.errors import DdlError
-from ksb.priorities import ANY, BrokerPriority, PriorityTable, endpoint_levels
 
 ORDERS_SCRIPT = """\
 USE OrdersDB;

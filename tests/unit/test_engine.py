@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from ksb.catalog import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, parse_catalog
+from ksb.catalog.model import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, parse_catalog
 from ksb.clock import ManualClock
-from ksb.endpoint import State
-from ksb.engine import Engine, Outputs, target_handle
-from ksb.protocol import (
+from ksb.dialog.endpoint import State
+from ksb.dialog.engine import Engine, Outputs, target_handle
+from ksb.wire.protocol import (
     BeginRequest,
     CommitOutcome,
     CommitRequest,

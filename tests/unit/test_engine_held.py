@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ksb.catalog import END_DIALOG, CatalogView, parse_catalog
-from ksb.endpoint import State
-from ksb.engine import Engine, Outputs, target_handle
-from ksb.protocol import EndRequest, InboundMessage, QueueMessage
-from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import QUEUE_DISABLED, delivery_problem, route_for
+from ksb.catalog.model import END_DIALOG, CatalogView, parse_catalog
+from ksb.dialog.endpoint import State
+from ksb.dialog.engine import Engine, Outputs, target_handle
+from ksb.transmission.links import QUEUE_DISABLED, delivery_problem, route_for
+from ksb.transmission.queue import TransmissionQueue
+from ksb.wire.protocol import EndRequest, InboundMessage, QueueMessage
 from tests.unit.test_engine import CATALOG, begin, messages, send
 
 

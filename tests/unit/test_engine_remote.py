@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from ksb.catalog import END_DIALOG, ERROR, CatalogView, parse_catalog
-from ksb.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
-from ksb.engine import Engine, Outputs, target_handle
-from ksb.protocol import (
+from ksb.catalog.model import END_DIALOG, ERROR, CatalogView, parse_catalog
+from ksb.dialog.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
+from ksb.dialog.engine import Engine, Outputs, target_handle
+from ksb.wire.protocol import (
     BeginRequest,
     CommitRequest,
     EndRequest,

@@ -9,14 +9,14 @@ from typing import Literal
 
 import pytest
 
-from ksb.errors import CatalogError, ProtocolError
-from ksb.external_activation import (
+from ksb.activation.external import (
     ActivationEvent,
     ActivationPlanner,
     ExternalActivatorConfig,
     load_config,
     parse_event,
 )
+from ksb.errors import CatalogError, ProtocolError
 
 INSTANCE = "i1"
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ksb.catalog import CatalogView, parse_catalog
-from ksb.forwarding import FORWARDING_PRIORITY, ForwardQueue, next_hop
-from ksb.protocol import InboundMessage
-from ksb.transport import ROUTE_EXPIRED
+from ksb.catalog.model import CatalogView, parse_catalog
+from ksb.transmission.forwarding import FORWARDING_PRIORITY, ForwardQueue, next_hop
+from ksb.transmission.links import ROUTE_EXPIRED
+from ksb.wire.protocol import InboundMessage
 
 T0 = 1_700_000_000_000
 

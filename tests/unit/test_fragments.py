@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ksb.fragments import Reassembler, wire_records
-from ksb.protocol import FragmentRecord, InboundMessage, dumps, parse_inbound
+from ksb.wire.fragments import Reassembler, wire_records
+from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps, parse_inbound
 
 T0 = 1_700_000_000_000
 

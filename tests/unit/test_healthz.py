@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ksb.metrics import (
+from ksb.runtime.metrics import (
     HEALTHY,
     NOT_UP,
     health_problems,

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from ksb.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
+from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 
 IDLE = QueueObservation(
     now_ms=100_000,

@@ -7,8 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from ksb.errors import CatalogError
-from ksb.priorities import (
+from ksb.catalog.priorities import (
     ANY,
     DEFAULT_LEVEL,
     PRECEDENCE,
@@ -18,6 +17,7 @@ from ksb.priorities import (
     match_level,
     match_rule,
 )
+from ksb.errors import CatalogError
 
 CONTRACT, LOCAL, REMOTE = "//shop/OrderContract", "OrderService", "ShippingService"
 

@@ -7,9 +7,9 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ksb.catalog import DIALOG_TIMER, ERROR
-from ksb.protocol import QueueMessage
-from ksb.queue_index import QueueIndex
+from ksb.catalog.model import DIALOG_TIMER, ERROR
+from ksb.sdk.queue_index import QueueIndex
+from ksb.wire.protocol import QueueMessage
 
 _order = itertools.count(1)
 

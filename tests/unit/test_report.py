@@ -10,8 +10,8 @@ import pytest
 pq = pytest.importorskip("pyarrow.parquet")
 pa = pytest.importorskip("pyarrow")
 
-from ksb.report import load_outputs, main, render  # noqa: E402
 from ksb.spark.ordering import ROW_COLUMNS  # noqa: E402
+from ksb.spark.report import load_outputs, main, render  # noqa: E402
 
 
 def _sla(batch: int, start: int, priority: int, received: int, p95: float) -> dict[str, Any]:

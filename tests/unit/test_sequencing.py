@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ksb.clock import ManualClock
-from ksb.sequencing import Backoff, ReceiveWindow, Retransmitter
+from ksb.dialog.sequencing import Backoff, ReceiveWindow, Retransmitter
 
 
 @st.composite

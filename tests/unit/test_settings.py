@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from ksb.errors import CatalogError
+from ksb.runtime.ticker import Intervals, IntervalsError
 from ksb.settings import load_settings
-from ksb.ticker import Intervals, IntervalsError
 
 
 def test_a_misspelt_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

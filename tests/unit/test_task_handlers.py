@@ -15,15 +15,15 @@ import redis
 from prometheus_client import REGISTRY
 
 from ksb.clock import ManualClock
-from ksb.settings import Settings
-from ksb.task_handlers import (
+from ksb.runtime.task_handlers import (
     HandlersStopped,
     TaskHandlers,
     TaskQueueFull,
     default_handler_count,
     handlers_to_restart,
 )
-from ksb.ticker import Ticker, TickSchedule
+from ksb.runtime.ticker import Ticker, TickSchedule
+from ksb.settings import Settings
 from services.activation import ActivationService
 
 
@@ -102,7 +102,7 @@ def test_a_failing_task_is_logged_and_its_handler_goes_on(
         raise RuntimeError("boom")
 
     done = threading.Event()
-    with caplog.at_level(logging.ERROR, logger="ksb.task_handlers"):
+    with caplog.at_level(logging.ERROR, logger="ksb.runtime.task_handlers"):
         for _ in range(5):
             pool.submit("fail", fail)
         pool.submit("after", done.set)
@@ -123,7 +123,7 @@ def test_a_dead_handler_is_restarted_on_the_next_tick(
     def die() -> None:
         raise HandlerKilled("escapes the task's except Exception")
 
-    with caplog.at_level(logging.WARNING, logger="ksb.task_handlers"):
+    with caplog.at_level(logging.WARNING, logger="ksb.runtime.task_handlers"):
         pool.submit("die", die)
         wait_until(lambda: pool.alive == 2)
         clock.advance(4.999)

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from ksb.clock import ManualClock
-from ksb.ticker import (
+from ksb.runtime.ticker import (
     Intervals,
     IntervalsError,
     Suppression,
@@ -62,7 +62,7 @@ def test_a_long_stall_runs_at_most_one_extra_tick_and_realigns(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     ticker, seen = make_ticker(max_catch_up=1)
-    with caplog.at_level(logging.WARNING, logger="ksb.ticker"):
+    with caplog.at_level(logging.WARNING, logger="ksb.runtime.ticker"):
         ticker.poll(START + 60_000)
     assert seen["every"] == [1, 2]
     assert ticker.tick == 2
@@ -89,7 +89,7 @@ def test_a_failing_task_is_logged_and_does_not_stop_the_others(
     ticker = Ticker(START)
     ticker.every(1, "broken", broken)
     ticker.every(1, "after", ran.append)
-    with caplog.at_level(logging.ERROR, logger="ksb.ticker"):
+    with caplog.at_level(logging.ERROR, logger="ksb.runtime.ticker"):
         assert ticker.poll(START + 5000) == ["after"]
         assert ticker.poll(START + 10_000) == ["after"]
     assert ran == [1, 2]

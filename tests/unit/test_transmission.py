@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ksb.errors import ConversationError
-from ksb.transmission import (
+from ksb.transmission.scheduler import (
     DEFAULT_WEIGHTS,
     Pending,
     Scheduled,

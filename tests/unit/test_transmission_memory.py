@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ksb.protocol import InboundMessage
-from ksb.transmission_queue import WAITING_FOR_MEMORY, TransmissionQueue, held_size
+from ksb.transmission.queue import WAITING_FOR_MEMORY, TransmissionQueue, held_size
+from ksb.wire.protocol import InboundMessage
 from tests.unit.test_transport import T0, _ack, _msg
 
 ONE = held_size(_msg(0))

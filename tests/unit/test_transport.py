@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ksb.catalog import CatalogView, parse_catalog
-from ksb.protocol import AckRecord, InboundMessage
-from ksb.sequencing import Backoff
-from ksb.ticker import Intervals
-from ksb.transmission_queue import TransmissionQueue
-from ksb.transport import (
+from ksb.catalog.model import CatalogView, parse_catalog
+from ksb.dialog.sequencing import Backoff
+from ksb.runtime.ticker import Intervals
+from ksb.transmission.links import (
     ROUTE_EXPIRED,
     Headers,
     LinkEvent,
@@ -19,6 +17,8 @@ from ksb.transport import (
     route_for,
     route_problem,
 )
+from ksb.transmission.queue import TransmissionQueue
+from ksb.wire.protocol import AckRecord, InboundMessage
 
 T0 = 1_700_000_000_000
 

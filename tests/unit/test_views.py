@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ksb.endpoint import Endpoint, State
-from ksb.views import ONE_SIDED_GRACE_MS, endpoint_row, leaked
+from ksb.dialog.endpoint import Endpoint, State
+from ksb.dialog.views import ONE_SIDED_GRACE_MS, endpoint_row, leaked
 
 NOW = 1_700_000_000_000
 IDLE_MS = 3_600_000

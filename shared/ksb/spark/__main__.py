@@ -13,12 +13,11 @@ import sys
 import threading
 from pathlib import Path
 
-from ksb import kafka
-from ksb.catalog_store import load_catalog
 from ksb.errors import KsbError
-from ksb.metrics import serve_metrics
 from ksb.names import Names
-from ksb.runner import REPO_ROOT
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import load_catalog
+from ksb.runtime.metrics import serve_metrics
 from ksb.settings import Settings, load_settings
 
 log = logging.getLogger("ksb.spark")
@@ -33,8 +32,8 @@ def _targets(settings: Settings) -> dict[int, int]:
 
 
 def _path(value: str) -> Path:
-    p = Path(value)
-    return p if p.is_absolute() else REPO_ROOT / p
+    """Relative paths are taken from the working directory, as a deployment would give them."""
+    return Path(value).resolve()
 
 
 def main() -> int:

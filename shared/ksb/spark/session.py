@@ -16,15 +16,15 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from ksb.errors import KsbError
-from ksb.runner import REPO_ROOT
 
 __all__ = ["build_session", "spark_jars"]
 
 
 def spark_jars(jars_dir: Path | None = None) -> list[Path]:
-    """The connector jars: ``KSB_SPARK_JARS`` or .cache/spark/jars; fail fast with the fix."""
+    """The connector jars: ``KSB_SPARK_JARS`` or .cache/spark/jars under the working directory (where
+    `make` fetches them); fail fast with the fix."""
     env = os.environ.get("KSB_SPARK_JARS")
-    folder = jars_dir or (Path(env) if env else REPO_ROOT / ".cache" / "spark" / "jars")
+    folder = jars_dir or (Path(env) if env else Path(".cache") / "spark" / "jars")
     jars = sorted(folder.glob("*.jar"))
     if not any(j.name.startswith("spark-sql-kafka-0-10_") for j in jars):
         raise KsbError(

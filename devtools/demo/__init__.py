@@ -1,0 +1,1 @@
+"""`python -m devtools.demo` (`make run`): the whole system on this machine, end to end."""

@@ -1,0 +1,92 @@
+"""Run KSB services as child processes: used by `make run`, the tests and the benchmarks.
+
+Each service gets its settings through ``KSB_*`` variables, exactly as in docker-compose, so what the
+tests start is what a deployment runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ksb.settings import Settings, settings_env
+
+__all__ = ["REPO_ROOT", "ServiceProcess"]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class ServiceProcess:
+    """One service (``python -m services.<name>``) as a supervised child process."""
+
+    name: str
+    settings: Settings
+    log_path: Path
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    _log_start: int = 0
+    module: str | None = None
+    """Run this module instead of ``services.<name>`` (the Spark job is ``ksb.spark``)."""
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # Readiness is looked for only in what this run writes, so a reused log cannot fool it.
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", self.module or f"services.{self.name}"],
+            cwd=REPO_ROOT,
+            env=settings_env(self.settings, **self.extra_env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        return self
+
+    def wait_ready(self, marker: str = "ready", timeout_s: float = 60) -> None:
+        """Wait for the service to log ``marker`` (each service logs it when it takes work)."""
+        deadline = time.monotonic() + timeout_s
+        start = self._log_start
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}"
+                )
+            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+            if marker in text[start:]:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name} not ready in {timeout_s}s:\n{self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash the fault tests inject."""
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, grace_s: float = 10) -> None:
+        """SIGTERM, then SIGKILL if it does not drain in time."""
+        if not self.alive():
+            return
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def tail(self, lines: int = 30) -> str:
+        if not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

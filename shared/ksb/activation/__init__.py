@@ -1,0 +1,1 @@
+"""Activation: queue monitors, poison-message handling, external activation and activated tasks."""

@@ -1,0 +1,117 @@
+"""An activated task: `python -m ksb.activation.activated QUEUE module:function TASK_ID`.
+
+The queue monitor starts one per activation. It RECEIVEs in a loop, hands each batch to the
+procedure inside the transaction, commits, and returns when a RECEIVE finds the queue empty for
+``KSB_ACTIVATED_IDLE_MS`` (settings). It heartbeats into the queue's task set in Redis, so the count of running
+tasks survives a restart of the activation service and a crashed task drops out when its heartbeat
+expires.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from ksb.errors import CommitRefused, KsbError, LockLost, QueueDisabled
+from ksb.names import Names
+from ksb.sdk.client import KsbClient, Transaction
+from ksb.settings import load_settings
+from ksb.wire.protocol import QueueMessage
+
+__all__ = ["Procedure", "resolve", "run_task"]
+
+log = logging.getLogger("ksb.activation.activated")
+Procedure = Callable[[Transaction, list[QueueMessage]], None]
+HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_MS = 5_000
+
+
+def resolve(path: str) -> Procedure:
+    """``package.module:function`` (or the last dot) to the callable it names."""
+    module, sep, attr = path.partition(":")
+    if not sep:
+        module, _, attr = path.rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise KsbError(f"activation procedure {path!r} cannot be loaded: {exc}") from exc
+    if not callable(fn):
+        raise KsbError(f"activation procedure {path!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def run_task(
+    client: KsbClient, queue: str, procedure: Procedure, task_id: str, idle_ms: int
+) -> int:
+    """RECEIVE and process until the queue stays empty; returns the messages processed."""
+    names = Names(client.settings.instance)
+    tasks_key = names.tasks_key(queue)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.is_set():
+            client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
+            stop.wait(HEARTBEAT_S)
+
+    client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    processed = 0
+    try:
+        while True:
+            tx = client.transaction()
+            try:
+                msgs = tx.receive(queue, waitfor_ms=idle_ms)
+            except QueueDisabled:
+                tx.rollback()
+                break
+            if not msgs:
+                tx.rollback()
+                break
+            try:
+                procedure(tx, msgs)
+            except Exception:
+                log.exception("procedure failed; rolling back %d message(s)", len(msgs))
+                if not tx.done:
+                    tx.rollback()
+                continue
+            try:
+                if not tx.done:
+                    tx.commit()
+            except (CommitRefused, LockLost) as exc:  # nothing applied: as after a rollback
+                log.warning("commit of %d message(s) not applied: %s", len(msgs), exc)
+                continue
+            processed += len(msgs)
+    finally:
+        stop.set()
+        beat.join(2)
+        client.redis.zrem(tasks_key, task_id)
+    return processed
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s activated %(levelname)s %(message)s"
+    )
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3:
+        print(
+            "usage: python -m ksb.activation.activated QUEUE module:function TASK_ID",
+            file=sys.stderr,
+        )
+        return 2
+    queue, path, task_id = args
+    procedure = resolve(path)
+    settings = load_settings()
+    with KsbClient(settings) as client:
+        n = run_task(client, queue, procedure, task_id, settings.activated_idle_ms)
+    log.info("task %s done: %d message(s)", task_id, n)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

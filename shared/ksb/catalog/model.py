@@ -1,0 +1,346 @@
+"""The catalog: message types, contracts, queues, services, routes and broker priorities.
+
+Definitions are pydantic models with unknown fields refused, and cross-references are checked after
+parsing, so a typo in a YAML file is refused with the field's path named instead of being dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+import jsonschema
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ksb.catalog.priorities import BrokerPriority, PriorityTable
+from ksb.errors import CatalogError, ValidationFailed
+
+__all__ = [
+    "DEFAULT_CONTRACT",
+    "DEFAULT_MESSAGE_TYPE",
+    "DIALOG_TIMER",
+    "END_DIALOG",
+    "ERROR",
+    "SYSTEM_MESSAGE_TYPES",
+    "Activation",
+    "Catalog",
+    "CatalogView",
+    "Contract",
+    "ContractMessage",
+    "DeadLetter",
+    "EventNotification",
+    "MessageType",
+    "Queue",
+    "Route",
+    "SentBy",
+    "Service",
+    "Validation",
+    "load_catalog_file",
+    "parse_catalog",
+]
+
+_SYS = "http://schemas.microsoft.com/SQL/ServiceBroker"
+END_DIALOG = f"{_SYS}/EndDialog"
+ERROR = f"{_SYS}/Error"
+DIALOG_TIMER = f"{_SYS}/DialogTimer"
+SYSTEM_MESSAGE_TYPES = frozenset({END_DIALOG, ERROR, DIALOG_TIMER})
+DEFAULT_MESSAGE_TYPE = "DEFAULT"
+DEFAULT_CONTRACT = "DEFAULT"
+
+
+class Validation(str, Enum):
+    NONE = "NONE"
+    EMPTY = "EMPTY"
+    WELL_FORMED_JSON = "WELL_FORMED_JSON"
+    SCHEMA = "SCHEMA"
+
+
+class SentBy(str, Enum):
+    INITIATOR = "INITIATOR"
+    TARGET = "TARGET"
+    ANY = "ANY"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MessageType(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    validation: Validation = Validation.NONE
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    @model_validator(mode="after")
+    def _schema_matches_validation(self) -> MessageType:
+        if self.validation is Validation.SCHEMA:
+            if self.json_schema is None:
+                raise ValueError("validation SCHEMA needs a 'schema'")
+            jsonschema.Draft202012Validator.check_schema(self.json_schema)
+        elif self.json_schema is not None:
+            raise ValueError("'schema' is only allowed with validation SCHEMA")
+        return self
+
+    def validate_body(self, body: bytes) -> None:
+        """Raise ValidationFailed with the reason when ``body`` breaks this type's rule."""
+        if self.validation is Validation.NONE:
+            return
+        if self.validation is Validation.EMPTY:
+            if body:
+                raise ValidationFailed(f"message type {self.name!r} requires an empty body")
+            return
+        try:
+            doc = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValidationFailed(f"body of {self.name!r} is not well-formed JSON: {exc}") from exc
+        if self.json_schema is not None:
+            try:
+                jsonschema.validate(doc, self.json_schema)
+            except jsonschema.ValidationError as exc:
+                where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+                raise ValidationFailed(
+                    f"body of {self.name!r} fails its schema at {where}: {exc.message}"
+                ) from exc
+
+
+class ContractMessage(_Model):
+    type: str
+    sent_by: SentBy
+
+
+class Contract(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    messages: tuple[ContractMessage, ...] = Field(min_length=1)
+
+    def allows(self, message_type: str, *, from_initiator: bool) -> bool:
+        for m in self.messages:
+            if m.type != message_type:
+                continue
+            if m.sent_by is SentBy.ANY:
+                return True
+            if (m.sent_by is SentBy.INITIATOR) == from_initiator:
+                return True
+        return False
+
+    def knows(self, message_type: str) -> bool:
+        return any(m.type == message_type for m in self.messages)
+
+
+class Activation(_Model):
+    """Internal activation: a Python callable (``module:function``) or a shell command."""
+
+    status: Literal["ON", "OFF"] = "OFF"
+    procedure: str | None = None
+    command: str | None = None
+    max_queue_readers: int = Field(1, ge=0, le=32767)
+    execute_as: str = "SELF"
+
+    @model_validator(mode="after")
+    def _one_program(self) -> Activation:
+        if self.procedure is not None and self.command is not None:
+            raise ValueError("give either procedure or command, not both")
+        if self.status == "ON" and self.procedure is None and self.command is None:
+            raise ValueError("activation STATUS ON needs a procedure or a command")
+        return self
+
+
+class EventNotification(_Model):
+    """A QUEUE_ACTIVATION event notification: the monitor publishes events instead of starting readers."""
+
+    name: str = Field(min_length=1)
+    queue: str
+    event: Literal["QUEUE_ACTIVATION"] = "QUEUE_ACTIVATION"
+    timeout_s: int = Field(60, ge=1)
+
+
+class DeadLetter(_Model):
+    """Beyond Service Broker: after ``max_rollbacks`` rollbacks of one message, move it aside.
+
+    The message goes to the queue's dead-letter topic with the reason and its conversation is ended
+    WITH ERROR, so one bad message does not disable the whole queue.
+    """
+
+    max_rollbacks: int = Field(3, ge=1)
+    error_code: int = -1
+
+
+class Queue(_Model):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")
+    status: Literal["ON", "OFF"] = "ON"
+    retention: Literal["ON", "OFF"] = "OFF"
+    partitions: int = Field(1, ge=1, le=64)
+    poison_message_handling: Literal["ON", "OFF"] = "ON"
+    activation: Activation = Activation()
+    dead_letter: DeadLetter | None = None
+
+    @property
+    def disabled(self) -> bool:
+        """STATUS = OFF: nothing is received from it, and nothing local is delivered into it."""
+        return self.status == "OFF"
+
+
+class Service(_Model):
+    name: str = Field(min_length=1, max_length=256)
+    queue: str
+    contracts: tuple[str, ...] = ()
+
+
+class Route(_Model):
+    name: str = Field(min_length=1)
+    service_name: str
+    broker_instance: str
+    address: str = "LOCAL"
+    lifetime_s: int | None = Field(default=None, ge=1)
+    """LIFETIME: the route expires this long after the catalog version declaring it was applied."""
+    via: str | None = Field(default=None, min_length=1)
+    """The next hop's broker instance when it is not `broker_instance` (a forwarder); `address`
+    is then that hop's cluster."""
+
+    def expires_ms(self, applied_ms: int | None) -> int | None:
+        """When this route stops being usable (Unix ms), or None if it never does."""
+        if self.lifetime_s is None or applied_ms is None:
+            return None
+        return applied_ms + self.lifetime_s * 1000
+
+    @property
+    def next_hop(self) -> str:
+        """The instance whose ``inbound`` topic takes the messages sent on this route."""
+        return self.via or self.broker_instance
+
+
+class Catalog(_Model):
+    """A whole catalog as declared; ``version`` is assigned when it is applied."""
+
+    version: int = 0
+    applied_ms: int | None = None
+    """When this version was applied (Unix ms; set by `apply_catalog`): route lifetimes count from it."""
+    message_types: tuple[MessageType, ...] = ()
+    contracts: tuple[Contract, ...] = ()
+    queues: tuple[Queue, ...] = ()
+    services: tuple[Service, ...] = ()
+    routes: tuple[Route, ...] = ()
+    priorities: tuple[BrokerPriority, ...] = ()
+    event_notifications: tuple[EventNotification, ...] = ()
+    honor_broker_priority: bool = True
+    sla_targets_ms: dict[int, int] = Field(default_factory=dict)
+    """Time-in-queue target per priority level (1-10), in ms: the Spark SLA job counts breaches."""
+
+    @model_validator(mode="after")
+    def _references_resolve(self) -> Catalog:
+        for level, target in self.sla_targets_ms.items():
+            if not 1 <= level <= 10 or target < 0:
+                raise ValueError(
+                    f"sla_targets_ms.{level}: a level 1-10 with a target >= 0 ms, got {target}"
+                )
+        _unique("message_types", [m.name for m in self.message_types])
+        _unique("contracts", [c.name for c in self.contracts])
+        _unique("queues", [q.name for q in self.queues])
+        _unique("services", [s.name for s in self.services])
+        _unique("routes", [r.name for r in self.routes])
+        _unique("priorities", [p.name for p in self.priorities])
+        _unique("event_notifications", [n.name for n in self.event_notifications])
+        types = {m.name for m in self.message_types} | {DEFAULT_MESSAGE_TYPE}
+        for i, c in enumerate(self.contracts):
+            for j, m in enumerate(c.messages):
+                if m.type not in types:
+                    raise ValueError(
+                        f"contracts[{i}].messages[{j}].type: unknown message type {m.type!r}"
+                    )
+        contracts = {c.name for c in self.contracts} | {DEFAULT_CONTRACT}
+        queues = {q.name for q in self.queues}
+        for i, n in enumerate(self.event_notifications):
+            if n.queue not in queues:
+                raise ValueError(f"event_notifications[{i}].queue: unknown queue {n.queue!r}")
+        for i, s in enumerate(self.services):
+            if s.queue not in queues:
+                raise ValueError(f"services[{i}].queue: unknown queue {s.queue!r}")
+            for j, cname in enumerate(s.contracts):
+                if cname not in contracts:
+                    raise ValueError(f"services[{i}].contracts[{j}]: unknown contract {cname!r}")
+        return self
+
+
+def _unique(field: str, names: list[str]) -> None:
+    seen: set[str] = set()
+    for i, n in enumerate(names):
+        if n in seen:
+            raise ValueError(f"{field}[{i}].name: duplicate name {n!r}")
+        seen.add(n)
+
+
+def parse_catalog(data: Mapping[str, Any]) -> Catalog:
+    """Build a Catalog, turning pydantic's errors into one CatalogError that names each field."""
+    try:
+        return Catalog.model_validate(data)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"]) or "(catalog)"
+            parts.append(f"{loc}: {err['msg']}")
+        raise CatalogError("invalid catalog: " + "; ".join(parts)) from exc
+
+
+def load_catalog_file(path: Path) -> Catalog:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"{path}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise CatalogError(f"{path}: the catalog must be a mapping at the top level")
+    return parse_catalog(data)
+
+
+_BUILTIN_TYPE = MessageType(name=DEFAULT_MESSAGE_TYPE)
+_BUILTIN_CONTRACT = Contract(
+    name=DEFAULT_CONTRACT,
+    messages=(ContractMessage(type=DEFAULT_MESSAGE_TYPE, sent_by=SentBy.ANY),),
+)
+
+
+class CatalogView:
+    """Fast look-ups over one catalog version, with Service Broker's built-ins added."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.version = catalog.version
+        self.message_types = {m.name: m for m in catalog.message_types}
+        self.message_types.setdefault(DEFAULT_MESSAGE_TYPE, _BUILTIN_TYPE)
+        self.contracts = {c.name: c for c in catalog.contracts}
+        self.contracts.setdefault(DEFAULT_CONTRACT, _BUILTIN_CONTRACT)
+        self.queues = {q.name: q for q in catalog.queues}
+        self.services = {s.name: s for s in catalog.services}
+        self.routes = {r.service_name: r for r in catalog.routes}
+        self.notifications = {n.queue: n for n in catalog.event_notifications}
+        self.priorities = PriorityTable(catalog.priorities)
+
+    def service(self, name: str) -> Service:
+        try:
+            return self.services[name]
+        except KeyError:
+            raise CatalogError(f"unknown service {name!r}", code="unknown_service") from None
+
+    def contract(self, name: str) -> Contract:
+        try:
+            return self.contracts[name]
+        except KeyError:
+            raise CatalogError(f"unknown contract {name!r}", code="unknown_contract") from None
+
+    def message_type(self, name: str) -> MessageType:
+        try:
+            return self.message_types[name]
+        except KeyError:
+            raise CatalogError(
+                f"unknown message type {name!r}", code="unknown_message_type"
+            ) from None
+
+    def queue(self, name: str) -> Queue:
+        try:
+            return self.queues[name]
+        except KeyError:
+            raise CatalogError(f"unknown queue {name!r}", code="unknown_queue") from None
+
+    def queue_of(self, service_name: str) -> Queue:
+        return self.queue(self.service(service_name).queue)

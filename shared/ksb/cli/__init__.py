@@ -1,0 +1,1 @@
+"""The `ksb` command line."""

@@ -1,0 +1,447 @@
+"""The Python SDK: BEGIN DIALOG, SEND, END CONVERSATION, timers, RECEIVE and transactions.
+
+Every call is a request record on the instance's requests topic (docs/protocol.md), so a program in any
+language can do the same with a plain Kafka producer. A `Transaction` buffers its actions and sends them,
+with what it received, as ONE commit record: the dispatcher applies it all or not at all.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import redis
+from confluent_kafka import KafkaError, Message
+
+from ksb.audit import Audit, AuditEvent, KafkaAudit
+from ksb.errors import KsbError, LockLost
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.sdk.locks import Lease
+from ksb.sdk.reader import QueueReader
+from ksb.settings import Settings, load_settings
+from ksb.wire.protocol import (
+    Action,
+    BeginRequest,
+    CommitOutcome,
+    CommitRequest,
+    DeadLetterRequest,
+    EndRequest,
+    QueueMessage,
+    Receipt,
+    SendRequest,
+    TimerRequest,
+    dumps,
+    encode_body,
+)
+
+__all__ = ["KsbClient", "Transaction"]
+
+
+def _as_bytes(body: bytes | str) -> bytes:
+    return body.encode() if isinstance(body, str) else body
+
+
+class KsbClient:
+    """A connection to one broker instance: a request producer, Redis, and per-queue readers."""
+
+    def __init__(self, settings: Settings | None = None) -> None:
+        self.settings = settings or load_settings()
+        self.names = Names(self.settings.instance)
+        self._producer = kafka.producer(self.settings, extra={"linger.ms": 2})
+        self.audit = Audit(KafkaAudit(self._producer, self.names))
+        self._redis: redis.Redis | None = None
+        self._readers: dict[str, QueueReader] = {}
+        self._lock = threading.Lock()
+        # Delivery reports resolve request futures; one thread serves them so waiters just block.
+        self._closing = threading.Event()
+        self._poller = threading.Thread(target=self._serve_reports, name="ksb-client", daemon=True)
+        self._poller.start()
+
+    def _serve_reports(self) -> None:
+        while not self._closing.is_set():
+            self._producer.poll(0.05)
+
+    # ----------------------------------------------------------------- plumbing
+    @property
+    def redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.settings.redis_url)
+        return self._redis
+
+    def reader(self, queue: str) -> QueueReader:
+        with self._lock:
+            r = self._readers.get(queue)
+            if r is None:
+                r = self._readers[queue] = QueueReader(self.settings, queue, self.redis)
+            return r
+
+    def _produce(self, request: Any, key: str) -> Future[None]:
+        done: Future[None] = Future()
+
+        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                done.set_exception(KsbError(f"request not stored in Kafka: {err}"))
+            else:
+                done.set_result(None)
+
+        self._producer.produce(
+            self.names.requests, key=key.encode(), value=dumps(request), on_delivery=on_delivery
+        )
+        return done
+
+    def wait(self, fut: Future[Any], timeout_s: float = 30) -> Any:
+        return fut.result(timeout_s)
+
+    def flush(self, timeout_s: float = 30) -> None:
+        if self._producer.flush(timeout_s) != 0:
+            raise KsbError("requests not acknowledged by Kafka in time")
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+        self._readers.clear()
+        self._producer.flush(10)
+        self._closing.set()
+        self._poller.join(2)
+        if self._redis is not None:
+            self._redis.close()
+
+    def __enter__(self) -> KsbClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- outside a transaction
+    def begin_dialog(
+        self,
+        from_service: str,
+        to_service: str,
+        contract: str = "DEFAULT",
+        *,
+        lifetime_s: int | None = None,
+        related_conversation: str | None = None,
+        conversation_group_id: str | None = None,
+    ) -> str:
+        """Returns the new conversation handle; errors arrive on the error topic."""
+        req = begin_request(
+            from_service,
+            to_service,
+            contract,
+            lifetime_s,
+            related_conversation,
+            conversation_group_id,
+        )
+        self._produce(req, req.handle)
+        return req.handle
+
+    def send(
+        self, handles: str | Sequence[str], message_type: str = "DEFAULT", body: bytes | str = b""
+    ) -> str:
+        req = send_request(handles, message_type, body)
+        self._produce(req, req.handles[0])
+        return req.request_id
+
+    def end_conversation(
+        self,
+        handle: str,
+        *,
+        error_code: int | None = None,
+        error_description: str | None = None,
+        cleanup: bool = False,
+    ) -> str:
+        req = EndRequest(
+            kind="end",
+            handle=handle,
+            error_code=error_code,
+            error_description=error_description,
+            cleanup=cleanup,
+        )
+        self._produce(req, handle)
+        return req.request_id
+
+    def begin_conversation_timer(self, handle: str, timeout_s: float) -> str:
+        req = TimerRequest(kind="timer", handle=handle, timeout_s=timeout_s)
+        self._produce(req, handle)
+        return req.request_id
+
+    def transaction(self) -> Transaction:
+        return Transaction(self)
+
+
+def begin_request(
+    from_service: str,
+    to_service: str,
+    contract: str,
+    lifetime_s: int | None,
+    related_conversation: str | None,
+    conversation_group_id: str | None,
+) -> BeginRequest:
+    return BeginRequest(
+        kind="begin",
+        handle=str(uuid.uuid4()),
+        from_service=from_service,
+        to_service=to_service,
+        contract=contract,
+        lifetime_s=lifetime_s,
+        related_conversation=related_conversation,
+        conversation_group_id=conversation_group_id,
+    )
+
+
+def send_request(handles: str | Sequence[str], message_type: str, body: bytes | str) -> SendRequest:
+    hs = (handles,) if isinstance(handles, str) else tuple(handles)
+    return SendRequest(
+        kind="send", handles=hs, message_type=message_type, **encode_body(_as_bytes(body))
+    )
+
+
+class Transaction:
+    """RECEIVE under a group lock, act, then commit (one record) or roll back (release the lock).
+
+    A transaction holds at most one conversation-group lock; a second RECEIVE in it continues with
+    the group it already holds.
+    """
+
+    def __init__(self, client: KsbClient) -> None:
+        self._client = client
+        self._actions: list[Action] = []
+        self._reader: QueueReader | None = None
+        self._lease: Lease | None = None
+        self._received: dict[str, QueueMessage] = {}
+        self.done = False
+
+    @property
+    def group(self) -> str | None:
+        return self._lease.group if self._lease else None
+
+    def _lock(
+        self, queue: str, waitfor_ms: int, group: str | None, handle: str | None
+    ) -> QueueReader | None:
+        if self._lease is not None:
+            assert self._reader is not None
+            if self._reader.queue != queue:
+                raise KsbError("a transaction receives from one queue")
+            return self._reader
+        reader = self._client.reader(queue)
+        lease = reader.lock_group(waitfor_ms=waitfor_ms, group=group, handle=handle)
+        if lease is None:
+            return None
+        self._reader, self._lease = reader, lease
+        return reader
+
+    def receive(
+        self,
+        queue: str,
+        *,
+        top: int | None = None,
+        waitfor_ms: int = 0,
+        conversation_group_id: str | None = None,
+        conversation_handle: str | None = None,
+    ) -> list[QueueMessage]:
+        """Messages of exactly one conversation group, locked to this transaction until it ends."""
+        reader = self._lock(queue, waitfor_ms, conversation_group_id, conversation_handle)
+        if reader is None or self._lease is None:
+            return []
+        fresh = [
+            m
+            for m in reader.messages(self._lease, None, conversation_handle)
+            if m.message_id not in self._received
+        ]
+        if top is not None:
+            fresh = fresh[:top]
+        for m in fresh:
+            self._received[m.message_id] = m
+        if fresh and self._client.audit.enabled:
+            targeted = conversation_group_id is not None or conversation_handle is not None
+            self._audit_receive(reader, self._lease.group, fresh, targeted)
+        return fresh
+
+    def _audit_receive(
+        self, reader: QueueReader, group: str, got: list[QueueMessage], targeted: bool
+    ) -> None:
+        level, ready = reader.levels(group)
+        first = got[0]
+        event = AuditEvent(
+            kind="receive",
+            event_ms=int(time.time() * 1000),
+            instance=self._client.settings.instance,
+            queue=reader.queue,
+            service=first.service_name,
+            conversation_id=first.conversation_id,
+            conversation_handle=first.conversation_handle,
+            group=group,
+            priority=level,
+            ready_priority=ready,
+            targeted=targeted,
+            message_ids=tuple(m.message_id for m in got),
+            count=len(got),
+            reader=reader.holder,
+        )
+        self._client.audit.emit([event])
+
+    def get_conversation_group(self, queue: str, *, waitfor_ms: int = 0) -> str | None:
+        """Lock the highest-priority unlocked group with messages and return its id."""
+        self._lock(queue, waitfor_ms, None, None)
+        return self.group
+
+    def begin_dialog(
+        self,
+        from_service: str,
+        to_service: str,
+        contract: str = "DEFAULT",
+        *,
+        lifetime_s: int | None = None,
+        related_conversation: str | None = None,
+        conversation_group_id: str | None = None,
+    ) -> str:
+        req = begin_request(
+            from_service,
+            to_service,
+            contract,
+            lifetime_s,
+            related_conversation,
+            conversation_group_id,
+        )
+        self._actions.append(req)
+        return req.handle
+
+    def send(
+        self, handles: str | Sequence[str], message_type: str = "DEFAULT", body: bytes | str = b""
+    ) -> None:
+        self._actions.append(send_request(handles, message_type, body))
+
+    def end_conversation(
+        self,
+        handle: str,
+        *,
+        error_code: int | None = None,
+        error_description: str | None = None,
+        cleanup: bool = False,
+    ) -> None:
+        self._actions.append(
+            EndRequest(
+                kind="end",
+                handle=handle,
+                error_code=error_code,
+                error_description=error_description,
+                cleanup=cleanup,
+            )
+        )
+
+    def begin_conversation_timer(self, handle: str, timeout_s: float) -> None:
+        self._actions.append(TimerRequest(kind="timer", handle=handle, timeout_s=timeout_s))
+
+    def commit_async(self) -> Future[Any]:
+        """Send the commit record; the future resolves with the dispatcher's outcome."""
+        self._finish()
+        receipt = None
+        if self._lease is not None and self._reader is not None:
+            if not self._reader.locks.extend(self._lease):
+                self._reader.release(self._lease, None)
+                raise LockLost(f"lost the lock on group {self._lease.group} before commit")
+            receipt = Receipt(
+                queue=self._reader.queue,
+                group=self._lease.group,
+                token=self._lease.token,
+                message_ids=tuple(self._received),
+            )
+        if receipt is None and not self._actions:
+            done: Future[Any] = Future()
+            done.set_result(None)
+            return done
+        req = CommitRequest(
+            kind="commit",
+            reader=self._reader.holder if self._reader else "",
+            receipt=receipt,
+            actions=tuple(self._actions),
+        )
+        key = receipt.group if receipt else _action_key(self._actions[0])
+        if receipt is None or self._reader is None or self._lease is None:
+            return self._client._produce(req, key)
+        outcome: Future[CommitOutcome] = self._reader.expect_outcome(req.request_id, self._lease)
+        delivered = self._client._produce(req, key)
+        reader, lease, rid = self._reader, self._lease, req.request_id
+
+        def on_delivery(f: Future[None]) -> None:
+            if f.exception() is not None:
+                reader.forget(rid)
+                reader.release(lease, None)
+                outcome.set_exception(f.exception() or KsbError("commit not stored"))
+
+        delivered.add_done_callback(on_delivery)
+        return outcome
+
+    def commit(self, timeout_s: float = 30) -> None:
+        """Commit and wait for the outcome; raises CommitRefused or LockLost when it did not apply."""
+        self._client.wait(self.commit_async(), timeout_s)
+
+    def rollback(self) -> None:
+        """Nothing was written: release the lock and the messages are there again, untouched."""
+        self._finish()
+        if self._lease is None or self._reader is None:
+            return
+        if self._received:
+            if self._client.audit.enabled:
+                self._audit_rollback(self._reader, self._lease.group)
+            limit_reached = self._reader.note_rollback(list(self._received))
+            if limit_reached:
+                self._dead_letter(limit_reached)
+        self._reader.release(self._lease, None)
+
+    def _audit_rollback(self, reader: QueueReader, group: str) -> None:
+        got = list(self._received.values())
+        event = AuditEvent(
+            kind="rollback",
+            event_ms=int(time.time() * 1000),
+            instance=self._client.settings.instance,
+            queue=reader.queue,
+            service=got[0].service_name,
+            group=group,
+            priority=max(m.priority for m in got),
+            message_ids=tuple(self._received),
+            count=len(got),
+            reader=reader.holder,
+        )
+        self._client.audit.emit([event])
+
+    def _dead_letter(self, message_ids: list[str]) -> None:
+        """Still holding the lock: move messages past their rollback limit aside before anyone
+        can receive them again."""
+        assert self._reader is not None
+        for mid in message_ids:
+            req = DeadLetterRequest(
+                kind="dead_letter",
+                message=self._received[mid],
+                reason=f"rolled back {self._reader.queue} message the maximum number of times",
+            )
+            self._client._produce(req, self._received[mid].conversation_group_id)
+        self._client.flush()
+        self._reader.wait_gone(message_ids)
+
+    def _finish(self) -> None:
+        if self.done:
+            raise KsbError("this transaction has already ended")
+        self.done = True
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if self.done:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.rollback()
+
+
+def _action_key(action: Action) -> str:
+    if isinstance(action, SendRequest):
+        return action.handles[0]
+    return action.handle

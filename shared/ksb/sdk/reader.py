@@ -1,0 +1,330 @@
+"""The RECEIVE side of the SDK: one queue's index, group locks and commit outcomes.
+
+A background thread folds the queue topic into a `QueueIndex`; RECEIVE asks the index for candidate
+groups (best first) and locks the first free one with a single Lua call. A commit's outcome comes back
+through the same topic, and only then is the group lock released, with the outcome's position recorded
+so that the next holder waits until its own index has read that far.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+import redis
+from confluent_kafka import KafkaError, Message, TopicPartition
+
+from ksb.dialog.engine import partition_for
+from ksb.errors import CommitRefused, ProtocolError
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.sdk.locks import GroupLocks, Lease
+from ksb.sdk.queue_index import QueueIndex
+from ksb.settings import Settings
+from ksb.wire.protocol import CommitOutcome, QueueMessage, parse_queue_record
+
+__all__ = ["QueueReader"]
+
+log = logging.getLogger("ksb.sdk.reader")
+_CANDIDATES_PER_TRY = 32
+
+
+class QueueReader:
+    """Everything one process needs to RECEIVE from one queue."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        queue: str,
+        redis_client: redis.Redis,
+        *,
+        partitions: int | None = None,
+        holder: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.names = Names(settings.instance)
+        self.topic = self.names.queue(queue)
+        self.index = QueueIndex(queue)
+        self.holder = holder or f"reader-{uuid.uuid4().hex[:12]}"
+        self.locks = GroupLocks(
+            redis_client, self.names, queue, holder=self.holder, ttl_ms=settings.lock_ttl_ms
+        )
+        self.held: set[str] = set()
+        self._leases: dict[str, Lease] = {}
+        self._renew_at = 0.0
+        self._redis = redis_client
+        self._cond = threading.Condition()
+        self._pending: dict[str, tuple[Lease, Future[CommitOutcome]]] = {}
+        self._eof: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._consumer = kafka.consumer(settings)
+        # Offsets are queried on a second handle: the follower thread is blocked in consume().
+        self._probe = kafka.consumer(settings)
+        md = self._consumer.list_topics(self.topic, timeout=30).topics[self.topic]
+        if md.error is not None:
+            raise ProtocolError(f"queue topic {self.topic} is not available: {md.error}")
+        self.partitions = partitions or len(md.partitions)
+        self._consumer.assign([TopicPartition(self.topic, p, -2) for p in sorted(md.partitions)])
+        self._thread = threading.Thread(
+            target=self._follow, name=f"ksb-reader-{queue}", daemon=True
+        )
+        self._thread.start()
+
+    # ----------------------------------------------------------------- following the topic
+    def _follow(self) -> None:
+        """The follower thread: a failure in one round is logged and retried, never fatal, since
+        every pending commit waits on this thread."""
+        while not self._stop.is_set():
+            try:
+                self._follow_once()
+            except Exception:
+                if self._stop.is_set():
+                    return  # the consumer was closed under us during shutdown
+                log.exception("reader of %s: follower round failed; retrying", self.queue)
+                time.sleep(0.1)
+
+    def _follow_once(self) -> None:
+        self._renew()
+        msgs = kafka.consume_batch(self._consumer, 1000, 0.05)
+        if not msgs:
+            return
+        outcomes: list[tuple[CommitOutcome, int, int]] = []
+        with self._cond:
+            for m in msgs:
+                self._apply(m, outcomes)
+            self._cond.notify_all()
+        for outcome, partition, offset in outcomes:
+            self._resolve(outcome, partition, offset)
+
+    def _apply(self, m: Message, outcomes: list[tuple[CommitOutcome, int, int]]) -> None:
+        err = m.error()
+        part = m.partition() or 0
+        if err is not None:
+            if err.code() == KafkaError._PARTITION_EOF:
+                self._eof[part] = max(self._eof.get(part, 0), m.offset() or 0)
+            return
+        key = (m.key() or b"").decode()
+        offset = m.offset() or 0
+        self._eof[part] = max(self._eof.get(part, 0), offset + 1)
+        try:
+            value = parse_queue_record(m.value())
+        except ProtocolError as exc:
+            log.warning("skipping bad queue record at %s/%d: %s", part, offset, exc)
+            return
+        if isinstance(value, CommitOutcome):
+            outcomes.append((value, part, offset))
+            return
+        if key.startswith("commit/"):
+            return
+        self.index.apply(key, value, part, offset)
+
+    def _renew(self) -> None:
+        """Keep held locks alive while their transactions run (a lock lasts until commit or
+        rollback); a crashed process stops renewing, so its locks expire after one TTL."""
+        now = time.monotonic()
+        if now < self._renew_at:
+            return
+        self._renew_at = now + self.settings.lock_ttl_ms / 3000
+        with self._cond:
+            leases = list(self._leases.values())
+        if leases:
+            self.locks.extend_all(leases)
+
+    def _resolve(self, outcome: CommitOutcome, partition: int, offset: int) -> None:
+        with self._cond:
+            pending = self._pending.pop(outcome.request_id, None)
+        if pending is None:
+            return
+        lease, fut = pending
+        self.locks.release(lease, (partition, offset), committed=outcome.applied)
+        with self._cond:
+            self.held.discard(lease.group)
+            self._leases.pop(lease.group, None)
+            self._cond.notify_all()
+        if outcome.applied:
+            fut.set_result(outcome)
+        else:
+            fut.set_exception(CommitRefused(outcome.reason))
+
+    # ----------------------------------------------------------------- RECEIVE
+    def lock_group(
+        self, *, waitfor_ms: int, group: str | None = None, handle: str | None = None
+    ) -> Lease | None:
+        """Lock the best free group with ready messages (or the named one), waiting up to waitfor_ms.
+
+        A RECEIVE without WHERE that has to wait registers itself as a waiting session, and one that
+        comes back empty stamps the time: both are what the queue monitor decides activation on.
+        """
+        unfiltered = group is None and handle is None
+        session: str | None = None
+        deadline = time.monotonic() + waitfor_ms / 1000
+        try:
+            while True:
+                lease = self._try_lock(group, handle)
+                if lease is not None:
+                    return lease
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    if unfiltered:
+                        self._note_empty()
+                    return None
+                if unfiltered and session is None:
+                    session = f"{self.holder}:{uuid.uuid4().hex[:8]}"
+                    until_ms = int((time.time() + remaining) * 1000)
+                    self._redis.zadd(self.names.waiting_key(self.queue), {session: until_ms})
+                with self._cond:
+                    # Locks held elsewhere are released without a topic event: re-try every 20 ms.
+                    self._cond.wait(min(remaining, 0.02))
+        finally:
+            if session is not None:
+                self._redis.zrem(self.names.waiting_key(self.queue), session)
+
+    def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
+        with self._cond:
+            target = group
+            if target is None and handle is not None:
+                target = self.index.group_of(handle)
+            if target is not None:
+                free = self.index.has_group(target) and target not in self.held
+                cands = [target] if free else []
+            else:
+                cands = []
+                for g in self.index.candidates(self.held):
+                    cands.append(g)
+                    if len(cands) >= _CANDIDATES_PER_TRY:
+                        break
+        if not cands:
+            return None
+        lease = self.locks.acquire_first(cands)
+        if lease is None:
+            return None
+        with self._cond:
+            self.held.add(lease.group)
+            self._leases[lease.group] = lease
+        self._catch_up(lease)
+        with self._cond:
+            if self.index.has_group(lease.group):
+                return lease
+        self.release(lease, None)
+        return None
+
+    def _note_empty(self) -> None:
+        now_ms = int(time.time() * 1000)
+        self._redis.hset(self.names.activity_key(self.queue), "last_empty_ms", now_ms)
+
+    def note_rollback(self, message_ids: list[str]) -> list[str]:
+        """Count a rollback per queue (poison detection) and per message, in one round trip.
+
+        Returns the messages that have now reached the queue's dead-letter limit, if it has one.
+        """
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.hget(self.names.dead_letter_policy_key, self.queue)
+        pipe.incr(self.names.rollbacks_key(self.queue))
+        for mid in message_ids:
+            pipe.hincrby(self.names.message_rollbacks_key(self.queue), mid, 1)
+        limit, _n, *counts = pipe.execute()
+        if not limit:
+            return []
+        return [mid for mid, c in zip(message_ids, counts, strict=True) if int(c) >= int(limit)]
+
+    def wait_gone(self, message_ids: list[str], timeout_s: float = 10.0) -> bool:
+        """Wait until the index no longer holds these messages (dead-lettered or received)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while any(mid in self.index.messages for mid in message_ids):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def _catch_up(self, lease: Lease, timeout_s: float = 10.0) -> None:
+        """Wait until the index has read what the previous holder committed.
+
+        A group with no earlier holder has nothing to wait for. After a Redis flush that is not
+        certain, but the dispatcher still refuses a second receipt of any message, so the cost of
+        skipping the wait is at worst a refused commit, never a duplicate.
+        """
+        if lease.first and lease.after is None:
+            return
+        part = partition_for(lease.group, self.partitions)
+        if lease.after is not None:
+            p, off = lease.after
+            target = off + 1
+            part = p
+        else:
+            _low, high = self._probe.get_watermark_offsets(
+                TopicPartition(self.topic, part), timeout=5, cached=False
+            )
+            target = high
+        if target <= 0:
+            return
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._eof.get(part, 0) < target:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    log.warning(
+                        "index did not reach %d on partition %d in time (at %s)",
+                        target,
+                        part,
+                        self._eof,
+                    )
+                    return
+                self._cond.wait(remaining)
+
+    def levels(self, group: str) -> tuple[int, int | None]:
+        """The group's level, and the highest level among the other ready groups this process does
+        not hold: what this reader saw when it RECEIVEd, for the audit's receive events."""
+        with self._cond:
+            top = next(iter(self.index.candidates(self.held)), None)
+            return self.index.level_of(group), None if top is None else self.index.level_of(top)
+
+    def messages(
+        self, lease: Lease, top: int | None, handle: str | None = None
+    ) -> list[QueueMessage]:
+        with self._cond:
+            return self.index.take(lease.group, top, handle)
+
+    def release(self, lease: Lease, after: tuple[int, int] | None) -> None:
+        """Give a group back without a commit (rollback).
+
+        Nothing new was committed, so the next holder must still read as far as the last commit
+        did: pass on the position this lease was given (unknown stays unknown, which makes the next
+        holder catch up with the partition's end).
+        """
+        self.locks.release(lease, after if after is not None else lease.after)
+        with self._cond:
+            self.held.discard(lease.group)
+            self._leases.pop(lease.group, None)
+            self._cond.notify_all()
+
+    def expect_outcome(self, request_id: str, lease: Lease) -> Future[CommitOutcome]:
+        fut: Future[CommitOutcome] = Future()
+        with self._cond:
+            self._pending[request_id] = (lease, fut)
+        return fut
+
+    def forget(self, request_id: str) -> None:
+        with self._cond:
+            self._pending.pop(request_id, None)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Block until every commit this reader sent has its outcome."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{len(self._pending)} commits without an outcome")
+                self._cond.wait(remaining)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._consumer.close()
+        self._probe.close()
