@@ -59,7 +59,8 @@ from ksb.dialog.broker_start import (
     start_problem,
 )
 from ksb.dialog.endpoint import decode_endpoint, encode_endpoint
-from ksb.dialog.engine import Engine, Outputs
+from ksb.dialog.engine import Engine
+from ksb.dialog.outputs import Outputs
 from ksb.errors import KsbError, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -104,6 +105,9 @@ __all__ = [
     "kafka_answers",
 ]
 
+INBOUND_STALE_MS = 10_000
+"""Early arrivals from another instance older than this are dropped on the next tick."""
+
 REASSEMBLY_STALE_MS = 60_000
 """A large inbound message still missing fragments this long after its first one is forgotten."""
 
@@ -144,6 +148,7 @@ class Dispatcher:
         self.ticker = Ticker(self.clock.now_ms(), TickSchedule(tick_ms=settings.tick_ms))
         self.ticker.every(1, "task_handlers", self.handlers.on_tick)
         self.ticker.every(1, "broker_start", self._broker_tick)
+        self.ticker.every(1, "purge_stale_inbound", self._purge_stale_inbound)
         self._bcn = _BcnPublisher(settings, self.names, self.handlers)
         self._kafka_probe = _KafkaProbe(
             self.handlers, kafka_probe or (lambda: kafka_answers(settings))
@@ -215,6 +220,12 @@ class Dispatcher:
         self.ready.set()
         log.info("dispatcher ready (instance %s)", self.settings.instance)
         return True
+
+    def _purge_stale_inbound(self, _tick: int) -> None:
+        """Every tick: early arrivals from other instances not picked up in time are dropped
+        (their senders retransmit them), as Service Broker's dispatcher does every notification."""
+        if self.engine is not None:
+            self.engine.purge_windows(self.clock.now_ms(), INBOUND_STALE_MS)
 
     def _broker_tick(self, tick: int) -> None:
         """The every-5th-tick retry (and the next tick after a new catalog record or Kafka's return)."""
@@ -658,8 +669,7 @@ def _load_queue(engine: Engine, m: Message) -> None:
     if isinstance(value, CommitOutcome):
         if value.applied and value.token:
             # Fences survive a restart for as long as the outcome is not compacted away.
-            fence = (value_queue(m), value.group)
-            engine.fences[fence] = max(engine.fences.get(fence, 0), value.token)
+            engine.fences.applied(value_queue(m), value.group, value.token)
         return
     msg: QueueMessage | None = value
     engine.load_queue_record(key, msg, m.partition() or 0)

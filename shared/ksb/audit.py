@@ -16,7 +16,7 @@ from typing import Any, Literal
 from confluent_kafka import KafkaError, Message, Producer
 from pydantic import BaseModel, ConfigDict
 
-from ksb.dialog.engine import Outputs
+from ksb.dialog.outputs import Outputs
 from ksb.names import Names
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from ksb.catalog.model import END_DIALOG, Catalog
-from ksb.dialog.engine import target_handle
 from ksb.sdk.client import KsbClient
 from ksb.settings import Settings
+from ksb.wire.partitioning import target_handle
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import receive_all, wait_endpoint
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ksb.audit import Audit, AuditEvent, AuditHook, dispatcher_events, parse_audit_event
-from ksb.dialog.engine import Inflight, Outputs, QueueWrite
+from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
 from ksb.spark.ordering import OrderingEvent, QueueOrdering
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 

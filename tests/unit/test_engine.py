@@ -10,7 +10,9 @@ import pytest
 from ksb.catalog.model import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, parse_catalog
 from ksb.clock import ManualClock
 from ksb.dialog.endpoint import State
-from ksb.dialog.engine import Engine, Outputs, target_handle
+from ksb.dialog.engine import Engine
+from ksb.dialog.outputs import Outputs
+from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import (
     BeginRequest,
     CommitOutcome,

@@ -12,9 +12,11 @@ from typing import Any
 
 from ksb.catalog.model import END_DIALOG, CatalogView, parse_catalog
 from ksb.dialog.endpoint import State
-from ksb.dialog.engine import Engine, Outputs, target_handle
+from ksb.dialog.engine import Engine
+from ksb.dialog.outputs import Outputs
 from ksb.transmission.links import QUEUE_DISABLED, delivery_problem, route_for
 from ksb.transmission.queue import TransmissionQueue
+from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import EndRequest, InboundMessage, QueueMessage
 from tests.unit.test_engine import CATALOG, begin, messages, send
 

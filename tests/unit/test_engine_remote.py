@@ -9,7 +9,9 @@ import pytest
 
 from ksb.catalog.model import END_DIALOG, ERROR, CatalogView, parse_catalog
 from ksb.dialog.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
-from ksb.dialog.engine import Engine, Outputs, target_handle
+from ksb.dialog.engine import Engine
+from ksb.dialog.outputs import Outputs
+from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import (
     BeginRequest,
     CommitRequest,

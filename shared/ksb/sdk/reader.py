@@ -17,13 +17,13 @@ from concurrent.futures import Future
 import redis
 from confluent_kafka import KafkaError, Message, TopicPartition
 
-from ksb.dialog.engine import partition_for
 from ksb.errors import CommitRefused, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.locks import GroupLocks, Lease
 from ksb.sdk.queue_index import QueueIndex
 from ksb.settings import Settings
+from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import CommitOutcome, QueueMessage, parse_queue_record
 
 __all__ = ["QueueReader"]

@@ -1,0 +1,132 @@
+"""Placing messages: into a local queue, into the transmission queue, and out of a queue again.
+
+These are the three ways a message moves, shared by every rule that sends one (SEND, END, a timer,
+a lifetime, a message from another instance): `enqueue` makes it a queue record and remembers it
+as waiting, `transmit` numbers it in its conversation direction for another instance, and
+`drop_queued` removes a closed endpoint's messages from its queue.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+from ksb.dialog.endpoint import Endpoint
+from ksb.dialog.outputs import Inflight, QueueWrite
+from ksb.dialog.stage import Stage
+from ksb.wire.partitioning import partition_for
+from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body
+
+if TYPE_CHECKING:
+    from ksb.dialog.engine import Engine
+
+__all__ = ["drop_queued", "enqueue", "transmit"]
+
+
+def enqueue(
+    eng: Engine,
+    stage: Stage,
+    receiver: Endpoint,
+    message_type: str,
+    validation: str,
+    body: bytes,
+    seq: int,
+    now: int,
+) -> None:
+    """A message into `receiver`'s queue, in its group's partition, remembered as waiting."""
+    queue = eng.catalog.queue(receiver.queue)
+    message_id = str(uuid.uuid4())
+    part = partition_for(receiver.group, queue.partitions)
+    msg = QueueMessage(
+        message_id=message_id,
+        queue=queue.name,
+        priority=receiver.priority,
+        queuing_order=eng.next_order(),
+        conversation_group_id=receiver.group,
+        conversation_handle=receiver.handle,
+        conversation_id=receiver.conversation_id,
+        message_sequence_number=seq,
+        service_name=receiver.local_service,
+        service_contract_name=receiver.contract,
+        message_type_name=message_type,
+        validation=validation,
+        enqueued_ms=now,
+        sent_ms=stage.sent_ms,
+        **encode_body(body),
+    )
+    stage.out.queue.append(QueueWrite(queue.name, part, message_id, msg))
+    stage.new_inflight[message_id] = Inflight(
+        queue.name,
+        part,
+        receiver.group,
+        receiver.handle,
+        message_type,
+        msg if queue.retention == "ON" else None,
+        priority=receiver.priority,
+        enqueued_ms=now,
+        message_id=message_id,
+        service=receiver.local_service,
+        sent_ms=stage.sent_ms,
+    )
+    receiver.outstanding += 1
+    receiver.updated_ms = now
+
+
+def transmit(
+    eng: Engine,
+    stage: Stage,
+    sender: Endpoint,
+    message_type: str,
+    body: bytes,
+    now: int,
+    *,
+    to_instance: str | None = None,
+) -> None:
+    """One transmission record, numbered in the sender's direction of the conversation.
+
+    `to_instance` is this instance for a local message held in the transmission queue.
+    """
+    destination = to_instance or sender.far_instance
+    assert destination is not None
+    stage.out.transmissions.append(
+        InboundMessage(
+            kind="inbound",
+            message_id=str(uuid.uuid4()),
+            conversation_id=sender.conversation_id,
+            from_instance=eng.instance,
+            to_instance=destination,
+            from_service=sender.local_service,
+            to_service=sender.remote_service,
+            contract=sender.contract,
+            message_type=message_type,
+            from_initiator=sender.is_initiator,
+            seq=sender.send_seq,
+            priority=sender.priority,
+            enqueued_ms=now,
+            **encode_body(body),
+        )
+    )
+    sender.send_seq += 1
+    sender.updated_ms = now
+
+
+def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:
+    """A closed endpoint's messages leave its queue, retained ones included."""
+    mine = [
+        (mid, eng.inflight.get(mid) or eng.retained.get(mid)) for mid in eng.queued_for(ep.handle)
+    ]
+    mine += [(mid, i) for mid, i in stage.new_inflight.items() if i.handle == ep.handle]
+    mine += [(mid, i) for mid, i in stage.new_retained.items() if i.handle == ep.handle]
+    for mid, info in mine:
+        if info is None:
+            continue
+        received_now = mid in stage.new_retained
+        if mid in stage.gone_inflight and not received_now:
+            continue
+        if not received_now and (mid in eng.inflight or mid in stage.new_inflight):
+            stage.out.purged.append(info)
+        stage.gone_inflight.add(mid)
+        stage.new_inflight.pop(mid, None)
+        stage.new_retained.pop(mid, None)
+        stage.out.queue.append(QueueWrite(info.queue, info.partition, mid, None))
+    ep.outstanding = 0

@@ -1,0 +1,47 @@
+"""The fencing-token rule: a commit under an older lock than one already applied is refused.
+
+A reader RECEIVEs under a conversation-group lock (`ksb.sdk.locks`), and every acquisition draws a
+token from a per-group counter in Redis that only grows. The token travels with the reader's commit.
+A lock can expire while its holder is paused (a GC pause, SIGSTOP); the next holder then gets a
+higher token and may commit first. When the paused holder wakes up and commits, its token is older
+than the one already applied for that group, and the dispatcher refuses the whole commit
+(`stale_token`): the sink, not the lock, is the authority.
+
+Here: the highest token applied per (queue, group), the check, and the record of an applied commit.
+Token 0 means "no KSB lock" (a reader in another language that takes none) and is never fenced.
+"""
+
+from __future__ import annotations
+
+from ksb.errors import ConversationError
+
+__all__ = ["Fences"]
+
+
+class Fences:
+    """The newest applied token per (queue, group): the dispatcher's half of the fencing rule."""
+
+    def __init__(self) -> None:
+        self._applied: dict[tuple[str, str], int] = {}
+
+    def check(self, queue: str, group: str, token: int) -> None:
+        """Refuse a commit whose token is older than one already applied for its group."""
+        fence = self._applied.get((queue, group), 0)
+        if token and token < fence:
+            raise ConversationError(
+                f"stale lock token {token} for group {group} (a newer holder committed {fence})",
+                code="stale_token",
+            )
+
+    def applied(self, queue: str, group: str, token: int) -> None:
+        """A commit with `token` was applied: older tokens are stale from now on."""
+        if token:
+            key = (queue, group)
+            self._applied[key] = max(self._applied.get(key, 0), token)
+
+    def get(self, queue: str, group: str) -> int:
+        """The newest applied token for the group (0: none)."""
+        return self._applied.get((queue, group), 0)
+
+    def __len__(self) -> int:
+        return len(self._applied)

@@ -1,0 +1,103 @@
+"""A reader's commit: its receipt and its actions, applied all or nothing, at most once.
+
+The dispatcher is the single authority that a message is received at most once: a receipt naming a
+message that is not waiting (received before, never there) or that belongs to another group is
+refused whole, and so is one under a stale lock token (`ksb.dialog.fences`). Refused or applied,
+every commit with a receipt gets an outcome record in its group's partition of the queue topic,
+which is how the committing reader learns the result and releases its lock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ksb.catalog.model import END_DIALOG, ERROR
+from ksb.dialog import endpoint as ep_rules
+from ksb.dialog.outputs import Outputs, QueueWrite, forget_outcome
+from ksb.dialog.stage import Stage
+from ksb.errors import ConversationError, KsbError
+from ksb.wire.partitioning import partition_for
+from ksb.wire.protocol import CommitOutcome, CommitRequest, Receipt
+
+if TYPE_CHECKING:
+    from ksb.dialog.engine import Engine
+
+__all__ = ["apply_receipt", "commit", "refused_outcome"]
+
+
+def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
+    if req.receipt is not None:
+        apply_receipt(eng, stage, req.receipt, now)
+    for action in req.actions:
+        eng.apply_action(stage, action, now)
+    if req.receipt is None:
+        return
+    r = req.receipt
+    queue = eng.catalog.queue(r.queue)
+    outcome = QueueWrite(
+        r.queue,
+        partition_for(r.group, queue.partitions),
+        f"commit/{req.request_id}",
+        CommitOutcome(request_id=req.request_id, group=r.group, token=r.token, applied=True),
+    )
+    stage.out.queue.extend((outcome, forget_outcome(outcome)))
+    eng.fences.applied(r.queue, r.group, r.token)
+
+
+def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
+    eng.fences.check(r.queue, r.group, r.token)
+    eng.catalog.queue(r.queue)  # an unknown queue is refused before anything is applied
+    for mid in dict.fromkeys(r.message_ids):
+        info = eng.inflight.get(mid)
+        if info is None or mid in stage.gone_inflight:
+            raise ConversationError(
+                f"message {mid} is not waiting in queue {r.queue!r} (already received?)",
+                code="already_received",
+            )
+        if info.queue != r.queue or info.group != r.group:
+            raise ConversationError(
+                f"message {mid} is not in group {r.group} of queue {r.queue!r}",
+                code="wrong_group",
+            )
+        stage.gone_inflight.add(mid)
+        stage.out.received.append(info)
+        if info.retained is not None:
+            # RETENTION ON: the message stays, marked received, until its conversation ends.
+            kept = info.retained.model_copy(update={"status": 0})
+            stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, kept))
+            stage.new_retained[mid] = info
+        else:
+            stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, None))
+        receiver = stage.maybe_endpoint(info.handle)
+        if receiver is None:
+            continue
+        receiver.outstanding = max(0, receiver.outstanding - 1)
+        receiver.state = ep_rules.after_receive(receiver)
+        receiver.updated_ms = now
+        if info.message_type in (END_DIALOG, ERROR):
+            peer = stage.maybe_endpoint(receiver.far_handle)
+            if peer is not None:
+                peer.state = ep_rules.after_peer_received_end(peer)
+                peer.updated_ms = now
+
+
+def refused_outcome(eng: Engine, req: CommitRequest, exc: KsbError, out: Outputs) -> None:
+    """A refused commit still gets its outcome record, so its reader learns and lets go."""
+    if req.receipt is None:
+        return
+    r = req.receipt
+    queue = eng.catalog.queues.get(r.queue)
+    partitions = queue.partitions if queue else 1
+    outcome = QueueWrite(
+        r.queue,
+        partition_for(r.group, partitions),
+        f"commit/{req.request_id}",
+        CommitOutcome(
+            request_id=req.request_id,
+            group=r.group,
+            token=r.token,
+            applied=False,
+            reason=f"{exc.code}: {exc.reason}",
+        ),
+    )
+    out.queue.extend((outcome, forget_outcome(outcome)))

@@ -1,0 +1,192 @@
+"""Messages from other broker instances: dedupe and order per direction, enqueue, acknowledge.
+
+Each direction of a dialog is numbered from 0 by its sender (`ksb.dialog.delivery.transmit`). The
+receiving side keeps a `ReceiveWindow` per local endpoint: it accepts only the next number, holds
+early arrivals until the gap fills, drops every copy it has seen, and acknowledges the highest
+number it delivered, in the same transaction as the queue writes of what it acknowledges. Only the
+endpoint's next number (`Endpoint.recv_seq`) is durable; a window is rebuilt from it on demand.
+
+Early arrivals are buffered in memory only. The dispatcher's every-tick task drops those not
+picked up within the stale age (10 s by default, `DispatcherSettings.inbound_stale_ms`,
+`RemoteWindows.purge`): safe, because nothing unacknowledged is lost, the sender retransmits it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING
+
+from ksb.catalog.model import END_DIALOG, ERROR
+from ksb.dialog import endpoint as ep_rules
+from ksb.dialog.delivery import drop_queued, enqueue, transmit
+from ksb.dialog.endpoint import Endpoint, State
+from ksb.dialog.sequencing import ReceiveWindow
+from ksb.dialog.stage import Stage
+from ksb.dialog.system_messages import (
+    CONTRACT_REFUSED,
+    VALIDATION_CODE,
+    error_body,
+    parse_error_body,
+)
+from ksb.wire.partitioning import target_handle
+from ksb.wire.protocol import AckRecord, ErrorRecord, InboundMessage
+
+if TYPE_CHECKING:
+    from ksb.dialog.engine import Engine
+
+__all__ = ["RemoteWindows", "inbound"]
+
+
+class _StepClock:
+    """The windows' notion of now: set from each request's `now_ms`."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+    def now_ms(self) -> int:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        """Part of the Clock protocol; the engine never blocks, so sleeping only moves time on."""
+        self.now += round(seconds * 1000)
+
+
+class RemoteWindows:
+    """One receive window per local endpoint whose far side sends from another instance, and the
+    remote endpoints that were CLOSED (a late retransmission must not begin them again)."""
+
+    def __init__(self) -> None:
+        self.windows: dict[str, ReceiveWindow[InboundMessage]] = {}
+        self.closed: set[str] = set()
+        self.clock = _StepClock()
+
+    def window(self, receiver: Endpoint, now: int) -> ReceiveWindow[InboundMessage]:
+        window = self.windows.get(receiver.handle)
+        if window is None or window.next_seq != receiver.recv_seq:
+            # (A local dialog also moves `recv_seq` on direct deliveries, so a cached window can
+            # be behind it; the durable number wins.)
+            window = ReceiveWindow(self.clock, next_seq=receiver.recv_seq)
+            self.windows[receiver.handle] = window
+        self.clock.now = now
+        return window
+
+    def closed_endpoint(self, ep: Endpoint) -> None:
+        self.windows.pop(ep.handle, None)
+        if ep.far_instance is not None:
+            self.closed.add(ep.handle)
+
+    def purge(self, now_ms: int, max_age_ms: int) -> int:
+        """Drop early arrivals held longer than `max_age_ms` (the dispatcher's per-tick task).
+
+        Safe because they were never acknowledged: the sender retransmits them once the gap
+        before them is filled. Returns how many were dropped.
+        """
+        return sum(len(w.drop_older_than(now_ms, max_age_ms)) for w in self.windows.values())
+
+
+def inbound(eng: Engine, stage: Stage, msg: InboundMessage, now: int) -> None:
+    """A message from another instance: dedupe and order per direction, enqueue, acknowledge.
+
+    Nothing here raises after the window has moved, so the window and the stage stay in step;
+    a failed Kafka transaction rebuilds the whole engine (and so every window) anyway.
+    """
+    if msg.to_instance != eng.instance:
+        # Passing through: the forwarder reads the same topic and sends it on; the final
+        # receiver acknowledges it, so a record nobody forwards is retransmitted by its origin.
+        return
+    handle = target_handle(msg.conversation_id) if msg.from_initiator else msg.conversation_id
+    receiver = _inbound_endpoint(eng, stage, msg, handle, now)
+    if receiver is None:
+        # The conversation is over here (or never existed): acknowledge so the sender stops.
+        stage.out.acks.append(_ack(msg, msg.seq, eng.instance))
+        return
+    if eng.queue_disabled(receiver.queue):
+        # Not acknowledged: it stays in the sender's transmission queue and is sent again
+        # after the queue is enabled.
+        return
+    window = eng.remote.window(receiver, now)
+    for item in window.offer(msg.seq, msg):
+        _accept(eng, stage, receiver, item, now)
+    receiver.recv_seq = window.next_seq
+    receiver.updated_ms = now
+    stage.out.acks.append(_ack(msg, window.ack_seq, eng.instance))
+
+
+def _inbound_endpoint(
+    eng: Engine, stage: Stage, msg: InboundMessage, handle: str, now: int
+) -> Endpoint | None:
+    if handle in eng.remote.closed and handle not in stage.endpoints:
+        return None
+    existing = stage.maybe_endpoint(handle)
+    if existing is not None or not msg.from_initiator:
+        return existing
+    # The first message from a remote initiator creates the target endpoint, as locally; the
+    # level comes from OUR catalog (levels never travel).
+    cat = eng.catalog
+    service = cat.services.get(msg.to_service)
+    ep = Endpoint(
+        handle=handle,
+        conversation_id=msg.conversation_id,
+        is_initiator=False,
+        state=State.STARTED_INBOUND,
+        local_service=msg.to_service,
+        remote_service=msg.from_service,
+        contract=msg.contract,
+        queue=service.queue if service is not None else "",
+        group=str(uuid.uuid4()),
+        priority=cat.priorities.level(msg.contract, msg.to_service, msg.from_service),
+        far_handle=msg.conversation_id,
+        created_ms=now,
+        updated_ms=now,
+        far_instance=msg.from_instance,
+    )
+    stage.put(ep)
+    reason = None
+    if service is None:
+        reason = f"service {msg.to_service!r} is not hosted on broker instance {eng.instance!r}"
+    elif msg.contract not in service.contracts:
+        reason = f"service {msg.to_service!r} does not accept contract {msg.contract!r}"
+    if reason is None:
+        return ep
+    # Refuse the dialog: the initiator gets an Error; this side closes at once.
+    stage.out.errors.append(
+        ErrorRecord(request_id=msg.request_id, code="dialog_refused", reason=reason, handle=handle)
+    )
+    transmit(eng, stage, ep, ERROR, error_body(CONTRACT_REFUSED, reason), now)
+    ep.recv_seq = msg.seq + 1 if msg.seq == 0 else 0
+    ep.state = State.CLOSED
+    return None
+
+
+def _accept(eng: Engine, stage: Stage, receiver: Endpoint, msg: InboundMessage, now: int) -> None:
+    """One in-order inbound message: into the queue, and the state change it implies."""
+    if msg.message_type == END_DIALOG:
+        if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR):
+            # We ended first (or failed): the far side's EndDialog closes us; nobody reads it.
+            receiver.state = State.CLOSED
+            drop_queued(eng, stage, receiver)
+            return
+        enqueue(eng, stage, receiver, END_DIALOG, "E", b"", msg.seq, now)
+        receiver.state = ep_rules.after_peer_ended(receiver)
+        return
+    if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR, State.CLOSED):
+        return  # Service Broker drops messages for a conversation this side has given up
+    if msg.message_type == ERROR:
+        body = msg.body_bytes()
+        enqueue(eng, stage, receiver, ERROR, "X", body, msg.seq, now)
+        receiver.state = ep_rules.after_peer_error(receiver)
+        receiver.error_code, receiver.error_description = parse_error_body(body)
+        return
+    mtype = eng.catalog.message_types.get(msg.message_type)
+    validation = VALIDATION_CODE[mtype.validation.value] if mtype is not None else "N"
+    enqueue(eng, stage, receiver, msg.message_type, validation, msg.body_bytes(), msg.seq, now)
+
+
+def _ack(msg: InboundMessage, ack_seq: int, instance: str) -> AckRecord:
+    return AckRecord(
+        conversation_id=msg.conversation_id,
+        from_initiator=msg.from_initiator,
+        ack_seq=ack_seq,
+        from_instance=instance,
+        to_instance=msg.from_instance,
+    )

@@ -1,0 +1,96 @@
+"""Conversation timers and dialog lifetimes: deadlines in the endpoint state, fired in order.
+
+BEGIN CONVERSATION TIMER puts a DialogTimer message into the endpoint's own queue when it fires
+(a new timer replaces the old one); a dialog lifetime that passes fails both sides with an Error
+message (-8489). Deadlines live in the endpoint records, so the heap is rebuilt from them; stale
+heap entries (a replaced timer, an ended dialog) are skipped when they come up. Time is whatever
+the caller passes in, so the rules are tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+from ksb.catalog.model import DIALOG_TIMER, ERROR
+from ksb.dialog.delivery import enqueue
+from ksb.dialog.endpoint import Endpoint, State
+from ksb.dialog.outputs import Outputs
+from ksb.dialog.stage import Stage
+from ksb.dialog.system_messages import LIFETIME_EXPIRED, error_body
+from ksb.errors import ConversationError
+from ksb.wire.protocol import TimerRequest
+
+if TYPE_CHECKING:
+    from ksb.dialog.engine import Engine
+
+__all__ = ["Timers", "fire_due", "set_timer"]
+
+
+class Timers:
+    """A heap of (deadline, handle, kind) for every armed timer and lifetime."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, str, str]] = []
+
+    def arm(self, ep: Endpoint) -> None:
+        if ep.timer_deadline_ms is not None:
+            heapq.heappush(self._heap, (ep.timer_deadline_ms, ep.handle, "timer"))
+        if ep.lifetime_deadline_ms is not None and ep.state is not State.ERROR:
+            heapq.heappush(self._heap, (ep.lifetime_deadline_ms, ep.handle, "lifetime"))
+
+    def next_deadline_ms(self) -> int | None:
+        return self._heap[0][0] if self._heap else None
+
+    def pop_due(self, now_ms: int) -> tuple[int, str, str] | None:
+        if self._heap and self._heap[0][0] <= now_ms:
+            return heapq.heappop(self._heap)
+        return None
+
+
+def set_timer(stage: Stage, req: TimerRequest, now: int) -> None:
+    """BEGIN CONVERSATION TIMER: a new deadline replaces the old one."""
+    ep = stage.endpoint(req.handle)
+    if ep.state in (State.CLOSED, State.DISCONNECTED_OUTBOUND):
+        raise ConversationError(
+            f"cannot set a timer on conversation {ep.handle}: it is {ep.state.name}",
+            code="conversation_closed",
+        )
+    ep.timer_deadline_ms = now + round(req.timeout_s * 1000)
+    ep.updated_ms = now
+
+
+def fire_due(eng: Engine, now_ms: int) -> Outputs:
+    """Fire every due conversation timer and lifetime, each as its own staged change."""
+    out = Outputs()
+    while (due := eng.timers.pop_due(now_ms)) is not None:
+        deadline, handle, kind = due
+        stage = Stage(eng)
+        ep = stage.maybe_endpoint(handle)
+        if ep is None:
+            continue
+        if kind == "timer" and ep.timer_deadline_ms == deadline:
+            ep.timer_deadline_ms = None
+            enqueue(eng, stage, ep, DIALOG_TIMER, "E", b"", -1, now_ms)
+        elif kind == "lifetime" and ep.lifetime_deadline_ms == deadline:
+            _expire(eng, stage, ep, now_ms)
+        else:
+            continue
+        eng.merge(stage)
+        out.extend(stage.out)
+    return out
+
+
+def _expire(eng: Engine, stage: Stage, ep: Endpoint, now: int) -> None:
+    reason = "The conversation's lifetime has expired."
+    sides = [ep]
+    peer = stage.maybe_endpoint(ep.far_handle)
+    if peer is not None and peer.lifetime_deadline_ms == ep.lifetime_deadline_ms:
+        sides.append(peer)
+    for side in sides:
+        side.lifetime_deadline_ms = None
+        if side.state in (State.ERROR, State.CLOSED):
+            continue
+        enqueue(eng, stage, side, ERROR, "X", error_body(LIFETIME_EXPIRED, reason), -1, now)
+        side.state = State.ERROR
+        side.error_code, side.error_description = LIFETIME_EXPIRED, reason
