@@ -37,6 +37,7 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
+from devtools.deployment import Deployment
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
 from ksb.catalog.model import Catalog, parse_catalog
@@ -44,7 +45,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import Settings, load_settings, settings_env
+from ksb.settings import ActivatedTaskSettings, ActivationSettings, settings_env
 from ksb.wire.protocol import QueueMessage
 from services.activation.service import ActivationService, QueueWatch
 
@@ -133,7 +134,7 @@ def _now_ms() -> int:
 # --------------------------------------------------------------------------- the procedure (in tasks)
 @functools.cache
 def _task_redis() -> tuple[redis.Redis, _Keys]:
-    settings = load_settings()
+    settings = ActivatedTaskSettings.from_env()
     return redis.Redis.from_url(settings.redis_url), _Keys(settings.instance)
 
 
@@ -185,10 +186,10 @@ def _serve() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    RecordingActivationService(load_settings()).run(stop)
+    RecordingActivationService(ActivationSettings.from_env()).run(stop)
 
 
-def _start_recording_service(settings: Settings, log_path: Path) -> ServiceProcess:
+def _start_recording_service(settings: Deployment, log_path: Path) -> ServiceProcess:
     """`RecordingActivationService` as a child process, driven like any `ServiceProcess`."""
     service = ServiceProcess("activation", settings, log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,7 +197,7 @@ def _start_recording_service(settings: Settings, log_path: Path) -> ServiceProce
         service.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.activation", "service"],
             cwd=REPO_ROOT,
-            env=settings_env(settings),
+            env=settings_env(settings.narrow(ActivationSettings)),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -254,7 +255,7 @@ class _Round:
 
 @dataclass
 class ActivationResult:
-    settings: Settings
+    settings: Deployment
     opts: ActivationOptions
     rounds: list[_Round]
     tasks: list[_Task]
@@ -383,7 +384,7 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
     return None if ms is None else round(ms / tick_ms, 3)
 
 
-def run_activation(base: Settings, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
+def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
     settings = base.model_copy(update={"instance": f"{base.instance}act"})
     keys = _Keys(settings.instance)
@@ -438,7 +439,7 @@ def _send(client: KsbClient, handle: str, body: str) -> None:
 
 def _wait_round(
     r: redis.Redis,
-    settings: Settings,
+    settings: Deployment,
     keys: _Keys,
     expected: int,
     deadline: float,
@@ -468,7 +469,7 @@ def _wait_round(
         time.sleep(0.02)
 
 
-def _receipts(settings: Settings) -> dict[str, list[int]]:
+def _receipts(settings: Deployment) -> dict[str, list[int]]:
     """Per message id in the target queue topic: [message records, receipt tombstones]."""
     counts: dict[str, list[int]] = {}
 
@@ -488,7 +489,7 @@ def _receipts(settings: Settings) -> dict[str, list[int]]:
 def _result(
     r: redis.Redis,
     opts: ActivationOptions,
-    settings: Settings,
+    settings: Deployment,
     keys: _Keys,
     rounds: list[_Round],
     most: int,

@@ -12,9 +12,8 @@ B's queue topic -> RECEIVE + commit on B. Both paths are measured by the same co
 KSB figures (`bench.e2e`: the sender BEGINs every dialog and SENDs round-robin, receiver threads
 keep ``window`` commits in flight, a message counts when its commit is applied, per-dialog order and
 exactly-once are checked, then one-at-a-time probes), with the same counts, the one after the other.
-Every service is a child process (dispatchers as `services.dispatcher`, transmitter A as
-`services.transmitter`, transport A as this module's entry point, which builds
-`services.transport.Transport` with `TRANSPORT_OPTIONS`), so the bench's own threads do not share a
+Every service is a child process (`services.dispatcher`, `services.transmitter`,
+`services.transport`, with A's shorter `INTERVALS`), so the bench's own threads do not share a
 GIL with them; B needs no transmitter (it sends nothing back but acks, which its dispatcher writes).
 
 **Backlog drain.** A's route is pointed at an address where nothing listens (``127.0.0.1:1``), a
@@ -25,7 +24,7 @@ their last failure, and nothing has reached B. Then the original route is applie
 to the first and to the last message received (commit applied) on B, exactly once and in order, and
 whether A's transmission queue then empties (everything acknowledged). The restored link waits out
 what is left of the failed-connect suppression, so that interval and the connect timeout are part of
-the figure: both are short here (`INTERVALS`, `TRANSMITTER_OPTIONS`) and printed with it.
+the figure: both are short here (`INTERVALS`) and printed with it.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,37 +54,30 @@ from bench.e2e import (
     start_receivers,
 )
 from bench.stats import fmt_ms, fmt_x, now_ns
+from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_view import read_transmission_view
-from ksb.runtime.service import configure_logging, stop_on_signals
-from ksb.runtime.ticker import INTERVAL_ENV, Intervals
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings, load_settings
-from services.transmitter import TransmitterOptions
-from services.transport import Transport, TransportOptions
+from ksb.settings import TransmitterSettings, TransportSettings
 
 __all__ = [
     "INTERVALS",
-    "TRANSMITTER_OPTIONS",
-    "TRANSPORT_OPTIONS",
     "CrossOptions",
     "format_lines",
     "run_cross_instance",
 ]
 
-INTERVALS = Intervals(
-    tick_ms=100,
-    suppress_after_disconnect_ms=500,
-    suppress_after_failed_connect_ms=1_000,
-)
-"""Transmitter and transport A's housekeeping intervals (the rest at their defaults)."""
-TRANSMITTER_OPTIONS = TransmitterOptions()
-"""Transmitter A runs as `services.transmitter` (its defaults); printed with the figures."""
-TRANSPORT_OPTIONS = TransportOptions(connect_timeout_s=1.0)
-"""A failed connect blocks the transport's loop for up to the connect timeout: keep it short."""
+INTERVALS = {
+    "tick_ms": 100,
+    "suppress_after_disconnect_ms": 500,
+    "suppress_after_failed_connect_ms": 1_000,
+    "connect_timeout_ms": 1_000,
+}
+"""Transmitter and transport A's housekeeping intervals (the rest at their defaults). A failed
+connect blocks the transport's loop for up to the connect timeout: keep it short."""
 UNREACHABLE = "127.0.0.1:1"
 """Where the cut route points: a port nothing listens on."""
 _VIEW_ROWS = 1_000
@@ -147,7 +139,9 @@ def cross_catalogs(a: str, b: str, address: str, partitions: int) -> tuple[Catal
 
 
 # ----------------------------------------------------------------------------- delivery
-def _deliver(sender_settings: Settings, receiver_settings: Settings, o: CrossOptions) -> KsbResult:
+def _deliver(
+    sender_settings: Deployment, receiver_settings: Deployment, o: CrossOptions
+) -> KsbResult:
     """`bench.e2e.run_ksb` with the sender on one instance and the receiver on another (or the
     same): the same code, so local and cross figures are comparable."""
     return run_ksb(
@@ -203,7 +197,7 @@ def _link(view: dict[str, Any], destination: str) -> dict[str, Any] | None:
     return next((c for c in view["connections"] if c["destination"] == destination), None)
 
 
-def _drain(sa: Settings, sb: Settings, o: CrossOptions) -> dict[str, Any]:
+def _drain(sa: Deployment, sb: Deployment, o: CrossOptions) -> dict[str, Any]:
     cut, _ = cross_catalogs(sa.instance, sb.instance, UNREACHABLE, o.partitions)
     good, _ = cross_catalogs(sa.instance, sb.instance, "LOCAL", o.partitions)
     per_dialog = max(1, o.backlog // o.backlog_dialogs)
@@ -329,7 +323,7 @@ def _ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, float | No
 
 
 def run_cross_instance(
-    base: Settings, o: CrossOptions, log_dir: Path, raw: dict[str, Any] | None = None
+    base: Deployment, o: CrossOptions, log_dir: Path, raw: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The section on the running stack: local, then cross-instance, then the backlog drain.
 
@@ -366,17 +360,9 @@ def run_cross_instance(
         apply_catalog(sb, cb)
         start(ServiceProcess("dispatcher", sb, log_dir / LOG_NAMES[2]), "dispatcher ready")
         start(ServiceProcess("dispatcher", sa, log_dir / LOG_NAMES[1]), "dispatcher ready")
-        intervals_env = {
-            INTERVAL_ENV[name]: str(value) for name, value in asdict(INTERVALS).items()
-        }
-        start(
-            ServiceProcess("transmitter", sa, log_dir / LOG_NAMES[3], extra_env=intervals_env),
-            "transmitter ready",
-        )
-        start(
-            ServiceProcess("transport", sa, log_dir / LOG_NAMES[4], module="bench.cross_instance"),
-            "transport ready",
-        )
+        fast = sa.model_copy(update=INTERVALS)
+        start(ServiceProcess("transmitter", fast, log_dir / LOG_NAMES[3]), "transmitter ready")
+        start(ServiceProcess("transport", fast, log_dir / LOG_NAMES[4]), "transport ready")
         phase("cross_start")
         cross = _deliver(sa, sb, o)
         phase("cross")
@@ -397,14 +383,14 @@ def run_cross_instance(
             "probes": o.probes,
             "route_address": "LOCAL",
             "instances": {"local": sl.instance, "a": sa.instance, "b": sb.instance},
-            "intervals": asdict(INTERVALS),
+            "intervals": dict(INTERVALS),
             "transmitter_options": {
-                "connect_timeout_s": TRANSPORT_OPTIONS.connect_timeout_s,
-                "delivery_timeout_ms": TRANSPORT_OPTIONS.delivery_timeout_ms,
-                "view_every_ms": TRANSMITTER_OPTIONS.view_every_ms,
-                "max_wait_ms": TRANSMITTER_OPTIONS.max_wait_ms,
-                "backoff_initial_ms": TRANSMITTER_OPTIONS.backoff.initial_ms,
-                "backoff_max_ms": TRANSMITTER_OPTIONS.backoff.max_ms,
+                "connect_timeout_s": INTERVALS["connect_timeout_ms"] / 1000,
+                "delivery_timeout_ms": TransportSettings().delivery_timeout_ms,
+                "view_every_ms": TransmitterSettings().view_every_ms,
+                "max_wait_ms": TransmitterSettings().max_wait_ms,
+                "backoff_initial_ms": TransmitterSettings().retry_initial_ms,
+                "backoff_max_ms": TransmitterSettings().retry_max_ms,
             },
         },
         "local": local_j,
@@ -496,17 +482,3 @@ def format_lines(j: dict[str, Any]) -> list[str]:
     ]
     lines.extend(f"    problem: {p}" for p in d["problems"])
     return lines
-
-
-def _serve_transport() -> None:
-    """`python -m bench.cross_instance`: transport A as a child process, its settings from the
-    environment (as `services.transport`), with `INTERVALS` and `TRANSPORT_OPTIONS` (the connect
-    timeout has no environment variable, so the service's own entry point cannot be used)."""
-    configure_logging("transport")
-    settings = load_settings()
-    stop = stop_on_signals()
-    Transport(settings, intervals=INTERVALS, options=TRANSPORT_OPTIONS).run(stop)
-
-
-if __name__ == "__main__":
-    _serve_transport()

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
+from devtools.deployment import Deployment
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from ksb.wire.protocol import QueueMessage
 
 __all__ = [
@@ -228,7 +228,7 @@ def _probe(sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int) 
 
 
 def run_ksb(
-    settings: Settings,
+    settings: Deployment,
     *,
     dialogs: int,
     messages: int,
@@ -238,7 +238,7 @@ def run_ksb(
     top: int | None,
     probes: int,
     timeout_s: float,
-    receiver_settings: Settings | None = None,
+    receiver_settings: Deployment | None = None,
 ) -> KsbResult:
     """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run.
 

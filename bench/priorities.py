@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import fmt_ms, fmt_x, make_body, now_ns, parse_body
+from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 
 __all__ = [
     "PriorityOptions",
@@ -450,7 +450,7 @@ def _throughput(sender: KsbClient, receiver: KsbClient, opts: PriorityOptions) -
     }
 
 
-def run_priorities(base: Settings, opts: PriorityOptions, log_dir: Path) -> dict[str, Any]:
+def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> dict[str, Any]:
     """The RECEIVE part of the section on the running stack: its own instance and dispatcher."""
     settings = base.model_copy(update={"instance": f"{base.instance}prio"})
     apply_catalog(settings, priority_catalog(opts.partitions))

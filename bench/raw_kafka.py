@@ -15,7 +15,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
 import ksb.runtime.kafka as kafka
 from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
-from ksb.settings import Settings
+from devtools.deployment import Deployment
 
 __all__ = ["RawResult", "run_raw"]
 
@@ -41,7 +41,7 @@ class RawResult:
 class _Collector(threading.Thread):
     """Consumes the topic and records each message's produce -> consume latency."""
 
-    def __init__(self, settings: Settings, topic: str) -> None:
+    def __init__(self, settings: Deployment, topic: str) -> None:
         super().__init__(name="bench-raw-consumer", daemon=True)
         self._consumer = kafka.consumer(settings, read_committed=True)
         self._consumer.assign([TopicPartition(topic, 0, -2)])  # -2: from the beginning
@@ -106,7 +106,7 @@ def _produce(p: Producer, topic: str, value: bytes) -> None:
 
 
 def run_raw(
-    settings: Settings,
+    settings: Deployment,
     *,
     messages: int,
     body_bytes: int,

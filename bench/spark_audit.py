@@ -30,13 +30,13 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
+from devtools.deployment import Deployment
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
 from devtools.runner import ServiceProcess
 from ksb.audit import AuditEvent
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.settings import Settings
 
 __all__ = ["SparkOptions", "format_lines", "run_spark_audit"]
 
@@ -84,7 +84,7 @@ def _probe_event(instance: str, queue: str, event_ms: int) -> AuditEvent:
 class _LagProbes:
     """Produces probe events and notes when each one's series first answers a query."""
 
-    def __init__(self, settings: Settings, prom: Prometheus, poll_ms: int) -> None:
+    def __init__(self, settings: Deployment, prom: Prometheus, poll_ms: int) -> None:
         self._producer = kafka.producer(settings)
         self._topic = Names(settings.instance).audit
         self._instance = settings.instance
@@ -120,7 +120,7 @@ class _LagProbes:
 
 
 def _lag(
-    base: Settings,
+    base: Deployment,
     opts: SparkOptions,
     tmp: Path,
     log_dir: Path,
@@ -194,7 +194,7 @@ def _pct(ordered: list[int], q: float) -> int | None:
 
 
 # --------------------------------------------------------------------------- throughput
-def _craft(settings: Settings, events: int, opts: SparkOptions) -> int:
+def _craft(settings: Deployment, events: int, opts: SparkOptions) -> int:
     """Produce ``events`` audit events (enqueue, receive, commit per message) to the topic."""
     names = Names(settings.instance)
     kafka.ensure_topics(
@@ -240,7 +240,7 @@ def _craft(settings: Settings, events: int, opts: SparkOptions) -> int:
     return n
 
 
-def _raw_consume(settings: Settings, expected: int, timeout_s: float) -> dict[str, Any]:
+def _raw_consume(settings: Deployment, expected: int, timeout_s: float) -> dict[str, Any]:
     """confluent-kafka, read_committed, the whole audit topic from its beginning."""
     topic = Names(settings.instance).audit
     c = kafka.consumer(settings, read_committed=True)
@@ -267,7 +267,7 @@ def _raw_consume(settings: Settings, expected: int, timeout_s: float) -> dict[st
     return {"events": got, "seconds": seconds, "per_s": got / seconds, "bytes": byte_count}
 
 
-def _available_now(spark: Any, settings: Settings, tmp: Path, timeout_s: float) -> dict[str, Any]:
+def _available_now(spark: Any, settings: Deployment, tmp: Path, timeout_s: float) -> dict[str, Any]:
     """One availableNow run of both queries over the instance's whole audit topic."""
     from ksb.spark.exporter import SlaExporter
     from ksb.spark.job import AuditJob, JobConfig
@@ -322,13 +322,13 @@ class _InProcessSpark:
         self.session_s = 0.0
         self.warmup: dict[str, Any] = {}
 
-    def start(self, warm: Settings) -> None:
+    def start(self, warm: Deployment) -> None:
         self._thread = threading.Thread(
             target=self._warm, args=(warm,), name="bench-spark-warmup", daemon=True
         )
         self._thread.start()
 
-    def _warm(self, warm: Settings) -> None:
+    def _warm(self, warm: Deployment) -> None:
         from ksb.spark.session import build_session
 
         try:
@@ -347,7 +347,7 @@ class _InProcessSpark:
         if self._error is not None:
             raise RuntimeError("the in-process SparkSession failed to warm up") from self._error
 
-    def run(self, settings: Settings) -> dict[str, Any]:
+    def run(self, settings: Deployment) -> dict[str, Any]:
         self.wait_warm()
         return _available_now(self._spark, settings, self._tmp, self._opts.run_timeout_s)
 
@@ -358,7 +358,9 @@ class _InProcessSpark:
             self._spark.stop()
 
 
-def run_spark_audit(base: Settings, opts: SparkOptions, tmp: Path, log_dir: Path) -> dict[str, Any]:
+def run_spark_audit(
+    base: Deployment, opts: SparkOptions, tmp: Path, log_dir: Path
+) -> dict[str, Any]:
     phases: dict[str, float] = {}
     mark = time.monotonic()
 

@@ -27,10 +27,10 @@ from bench.raw_kafka import run_raw
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
+from devtools.deployment import Deployment
 from devtools.localstack import start_stack
 from devtools.runner import ServiceProcess
 from ksb.runtime.catalog_store import apply_catalog
-from ksb.settings import Settings
 
 __all__ = ["Options", "run"]
 
@@ -84,7 +84,7 @@ def run(opts: Options) -> dict[str, Any]:
         spark: dict[str, Any] | None = None
         cross: dict[str, Any] | None = None
         try:
-            settings = Settings(
+            settings = Deployment(
                 instance=f"bench{uuid.uuid4().hex[:8]}",
                 kafka_bootstrap=stack.kafka_bootstrap,
                 redis_url=stack.redis_url,

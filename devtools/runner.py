@@ -1,7 +1,7 @@
 """Run KSB services as child processes: used by `make run`, the tests and the benchmarks.
 
-Each service gets its settings through ``KSB_*`` variables, exactly as in docker-compose, so what the
-tests start is what a deployment runs.
+Each service gets its settings through ``KSB_*`` variables, exactly as in docker-compose (only the
+variables its own settings model reads), so what the tests start is what a deployment runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ksb.settings import Settings, settings_env
+from devtools.deployment import settings_model
+from ksb.settings import KsbSettings, settings_env
 
 __all__ = ["REPO_ROOT", "ServiceProcess"]
 
@@ -26,7 +27,8 @@ class ServiceProcess:
     """One service (``python -m services.<name>``) as a supervised child process."""
 
     name: str
-    settings: Settings
+    settings: KsbSettings
+    """The instance's settings; the process gets them narrowed to its module's own model."""
     log_path: Path
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
@@ -34,15 +36,21 @@ class ServiceProcess:
     module: str | None = None
     """Run this module instead of ``services.<name>`` (the Spark job is ``ksb.spark``)."""
 
+    @property
+    def main_module(self) -> str:
+        return self.module or f"services.{self.name}"
+
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # Readiness is looked for only in what this run writes, so a reused log cannot fool it.
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module or f"services.{self.name}"],
+            [sys.executable, "-m", self.main_module],
             cwd=REPO_ROOT,
-            env=settings_env(self.settings, **self.extra_env),
+            env=settings_env(
+                self.settings.narrow(settings_model(self.main_module)), **self.extra_env
+            ),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

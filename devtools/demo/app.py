@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from devtools.deployment import Deployment
 from devtools.localstack import LocalStack, LocalStackError, start_stack
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import END_DIALOG, ERROR, Catalog, load_catalog_file
@@ -52,7 +53,6 @@ from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import Settings, load_settings
 from ksb.wire.protocol import QueueMessage
 
 __all__ = ["main"]
@@ -353,7 +353,7 @@ def open_dialog(client: KsbClient, order_no: int, lines: int, stats: Stats) -> N
 # --------------------------------------------------------------------------- reading the topics
 
 
-def endpoint_states(settings: Settings, handles: set[str] | None = None) -> Counter[str]:
+def endpoint_states(settings: Deployment, handles: set[str] | None = None) -> Counter[str]:
     """Endpoints by state, from the latest record of each in the compacted endpoints topic
     (only those of `handles` if given: one instance can hold several scenarios' dialogs)."""
     latest: dict[str, str] = {}
@@ -367,7 +367,7 @@ def endpoint_states(settings: Settings, handles: set[str] | None = None) -> Coun
     return Counter(latest.values())
 
 
-def error_records(settings: Settings) -> list[dict[str, Any]]:
+def error_records(settings: Deployment) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
 
     def fold(m: Message) -> None:
@@ -379,7 +379,7 @@ def error_records(settings: Settings) -> list[dict[str, Any]]:
     return out
 
 
-def _read(settings: Settings, topic: str, fold: Callable[[Message], None]) -> None:
+def _read(settings: Deployment, topic: str, fold: Callable[[Message], None]) -> None:
     c = kafka.consumer(settings)
     try:
         kafka.read_to_end(c, topic, fold, timeout_s=30)
@@ -399,7 +399,7 @@ def available_services(names: tuple[str, ...] = SERVICE_NAMES) -> list[str]:
 
 
 def service_processes(
-    settings: Settings, names: list[str], logs: Path, suffix: str = ""
+    settings: Deployment, names: list[str], logs: Path, suffix: str = ""
 ) -> list[ServiceProcess]:
     """One (not yet started) process per name; `suffix` tells a second instance's apart in the
     process names and logs, while each still runs its own `services.<name>` module."""
@@ -529,7 +529,7 @@ class Outcome:
 
 
 def run_dialogs(
-    opts: DemoOptions, settings: Settings, catalog: Catalog, services: list[ServiceProcess]
+    opts: DemoOptions, settings: Deployment, catalog: Catalog, services: list[ServiceProcess]
 ) -> Outcome:
     """Drive both applications, show progress, then check what Kafka says about the result."""
     queues = {s.name: s.queue for s in catalog.services}
@@ -653,7 +653,7 @@ def _drive(
 
 
 def _settled_states(
-    settings: Settings,
+    settings: Deployment,
     expected: int,
     handles: set[str] | None = None,
     timeout_s: float = SETTLE_TIMEOUT_S,
@@ -851,7 +851,7 @@ def delivery_problems(stats: CrossStats, handles: list[str]) -> list[str]:
 
 
 def wait_transmission_drained(
-    settings: Settings, since_ms: int, timeout_s: float = DRAIN_TIMEOUT_S
+    settings: Deployment, since_ms: int, timeout_s: float = DRAIN_TIMEOUT_S
 ) -> dict[str, Any]:
     """The instance's transmission queue view once it is empty in a snapshot taken after
     `since_ms` (an older one could predate the last sends), or the last view after the wait."""
@@ -876,8 +876,8 @@ def connection_state(view: dict[str, Any], destination: str) -> str:
 
 def run_cross_instance(
     opts: DemoOptions,
-    sa: Settings,
-    sb: Settings,
+    sa: Deployment,
+    sb: Deployment,
     queues: tuple[str, str],
     services: list[ServiceProcess],
 ) -> Outcome:
@@ -991,7 +991,7 @@ class CrossFacts:
 
 
 def _observe_cross(
-    sa: Settings, sb: Settings, handles: list[str], settled: bool, errors_before: int
+    sa: Deployment, sb: Deployment, handles: list[str], settled: bool, errors_before: int
 ) -> CrossFacts:
     """Endpoints CLOSED on both sides first, then both transmission queues in views taken after
     that: once both ends are CLOSED nothing is still on its way, so an empty view means drained.
@@ -1015,8 +1015,8 @@ def _observe_cross(
 
 
 def _check_cross(
-    sa: Settings,
-    sb: Settings,
+    sa: Deployment,
+    sb: Deployment,
     stats: CrossStats,
     handles: list[str],
     elapsed: float,
@@ -1073,7 +1073,7 @@ def _report_sla(out_dir: Path, wait_s: float = 40.0) -> None:
     say(f"spark audit job: {len(files)} Parquet file(s) of SLA/audit output under {out_dir}")
 
 
-def _print_env(stack: LocalStack, settings: Settings) -> None:
+def _print_env(stack: LocalStack, settings: Deployment) -> None:
     say("")
     say("The stack and services keep running; press Ctrl-C to stop them all.")
     say("To use the ksb CLI against this instance, export:")
@@ -1112,14 +1112,14 @@ def demo(opts: DemoOptions) -> int:
             f"  kafka {stack.kafka_bootstrap} (pid {stack.kafka_pid}), redis {stack.redis_url} "
             f"(pid {stack.redis_pid}), up in {time.perf_counter() - t0:.1f}s"
         )
-        settings = load_settings(
+        settings = Deployment(
             instance=INSTANCE,
             kafka_bootstrap=stack.kafka_bootstrap,
             redis_url=stack.redis_url,
             spark_checkpoint_dir=str(opts.workdir / "spark" / "checkpoints"),
             spark_output_dir=str(opts.workdir / "spark"),
         )
-        settings_b = load_settings(
+        settings_b = Deployment(
             instance=INSTANCE_B, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url
         )
         logs = opts.workdir / "logs"
@@ -1161,7 +1161,7 @@ def demo(opts: DemoOptions) -> int:
 
 
 def _apply_catalogs(
-    catalogs: list[tuple[Settings, Catalog, Path, str]], services: list[ServiceProcess]
+    catalogs: list[tuple[Deployment, Catalog, Path, str]], services: list[ServiceProcess]
 ) -> None:
     """Apply each instance's catalog, then wait for its dispatcher (the name last in each tuple)
     to have loaded it: all are applied first, so the dispatchers load them in the same wait."""

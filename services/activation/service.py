@@ -34,32 +34,34 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 from confluent_kafka import Producer
 
+from ksb.activation.events import Traces, decisions, edges
 from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
+from ksb.activation.poison import PoisonAction, disabled, on_rollbacks, to_dead_letter
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog.model import CatalogView, Queue
-from ksb.clock import Clock, SystemClock
+from ksb.catalog.model import Catalog, CatalogView, Queue
+from ksb.clock import Clock
 from ksb.errors import KsbError
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.catalog_store import CatalogWatcher, apply_catalog, load_catalog
+from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.runtime.metrics import (
-    HEALTHY,
     RUNNABLE_GROUPS,
     TASKS_RUNNING,
     TASKS_STARTED,
     WAITING_READERS,
+    JsonRoute,
 )
 from ksb.runtime.redis_view import RedisView, Writes
-from ksb.runtime.task_handlers import TaskHandlers
-from ksb.runtime.ticker import Intervals, Ticker
+from ksb.runtime.service import Service, TickTask
 from ksb.sdk.reader import QueueReader
-from ksb.settings import Settings, settings_env
+from ksb.settings import ActivatedTaskSettings, ActivationSettings, ClientSettings, settings_env
 from ksb.wire.protocol import DeadLetterRequest, dumps
 
 __all__ = ["ActivationService", "QueueWatch"]
@@ -80,93 +82,80 @@ class QueueWatch:
     monitor: QueueMonitor
     notifier: ExternalNotifier | None
     tasks: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    last_ready: int = 0
-    last_receive_ms: int = 0
-    last_empty_ms: int = 0
-    rollbacks: int = 0
+    traces: Traces = field(default_factory=Traces)
+    """The queue and its readers as of the previous look (`ksb.activation.events`)."""
     last_activation_ms: int | None = None
     activations: int = 0
     notifications: int = 0
     view: dict[str, Any] = field(default_factory=dict)
 
 
-class ActivationService:
+class ActivationService(Service):
+    """The queue monitors of `settings.instance`, run in the service shell."""
+
+    name = "activation"
+    drain_s = HANDLERS_STOP_S
+
     def __init__(
         self,
-        settings: Settings,
+        settings: ActivationSettings,
         *,
         clock: Clock | None = None,
         redis_client: redis.Redis | None = None,
-        task_handlers: int | None = None,
     ) -> None:
-        self.settings = settings
+        super().__init__(settings, clock)
+        self.settings: ActivationSettings = settings
         self.names = Names(settings.instance)
-        self.clock = clock or SystemClock()
-        self.redis = redis_client or redis.Redis.from_url(settings.redis_url)
+        self._given_redis = redis_client
+        self._redis: redis.Redis | None = None
         self.watches: dict[str, QueueWatch] = {}
-        self.ready = threading.Event()
         self._producer: Producer | None = None
         self.audit = Audit()
-        self._watcher: CatalogWatcher | None = None
-        self.handlers = TaskHandlers("activation", task_handlers)
-        """Async work off the monitor loop: monitor rows to Redis, poisoned-queue catalog writes."""
-        self.ticker = self._schedule(self.clock.now_ms())
+        self._catalog = CatalogView(Catalog())
         self._monitor_tick = False
-        self._rows = RedisView("monitors", self.redis, self.handlers)
+        self._rows: RedisView | None = None
         """Offered at most once per check, when a row changed; not rate-limited beyond that."""
         self._disabling: set[str] = set()
         """Queues disabled in Redis whose catalog write a handler has not finished yet."""
         self._disabling_lock = threading.Lock()
 
-    def _schedule(self, start_ms: int) -> Ticker:
-        """The periodic timer: task handlers checked, then the monitors' tick noted, every tick."""
-        ticker = Ticker(start_ms, Intervals(tick_ms=self.settings.tick_ms).schedule)
-        ticker.every(1, "task_handlers", self.handlers.on_tick)
-        ticker.every(1, "queue_monitors", self._note_monitor_tick)
-        return ticker
+    @property
+    def redis(self) -> redis.Redis:
+        assert self._redis is not None, "the Redis client is made in open()"
+        return self._redis
+
+    # ----------------------------------------------------------------- life cycle
+    def open(self) -> None:
+        s = self.settings
+        self._redis = self._given_redis or redis.Redis.from_url(s.redis_url)
+        self._rows = RedisView("monitors", self._redis, self.handlers)
+        kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
+        self._producer = kafka.producer(s)
+        self.audit = Audit(KafkaAudit(self._producer, self.names))
+        self._catalog = self.shell.read_catalog()
+        self._sync(self._catalog, altered=set())
+        log.info("activation: %d monitor(s)", len(self.watches))
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        return (TickTask(1, "queue_monitors", self._note_monitor_tick),)
+
+    def routes(self) -> Mapping[str, JsonRoute]:
+        return {"/monitors": self.monitors, "/tasks": self.tasks}
 
     def _note_monitor_tick(self, _tick: int) -> None:
         # The monitors' tick is taken in each queue's next check, with that queue's other events,
         # so a queue still acts on at most one decision per check.
         self._monitor_tick = True
 
-    # ----------------------------------------------------------------- life cycle
-    def start(self) -> None:
-        s = self.settings
-        kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
-        self._producer = kafka.producer(s)
-        self.audit = Audit(KafkaAudit(self._producer, self.names))
-        self._watcher = CatalogWatcher(s)
-        self._watcher.view = CatalogView(load_catalog(s))
-        self._sync(self._watcher.view, altered=set())
-        # Ticks count from here: the seconds spent creating topics and reading the catalog are not
-        # ticks the monitors missed.
-        self.ticker = self._schedule(self.clock.now_ms())
-        self.ready.set()
-        log.info(
-            "activation ready (instance %s, %d monitor(s), tick %d ms, %d task handlers)",
-            s.instance,
-            len(self.watches),
-            s.tick_ms,
-            self.handlers.size,
-        )
-
-    def run(self, stop: threading.Event) -> None:
-        self.handlers.start()
-        try:
-            self.start()
-            HEALTHY.labels("activation").set(1)
-            while not stop.is_set():
-                self.step()
-                stop.wait(self.settings.activation_check_ms / 1000)
-        finally:
-            HEALTHY.labels("activation").set(0)
-            self.close()
+    def on_catalog(self, view: CatalogView) -> None:
+        old, self._catalog = self._catalog, view
+        altered = {n for n, q in view.queues.items() if old.queues.get(n) != q}
+        self._sync(view, altered)
 
     def close(self) -> None:
-        """Finish the handlers' work, stop the tasks this service started (their open transactions
-        roll back), then the monitors."""
-        self.handlers.stop(HANDLERS_STOP_S)  # drains: the newest monitor rows are written
+        """Stop the tasks this service started (their open transactions roll back), then the
+        monitors. (The shell has already drained the handlers: the newest monitor rows are
+        written.)"""
         for w in self.watches.values():
             for p in w.tasks.values():
                 if p.poll() is None:
@@ -180,8 +169,6 @@ class ActivationService:
             self._reap(w)
             w.reader.close()
         self.watches.clear()
-        if self._watcher is not None:
-            self._watcher.close()
         if self._producer is not None:
             self._producer.flush(5)
 
@@ -215,7 +202,10 @@ class ActivationService:
             w = self.watches.get(name)
             if w is None:
                 reader = QueueReader(
-                    self.settings, name, self.redis, holder=f"monitor-{uuid.uuid4().hex[:8]}"
+                    self.settings.narrow(ClientSettings),
+                    name,
+                    self.redis,
+                    holder=f"monitor-{uuid.uuid4().hex[:8]}",
                 )
                 w = self.watches[name] = QueueWatch(
                     q,
@@ -231,70 +221,44 @@ class ActivationService:
             elif w.notifier is None:
                 w.notifier = ExternalNotifier(note.timeout_s * 1000)
             if changed or name in altered:
-                self._act(w, w.monitor.on_alter(self._observe(w)))
+                self._act(w, w.monitor.on_alter(self._observe(w)[0]))
 
     # ----------------------------------------------------------------- the loop
     def step(self) -> None:
-        assert self._watcher is not None
-        old = self._watcher.view
-        if self._watcher.poll(0):
-            new = self._watcher.view
-            altered = {n for n, q in new.queues.items() if old.queues.get(n) != q}
-            self._sync(new, altered)
-        self.ticker.poll(self.clock.now_ms())  # restarts dead handlers; notes the monitors' tick
+        """Every ``activation_check_ms``: each queue's events and decision."""
         tick, self._monitor_tick = self._monitor_tick, False
         changed = False
         for w in list(self.watches.values()):
             changed |= self._check(w, tick)
-        if changed:
+        if changed and self._rows is not None:
             self._rows.offer(self._rows_snapshot())
+        time.sleep(self.settings.activation_check_ms / 1000)
 
     def _check(self, w: QueueWatch, tick: bool) -> bool:
         """One queue's events and decision; True when its monitor row changed."""
         exited = self._reap(w)
-        obs, activity, rollbacks = self._observe_all(w)
-        decisions: list[Decision] = []
-        if obs.ready_messages > w.last_ready:
-            decisions.append(w.monitor.on_message_arrived(obs, had_unread_before=w.last_ready > 0))
-        w.last_ready = obs.ready_messages
-        receive_ms = int(activity.get("last_receive_ms", 0))
-        if receive_ms > w.last_receive_ms:
-            w.last_receive_ms = receive_ms
-            if w.notifier is not None:
-                w.notifier.on_receive()
-            decisions.append(w.monitor.on_receive(obs, returned_empty=False))
-        empty_ms = int(activity.get("last_empty_ms", 0))
-        if empty_ms > w.last_empty_ms:
-            w.last_empty_ms = empty_ms
-            decisions.append(w.monitor.on_receive(obs, returned_empty=True))
-        if rollbacks > w.rollbacks:
-            decisions.append(w.monitor.on_rollback(obs))
-            if w.queue.dead_letter is not None:
-                self._dead_letters(w)
-            elif rollbacks >= self.settings.poison_rollbacks:
-                self._poisoned(w, rollbacks)
-        w.rollbacks = rollbacks
-        if exited and not w.tasks:
-            decisions.append(w.monitor.on_tasks_exited(obs))
-        if tick:
-            decisions.append(w.monitor.on_tick(obs))
-        for d in decisions:
+        obs, now = self._observe(w)
+        seen, w.traces = edges(w.traces, now)
+        if seen.received and w.notifier is not None:
+            w.notifier.on_receive()
+        if seen.rolled_back:
+            self._on_rollback(w, now.rollbacks)
+        tasks_all_exited = exited and not w.tasks
+        for d in decisions(w.monitor, obs, seen, tasks_all_exited=tasks_all_exited, tick=tick):
             if self._act(w, d):
                 break
         return self._update_view(w, obs)
 
-    def _observe(self, w: QueueWatch) -> QueueObservation:
-        return self._observe_all(w)[0]
+    def _on_rollback(self, w: QueueWatch, rollbacks: int) -> None:
+        action = on_rollbacks(w.queue, rollbacks, self.settings.poison_rollbacks)
+        if action is PoisonAction.DEAD_LETTER:
+            self._dead_letters(w)
+        elif action is PoisonAction.DISABLE:
+            self._poisoned(w, rollbacks)
 
-    def _observe_all(self, w: QueueWatch) -> tuple[QueueObservation, dict[str, str], int]:
+    def _observe(self, w: QueueWatch) -> tuple[QueueObservation, Traces]:
         """One pipelined Redis round trip: locks of the candidate groups plus the readers' traces."""
-        with w.reader._cond:
-            cands = []
-            for g in w.reader.index.candidates():
-                cands.append(g)
-                if len(cands) >= _MAX_CANDIDATES:
-                    break
-            ready_messages = w.reader.index.ready_messages
+        cands, ready_messages = w.reader.candidates(_MAX_CANDIDATES)
         now_wall = int(time.time() * 1000)
         pipe = self.redis.pipeline(transaction=False)
         for g in cands:
@@ -327,7 +291,13 @@ class ActivationService:
             activation_enabled=w.queue.activation.status == "ON" or w.notifier is not None,
             queue_enabled=w.queue.status == "ON",
         )
-        return obs, activity, int(rollbacks or 0)
+        traces = Traces(
+            ready=ready_messages,
+            receive_ms=int(activity.get("last_receive_ms", 0)),
+            empty_ms=int(activity.get("last_empty_ms", 0)),
+            rollbacks=int(rollbacks or 0),
+        )
+        return obs, traces
 
     # ----------------------------------------------------------------- acting
     def _act(self, w: QueueWatch, d: Decision) -> bool:
@@ -357,9 +327,14 @@ class ActivationService:
         else:
             argv = [act.command or "true"]
             shell = True
-        # Commands get the instance's KSB_* settings plus which queue and task they are.
+        # Tasks get the instance's KSB_* settings as their kind reads them (a procedure runs in
+        # `python -m ksb.activation.activated`; a command is any program using the SDK), plus
+        # which queue and task they are.
+        task_settings = self.settings.narrow(
+            ActivatedTaskSettings if act.procedure is not None else ClientSettings
+        )
         env = settings_env(
-            self.settings,
+            task_settings,
             ACTIVATED_QUEUE=w.queue.name,
             ACTIVATED_TASK_ID=task_id,
             ACTIVATED_EXECUTE_AS=act.execute_as,
@@ -414,13 +389,13 @@ class ActivationService:
         assert policy is not None and self._producer is not None
         key = self.names.message_rollbacks_key(w.queue.name)
         counts = {_s(k): int(v) for k, v in self.redis.hgetall(key).items()}
+        due = set(to_dead_letter(counts, policy.max_rollbacks))
         gone = []
         for mid, n in counts.items():
-            with w.reader._cond:
-                msg = w.reader.index.messages.get(mid)
+            msg = w.reader.ready_message(mid)
             if msg is None:
                 gone.append(mid)  # received since, or already dead-lettered
-            elif n >= policy.max_rollbacks:
+            elif mid in due:
                 req = DeadLetterRequest(
                     kind="dead_letter", message=msg, reason=f"rolled back {n} times"
                 )
@@ -434,14 +409,12 @@ class ActivationService:
             self._producer.flush(5)
 
     def _poisoned(self, w: QueueWatch, rollbacks: int) -> None:
-        """Rollbacks in a row: disable the queue (unless poison handling is OFF); no message is lost.
+        """Rollbacks in a row (`ksb.activation.poison`): disable the queue; no message is lost.
 
         Redis first, on the loop: RECEIVE refuses from this moment. The catalog write and the event
         follow on a task handler (inline if none takes it: the catalog must not be left behind).
         """
         name = w.queue.name
-        if w.queue.poison_message_handling != "ON" or w.queue.status != "ON":
-            return
         with self._disabling_lock:
             if name in self._disabling:
                 return
@@ -462,12 +435,7 @@ class ActivationService:
     def _disable_in_catalog(self, name: str, reason: str) -> None:
         """On a task handler: STATUS = OFF in a new catalog version, then BROKER_QUEUE_DISABLED."""
         try:
-            current = load_catalog(self.settings)
-            queues = tuple(
-                q.model_copy(update={"status": "OFF"}) if q.name == name else q
-                for q in current.queues
-            )
-            apply_catalog(self.settings, current.model_copy(update={"queues": queues}))
+            apply_catalog(self.settings, disabled(load_catalog(self.settings), name))
             event = {
                 "v": 1,
                 "kind": "BROKER_QUEUE_DISABLED",

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from ksb.runtime.metrics import serve_metrics
-from ksb.runtime.service import configure_logging, stop_on_signals
-from ksb.settings import load_settings
+from ksb.runtime.service import run_main
+from ksb.settings import DispatcherSettings
 from services.dispatcher.service import Dispatcher
 
 
 def main() -> None:
-    configure_logging("dispatcher")
-    settings = load_settings()
-    stop = stop_on_signals()
-    serve_metrics(settings.metrics_port, host=settings.metrics_host)
-    Dispatcher(settings).run(stop)
+    run_main(lambda: Dispatcher(DispatcherSettings.from_env()), "dispatcher")
 
 
 if __name__ == "__main__":

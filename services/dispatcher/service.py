@@ -1,27 +1,20 @@
-"""The dispatcher's I/O shell around `ksb.dialog.engine.Engine`.
+"""The dispatcher's I/O shell around `ksb.dialog.engine.Engine`, run in the service shell.
 
 It consumes the requests topic and writes each batch's outputs, endpoint changes and consumed offsets
 in one Kafka transaction. On start, and after any failed transaction, it rebuilds the engine from
-Kafka (catalog, endpoints, queue topics) after fencing any older dispatcher with init_transactions, so
+Kafka (`services.dispatcher.rebuild`) after fencing any older dispatcher with init_transactions, so
 a crash at any point neither loses nor duplicates a message.
 
-Periodic tasks (`ksb.runtime.ticker`, every ``settings.tick_ms``):
+Periodic tasks (`ksb.runtime.ticker`, every ``tick_ms``), besides the shell's task-handler check:
 
-* every tick, the task handlers (`ksb.runtime.task_handlers`) are checked and a dead one is restarted;
+* every tick, early arrivals from other instances older than ``inbound_stale_ms`` (10 s) are dropped
+  (`ksb.dialog.remote`);
 * a broker that failed to start (no valid catalog applied yet, missing queue topics, Kafka
-  unreachable) is retried every 5th tick, or on the next tick after a new catalog
-  record (`ksb.dialog.broker_start`), or, when Kafka was unreachable, on the next tick after a probe finds
-  it answering again. Until then the process stays up with health 0, /healthz answers 503 with the
-  reason, and the reason is in the ``ksb_broker_info`` metric, the log and a BCN.
-
-What runs on the task handlers:
-
-* publishing broker configuration notifications (BCNs) to ``ksb.<instance>.bcn``. A BCN is not part
-  of any dispatcher transaction (a failed start has none, and the catalog change it reports was
-  written by whoever applied it), and waiting for Kafka to acknowledge it, for seconds while Kafka
-  is down, must not stall the transaction loop or the retry ticks;
-* the Kafka probe (`_KafkaProbe`): a metadata request that takes its whole time-out exactly when
-  Kafka is down, so it must not run on the loop either.
+  unreachable) is retried every ``broker_retry_every`` (5th) tick, or on the next tick after a new
+  catalog record (`ksb.dialog.broker_start`), or, when Kafka was unreachable, on the next tick after
+  a probe finds it answering again. Until then the process stays up with health 0, /healthz
+  answers 503 with the reason, and the reason is in the ``ksb_broker_info`` metric, the log and a
+  BCN (`services.dispatcher.notifications`, published from the task handlers).
 
 The per-commit metrics stay inline on purpose: they are CPU work that a thread hop under the GIL
 would only make slower.
@@ -30,11 +23,8 @@ would only make slower.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from confluent_kafka import (
     TIMESTAMP_NOT_AVAILABLE,
@@ -46,123 +36,131 @@ from confluent_kafka import (
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient
-from prometheus_client import Histogram
 
 from ksb.audit import Audit, KafkaAudit, dispatcher_events
 from ksb.catalog.model import Catalog, CatalogView
-from ksb.clock import Clock, SystemClock
+from ksb.clock import Clock
 from ksb.dialog.broker_start import (
-    BROKER_RETRY_EVERY,
     BrokerNotStarted,
     BrokerStart,
     failure_from_exception,
     start_problem,
 )
-from ksb.dialog.endpoint import decode_endpoint, encode_endpoint
+from ksb.dialog.endpoint import encode_endpoint
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
-from ksb.errors import KsbError, ProtocolError
+from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
 from ksb.runtime.metrics import (
     BROKER_START_FAILURES,
     BROKER_STATUS,
     COMMITS,
     ERRORS,
     HEALTHY,
-    PURGE_REASONS,
-    PURGES,
-    QUEUE_DEPTH,
     REQUESTS,
-    TIME_IN_QUEUE,
     TXN_SECONDS,
-    register_health_check,
-    unregister_health_check,
 )
-from ksb.runtime.task_handlers import TaskHandlers, TaskQueueFull
-from ksb.runtime.ticker import Ticker, TickSchedule
-from ksb.settings import Settings
+from ksb.runtime.service import Service, TickTask
+from ksb.settings import DispatcherSettings
 from ksb.wire.fragments import Reassembler
 from ksb.wire.protocol import (
     AnyRequest,
     BrokerNotification,
-    CommitOutcome,
     CommitRequest,
     FragmentRecord,
-    QueueMessage,
     dumps,
     parse_inbound,
-    parse_queue_record,
     parse_request,
 )
+from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
+from services.dispatcher.queue_metrics import QueueMetrics
+from services.dispatcher.rebuild import rebuild_engine
 
-__all__ = [
-    "PROBE_TIMEOUT_S",
-    "REASSEMBLY_STALE_MS",
-    "START_TIMEOUT_S",
-    "Dispatcher",
-    "kafka_answers",
-]
-
-INBOUND_STALE_MS = 10_000
-"""Early arrivals from another instance older than this are dropped on the next tick."""
-
-REASSEMBLY_STALE_MS = 60_000
-"""A large inbound message still missing fragments this long after its first one is forgotten."""
+__all__ = ["START_TIMEOUT_S", "Dispatcher"]
 
 START_TIMEOUT_S = 10.0
 """How long one start attempt waits for Kafka's metadata before it counts as failed."""
 
-BCN_FLUSH_S = 10.0
-"""How long a task handler waits for Kafka to acknowledge BCNs before logging that they are late."""
-
-PROBE_TIMEOUT_S = 1.0
-"""How long the Kafka probe waits for metadata: short, so an answer is back before the next tick."""
-
 log = logging.getLogger("ksb.dispatcher")
 
 
-class Dispatcher:
+class Dispatcher(Service):
     """One broker instance's dispatcher (run one; a second one fences the first)."""
+
+    name = "dispatcher"
+    ready_at_open = False
+    drain_s = BCN_FLUSH_S
 
     def __init__(
         self,
-        settings: Settings,
+        settings: DispatcherSettings,
         *,
         clock: Clock | None = None,
-        task_handlers: int | None = None,
-        retry_every_ticks: int = BROKER_RETRY_EVERY,
         kafka_probe: Callable[[], bool] | None = None,
     ) -> None:
         """`kafka_probe` says whether Kafka answers now (default `kafka_answers`); tests use it to
         simulate an outage, as they use `clock` to simulate time."""
-        self.settings = settings
+        super().__init__(settings, clock)
+        self.settings: DispatcherSettings = settings
         self.names = Names(settings.instance)
-        self.clock = clock or SystemClock()
-        self.ready = threading.Event()
-        """Set once the broker has started and the dispatcher takes requests."""
-        self.broker = BrokerStart(settings.instance, retry_every=retry_every_ticks)
-        self.handlers = TaskHandlers("dispatcher", task_handlers)
-        """Async work off the transaction loop: BCN publishing (2 x CPUs unless given)."""
-        self.ticker = Ticker(self.clock.now_ms(), TickSchedule(tick_ms=settings.tick_ms))
-        self.ticker.every(1, "task_handlers", self.handlers.on_tick)
-        self.ticker.every(1, "broker_start", self._broker_tick)
-        self.ticker.every(1, "purge_stale_inbound", self._purge_stale_inbound)
-        self._bcn = _BcnPublisher(settings, self.names, self.handlers)
-        self._kafka_probe = _KafkaProbe(
+        self.broker = BrokerStart(settings.instance, retry_every=settings.broker_retry_every)
+        self._bcn = BcnPublisher(settings, self.names, self.handlers)
+        self._kafka_probe = KafkaProbe(
             self.handlers, kafka_probe or (lambda: kafka_answers(settings))
         )
         self._catalog_probe: Consumer | None = None
         self._catalog_end: int | None = None
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
-        self._watcher: CatalogWatcher | None = None
         self.engine: Engine | None = None
         self.audit = Audit()
-        self._queue_metrics = _QueueMetrics()
+        self._queue_metrics = QueueMetrics()
         self._pieces = Reassembler()
         """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
+
+    # ----------------------------------------------------------------- the shell's calls
+    def open(self) -> None:
+        """Try to start the broker at once; a failure is reported and retried on the ticks."""
+        self.try_start(0)
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        return (
+            TickTask(1, "broker_start", self._broker_tick),
+            TickTask(1, "purge_stale_inbound", self._purge_stale_inbound),
+        )
+
+    def health(self) -> str | None:
+        return self.broker.problem()
+
+    def on_catalog(self, view: CatalogView) -> None:
+        """A running broker takes a new catalog version at once (a stopped one retries on its
+        tick, which watches the catalog topic itself)."""
+        if self.engine is None or view.version == self.engine.catalog.version:
+            return
+        self.engine.catalog = view
+        self._queue_metrics.declare(view)
+        self._publish(self.broker.on_catalog(view.version, self.clock.now_ms()))
+        log.info("catalog v%d applied", view.version)
+
+    def step(self) -> None:
+        if not self.broker.started:
+            wait_ms = self.shell.ticker.next_due_ms - self.clock.now_ms()
+            time.sleep(max(0, min(wait_ms, 100)) / 1000)
+            return
+        try:
+            self.apply_batch()
+        except KafkaException as exc:
+            self._recover(exc)
+
+    def close(self) -> None:
+        HEALTHY.labels("dispatcher").set(0)
+        self._close_consumer()
+        if self._producer is not None:
+            self._producer.flush(5)
+            self._producer = None
+        self._close_catalog_probe()
+        self._bcn.close()
 
     # ----------------------------------------------------------------- start-up
     def start(self) -> None:
@@ -170,19 +168,21 @@ class Dispatcher:
         s = self.settings
         admin = kafka.admin(s)
         kafka.ensure_topics(admin, kafka.core_topics(self.names, s), timeout_s=START_TIMEOUT_S)
-        catalog = load_catalog(s)
-        problem = start_problem(s.instance, catalog.version, self._missing_topics(admin, catalog))
+        view = self.shell.read_catalog()
+        problem = start_problem(s.instance, view.version, self._missing_topics(admin, view.catalog))
         if problem is not None:
             raise BrokerNotStarted(problem)
         self._producer = kafka.producer(
-            s, transactional_id=self.names.dispatcher_txn_id, extra={"linger.ms": 1}
+            s,
+            transactional_id=self.names.dispatcher_txn_id,
+            txn_timeout_ms=s.txn_timeout_ms,
+            extra={"linger.ms": 1},
         )
         self._producer.init_transactions(60)
         # Audit events go through the transactional producer: they commit with what they describe.
         self.audit = Audit(KafkaAudit(self._producer, self.names))
-        self._rebuild(catalog)
-        self._consumer = kafka.consumer(s, group=self.names.dispatcher_group)
-        self._consumer.subscribe([self.names.requests, self.names.inbound])
+        self._rebuild(view)
+        self._subscribe()
 
     def _missing_topics(self, admin: AdminClient, catalog: Catalog) -> list[str]:
         """The catalog's queue and dead-letter topics that Kafka does not have (yet)."""
@@ -225,7 +225,7 @@ class Dispatcher:
         """Every tick: early arrivals from other instances not picked up in time are dropped
         (their senders retransmit them), as Service Broker's dispatcher does every notification."""
         if self.engine is not None:
-            self.engine.purge_windows(self.clock.now_ms(), INBOUND_STALE_MS)
+            self.engine.purge_windows(self.clock.now_ms(), self.settings.inbound_stale_ms)
 
     def _broker_tick(self, tick: int) -> None:
         """The every-5th-tick retry (and the next tick after a new catalog record or Kafka's return)."""
@@ -271,40 +271,24 @@ class Dispatcher:
         if bcn is not None:
             self._bcn.publish(bcn)
 
-    def _close_readers(self) -> None:
+    def _subscribe(self) -> None:
+        self._consumer = kafka.consumer(self.settings, group=self.names.dispatcher_group)
+        self._consumer.subscribe([self.names.requests, self.names.inbound])
+
+    def _close_consumer(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
-        if self._watcher is not None:
-            self._watcher.close()
-            self._watcher = None
 
     def _discard_clients(self) -> None:
         """Drop what a failed start attempt built, so the next attempt starts clean."""
-        self._close_readers()
+        self._close_consumer()
         self._producer = None
         self.engine = None
         self.audit = Audit()
 
-    def _rebuild(self, catalog: Catalog | None = None) -> None:
-        s = self.settings
-        view = CatalogView(catalog if catalog is not None else load_catalog(s))
-        if self._watcher is not None:
-            self._watcher.close()
-        self._watcher = CatalogWatcher(s)
-        self._watcher.view = view
-        engine = Engine(view, instance=s.instance, max_body_bytes=s.max_body_bytes)
-        c = kafka.consumer(s)
-        try:
-            kafka.read_to_end(
-                c, self.names.endpoints, lambda m: _load_endpoint(engine, m), timeout_s=120
-            )
-            for queue in view.queues.values():
-                kafka.read_to_end(
-                    c, self.names.queue(queue.name), lambda m: _load_queue(engine, m), timeout_s=120
-                )
-        finally:
-            c.close()
+    def _rebuild(self, view: CatalogView) -> None:
+        engine = rebuild_engine(self.settings, view)
         self.engine = engine
         self._pieces = Reassembler()
         self._queue_metrics.declare(view)
@@ -317,44 +301,9 @@ class Dispatcher:
         )
 
     # ----------------------------------------------------------------- the loop
-    def run(self, stop: threading.Event) -> None:
-        """Start the broker (retrying on the ticks) and run it until `stop` is set."""
-        register_health_check("dispatcher", self.broker.problem)
-        self.handlers.start()
-        # Not "dispatcher ready": that line means the broker takes requests (tests wait for it).
-        log.info(
-            "dispatcher process ready (instance %s, tick %d ms, %d task handlers)",
-            self.settings.instance,
-            self.settings.tick_ms,
-            self.handlers.size,
-        )
-        try:
-            self.try_start(0)
-            while not stop.is_set():
-                if self.broker.started:
-                    try:
-                        self.step()
-                    except KafkaException as exc:
-                        self._recover(exc)
-                else:
-                    wait_ms = self.ticker.next_due_ms - self.clock.now_ms()
-                    if wait_ms > 0 and stop.wait(min(wait_ms, 100) / 1000):
-                        break
-                self.ticker.poll(self.clock.now_ms())
-        finally:
-            HEALTHY.labels("dispatcher").set(0)
-            unregister_health_check("dispatcher", self.broker.problem)
-            self.handlers.stop(BCN_FLUSH_S)
-            self.close()
-
-    def step(self) -> int:
+    def apply_batch(self) -> int:
         """Handle one batch of requests and due timers in one transaction; returns requests seen."""
-        assert self._consumer and self._producer and self.engine and self._watcher
-        if self._watcher.poll(0):
-            self.engine.catalog = self._watcher.view
-            self._queue_metrics.declare(self._watcher.view)
-            self._publish(self.broker.on_catalog(self._watcher.view.version, self.clock.now_ms()))
-            log.info("catalog v%d applied", self._watcher.view.version)
+        assert self._consumer and self._producer and self.engine
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
         wait_s = 0.1 if deadline is None else min(0.1, max(0.0, (deadline - now) / 1000))
@@ -362,7 +311,7 @@ class Dispatcher:
         records = [m for m in msgs if _is_record(m)]
         now = self.clock.now_ms()
         if len(self._pieces):
-            self._pieces.purge(now, REASSEMBLY_STALE_MS)
+            self._pieces.purge(now, self.settings.reassembly_stale_ms)
         deadline = self.engine.next_deadline_ms()
         if not records and (deadline is None or deadline > now):
             return 0
@@ -466,170 +415,11 @@ class Dispatcher:
             raise exc
         if err.txn_requires_abort():
             self._producer.abort_transaction(30)
-        if self._consumer is not None:
-            self._consumer.close()
-        self._rebuild()
+        self._close_consumer()
+        self._rebuild(self.shell.read_catalog())
         assert self.engine is not None
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
-        self._consumer = kafka.consumer(self.settings, group=self.names.dispatcher_group)
-        self._consumer.subscribe([self.names.requests, self.names.inbound])
-
-    def close(self) -> None:
-        self._close_readers()
-        if self._producer is not None:
-            self._producer.flush(5)
-            self._producer = None
-        self._close_catalog_probe()
-        self._bcn.close()
-
-
-class _BcnPublisher:
-    """Publishes BCNs from a task handler, in the order the dispatcher raised them.
-
-    The loop only appends to `_pending` and submits a drain; a drain takes the lock, produces every
-    pending BCN in order and waits for the acknowledgement, so two handlers draining at once cannot
-    reorder a "start_failed" after the "started" that followed it.
-    """
-
-    def __init__(self, settings: Settings, names: Names, handlers: TaskHandlers) -> None:
-        self._settings = settings
-        self._names = names
-        self._handlers = handlers
-        self._pending: deque[BrokerNotification] = deque()
-        self._lock = threading.Lock()
-        self._producer: Producer | None = None
-
-    def publish(self, bcn: BrokerNotification) -> None:
-        """Called on the loop's thread: queue `bcn` and let a handler send it."""
-        self._pending.append(bcn)
-        try:
-            self._handlers.submit("bcn", self.drain)
-        except TaskQueueFull:
-            log.warning("task handlers busy; BCN %s goes out with the next one", bcn.event)
-
-    def drain(self) -> None:
-        with self._lock:
-            if not self._pending:
-                return
-            if self._producer is None:
-                self._producer = kafka.producer(self._settings)
-            while self._pending:
-                bcn = self._pending.popleft()
-                self._producer.produce(
-                    self._names.bcn,
-                    key=bcn.instance.encode(),
-                    value=dumps(bcn),
-                    on_delivery=_bcn_delivered,
-                )
-            left = self._producer.flush(BCN_FLUSH_S)
-        if left:
-            log.warning("%d BCN(s) not acknowledged yet; the producer keeps trying", left)
-
-    def close(self) -> None:
-        """Send what is still pending (no handler may be left to do it) and wait briefly."""
-        self.drain()
-        with self._lock:
-            if self._producer is not None:
-                self._producer.flush(2)
-                self._producer = None
-
-
-def kafka_answers(settings: Settings, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
-    """Whether Kafka answers a metadata request within `timeout_s`.
-
-    A fresh admin client each time: a long-lived one backs its reconnects off for up to ten seconds
-    and would notice Kafka's return late.
-    """
-    try:
-        kafka.admin(settings).list_topics(timeout=timeout_s)
-    except KafkaException:
-        return False
-    return True
-
-
-class _KafkaProbe:
-    """Runs a Kafka probe on a task handler; the loop takes the answers on its next tick.
-
-    Answers carry the tick the probe was sent on, so `BrokerStart.on_probe` can tell a stale one
-    from news.
-    """
-
-    def __init__(self, handlers: TaskHandlers, probe: Callable[[], bool]) -> None:
-        self._handlers = handlers
-        self._probe = probe
-        self._answers: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
-
-    def submit(self, tick: int) -> bool:
-        """Called on the loop's thread: hand a probe to a handler; False when none would take it."""
-        try:
-            self._handlers.submit("kafka_probe", lambda: self._ask(tick))
-        except KsbError as exc:  # full or stopping: the next tick probes again
-            log.warning("Kafka probe not sent on tick %d: %s", tick, exc)
-            return False
-        return True
-
-    def _ask(self, tick: int) -> None:
-        # An answer is queued whatever happens (a probe that raises counts as silence), so the
-        # loop never waits for one that will not come.
-        reachable = False
-        try:
-            reachable = self._probe()
-        finally:
-            self._answers.put((tick, reachable))
-
-    def answers(self) -> list[tuple[int, bool]]:
-        """The answers that arrived since the last call, oldest first."""
-        got: list[tuple[int, bool]] = []
-        while True:
-            try:
-                got.append(self._answers.get_nowait())
-            except queue.Empty:
-                return got
-
-
-def _bcn_delivered(err: KafkaError | None, _msg: Message) -> None:
-    if err is not None:
-        log.warning("BCN not delivered: %s", err)
-
-
-class _QueueMetrics:
-    """Per-queue figures the dispatcher is the authority for: depth, time in queue, purges.
-
-    Label children are cached, so the hot path is a dict lookup and an observe per message.
-    """
-
-    def __init__(self) -> None:
-        self._time_in_queue: dict[tuple[str, int], Histogram] = {}
-        self._declared: set[str] = set()
-
-    def declare(self, view: CatalogView) -> None:
-        """Create every queue's depth and purge series at 0, so "none yet" reads as 0, not absent."""
-        for name in view.queues:
-            if name not in self._declared:
-                self._declared.add(name)
-                for reason in PURGE_REASONS:
-                    PURGES.labels(name, reason)
-        COMMITS.labels("applied")
-        COMMITS.labels("refused")
-
-    def export_depth(self, engine: Engine) -> None:
-        depth = engine.depth
-        for name in self._declared | depth.keys():
-            QUEUE_DEPTH.labels(name).set(depth.get(name, 0))
-
-    def observe(self, out: Outputs, now_ms: int) -> None:
-        for info in out.received:
-            key = (info.queue, info.priority)
-            child = self._time_in_queue.get(key)
-            if child is None:
-                child = self._time_in_queue[key] = TIME_IN_QUEUE.labels(
-                    info.queue, str(info.priority)
-                )
-            child.observe(max(0, now_ms - info.enqueued_ms) / 1000)
-        for info in out.purged:
-            PURGES.labels(info.queue, "conversation_closed").inc()
-        for d in out.dead_letters:
-            PURGES.labels(d.message.queue, "dead_letter").inc()
+        self._subscribe()
 
 
 def _sent_ms(m: Message) -> int | None:
@@ -645,31 +435,3 @@ def _is_record(m: Message) -> bool:
     if err.code() != KafkaError._PARTITION_EOF:
         log.warning("consumer error: %s", err)
     return False
-
-
-def _load_endpoint(engine: Engine, m: Message) -> None:
-    value = m.value()
-    if value is not None:
-        engine.load_endpoint(decode_endpoint(value))
-
-
-def value_queue(m: Message) -> str:
-    """The queue a queue-topic record belongs to, from its topic name."""
-    return (m.topic() or "").rsplit(".queue.", 1)[-1]
-
-
-def _load_queue(engine: Engine, m: Message) -> None:
-    key = (m.key() or b"").decode()
-    try:
-        value = parse_queue_record(m.value())
-    except ProtocolError:
-        return
-    if key.startswith("commit/") and value is None:
-        return  # an outcome's tombstone
-    if isinstance(value, CommitOutcome):
-        if value.applied and value.token:
-            # Fences survive a restart for as long as the outcome is not compacted away.
-            engine.fences.applied(value_queue(m), value.group, value.token)
-        return
-    msg: QueueMessage | None = value
-    engine.load_queue_record(key, msg, m.partition() or 0)

@@ -11,15 +11,14 @@ import tempfile
 
 import ksb.runtime.kafka as kafka
 from ksb.activation.external import ActivationPlanner, load_config
-from ksb.errors import CatalogError
 from ksb.names import Names
 from ksb.runtime.metrics import serve_metrics
 from ksb.runtime.service import configure_logging
-from ksb.settings import Settings, load_settings
+from ksb.settings import ExternalActivatorSettings, SettingsError
 from services.external_activator.service import ActivatorWorker, ReaderSupervisor, build_app
 
 
-def activation_partitions(settings: Settings) -> int:
+def activation_partitions(settings: ExternalActivatorSettings) -> int:
     """Create the activation topic if missing (as the activation service would) and count it."""
     names = Names(settings.instance)
     admin = kafka.admin(settings)
@@ -31,9 +30,9 @@ def activation_partitions(settings: Settings) -> int:
 
 def main() -> None:
     configure_logging("external_activator")
-    settings = load_settings()
+    settings = ExternalActivatorSettings.from_env()
     if not settings.external_activator_config:
-        raise CatalogError("KSB_EXTERNAL_ACTIVATOR_CONFIG names no file")
+        raise SettingsError("KSB_EXTERNAL_ACTIVATOR_CONFIG names no file")
     planner = ActivationPlanner(load_config(settings.external_activator_config), settings.instance)
     supervisor = ReaderSupervisor(settings, planner)
     serve_metrics(settings.metrics_port, {"/readers": supervisor.view}, host=settings.metrics_host)

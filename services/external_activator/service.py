@@ -38,7 +38,7 @@ from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime.metrics import HEALTHY
-from ksb.settings import Settings, settings_env
+from ksb.settings import ClientSettings, ExternalActivatorSettings, settings_env
 
 __all__ = ["ActivatorWorker", "ReaderSupervisor", "build_app"]
 
@@ -64,7 +64,11 @@ class ReaderSupervisor:
     """
 
     def __init__(
-        self, settings: Settings, planner: ActivationPlanner, *, clock: Clock | None = None
+        self,
+        settings: ExternalActivatorSettings,
+        planner: ActivationPlanner,
+        *,
+        clock: Clock | None = None,
     ) -> None:
         self.settings = settings
         self.planner = planner
@@ -117,7 +121,8 @@ class ReaderSupervisor:
         task_id = f"{queue}-ext-{uuid.uuid4().hex[:8]}"
         # The command gets the instance's KSB_* settings (so `python -m ksb.activation.activated` and KsbClient
         # find Kafka and Redis) plus which queue and task it is, as internal activation does.
-        env = settings_env(self.settings, ACTIVATED_QUEUE=queue, ACTIVATED_TASK_ID=task_id)
+        reader = self.settings.narrow(ClientSettings)
+        env = settings_env(reader, ACTIVATED_QUEUE=queue, ACTIVATED_TASK_ID=task_id)
         # Its own session: stopping it signals the whole group, the shell and what it started.
         proc = subprocess.Popen(spec.command, shell=True, env=env, start_new_session=True)
         self.readers[queue].append(_Reader(task_id, proc))
@@ -184,7 +189,11 @@ def _signal_group(pid: int, sig: Signals) -> None:
 
 
 def build_app(
-    settings: Settings, supervisor: ReaderSupervisor, *, partitions: int, datadir: str
+    settings: ExternalActivatorSettings,
+    supervisor: ReaderSupervisor,
+    *,
+    partitions: int,
+    datadir: str,
 ) -> faust.App:
     """The faust app: one agent over the activation topic and one timer; nothing at import time.
 

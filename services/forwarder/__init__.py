@@ -3,6 +3,6 @@
 See `services.forwarder.service` (the Kafka shell) and `ksb.transmission.forwarding` (its pure rules).
 """
 
-from services.forwarder.service import Forwarder, ForwarderOptions
+from services.forwarder.service import Forwarder
 
-__all__ = ["Forwarder", "ForwarderOptions"]
+__all__ = ["Forwarder"]

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from ksb.runtime.service import configure_logging, stop_on_signals
-from ksb.runtime.ticker import Intervals
-from ksb.settings import load_settings
+from ksb.runtime.service import run_main
+from ksb.settings import ForwarderSettings
 from services.forwarder.service import Forwarder
 
 
 def main() -> None:
-    configure_logging("forwarder")
-    settings = load_settings()
-    intervals = Intervals.from_env()
-    stop = stop_on_signals()
-    Forwarder(settings, intervals=intervals).run(stop)
+    run_main(lambda: Forwarder(ForwarderSettings.from_env()), "forwarder")
 
 
 if __name__ == "__main__":

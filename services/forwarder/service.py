@@ -6,7 +6,7 @@ service picks them up. It reads ``inbound`` from its end (what arrived while it 
 ours to recover: nobody acknowledged it, so the origin sends it again), holds records in memory
 only (`ksb.transmission.forwarding.ForwardQueue`), and copies each one unchanged to the next hop's ``inbound``
 topic on the cluster our own route names, first in first out at priority 5. Every 5th tick it
-drops what it could not forward within `Intervals.forwarder_stale_ms`.
+drops what it could not forward within ``forwarder_stale_ms`` (60 s by default).
 
 The acks of what it forwarded to another cluster are written there, where the origin may not
 reach: the forwarder relays them onto its own cluster (`ksb.transmission.ack_relay`), the cluster the origin's
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import redis
 from confluent_kafka import (
     OFFSET_END,
+    Consumer,
     KafkaError,
     KafkaException,
     Message,
@@ -31,121 +31,91 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from ksb.catalog.model import CatalogView
-from ksb.clock import Clock, SystemClock
+from ksb.catalog.model import Catalog, CatalogView
+from ksb.clock import Clock
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
-from ksb.runtime.metrics import CONNECTIONS, HEALTHY, export_transport_defaults, serve_metrics
+from ksb.runtime.metrics import CONNECTIONS, export_transport_defaults
 from ksb.runtime.redis_view import RedisView
-from ksb.runtime.task_handlers import TaskHandlers
-from ksb.runtime.ticker import Intervals, Ticker
-from ksb.settings import Settings
+from ksb.runtime.service import Service, TickTask
+from ksb.settings import ForwarderSettings
 from ksb.transmission.ack_relay import AckRelay
 from ksb.transmission.forwarding import ForwardQueue, next_hop
 from ksb.transmission.links import bootstrap_of
 from ksb.wire.fragments import Reassembler, wire_records
 from ksb.wire.protocol import FragmentRecord, parse_inbound
 
-__all__ = ["Forwarder", "ForwarderOptions"]
+__all__ = ["Forwarder"]
 
 log = logging.getLogger("ksb.forwarder")
 
 
-@dataclass(frozen=True)
-class ForwarderOptions:
-    """Knobs beyond `Settings` and `Intervals`, with production defaults; tests shorten them."""
+class Forwarder(Service):
+    """Forwarding for `settings.instance`, run in the service shell."""
 
-    batch: int = 500
-    delivery_timeout_ms: int = 5_000
-    view_every_ms: int = 500
-    task_handlers: int | None = None
-    """Task handler threads (None: 2 x CPUs); they publish the view to Redis."""
+    name = "forwarder"
 
-
-class Forwarder:
-    """Forwarding for `settings.instance`; `run(stop)` until stopped."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        intervals: Intervals | None = None,
-        options: ForwarderOptions | None = None,
-        clock: Clock | None = None,
-    ) -> None:
-        self.settings = settings
+    def __init__(self, settings: ForwarderSettings, *, clock: Clock | None = None) -> None:
+        super().__init__(settings, clock)
+        self.settings: ForwarderSettings = settings
         self.names = Names(settings.instance)
-        self.intervals = intervals or Intervals(tick_ms=settings.tick_ms)
-        self.options = options or ForwarderOptions()
-        self.clock = clock or SystemClock()
-        self.ready = threading.Event()
         self.queue = ForwardQueue()
-        self.catalog = CatalogView(load_catalog(settings))
+        self.catalog = CatalogView(Catalog())
         self._producers: dict[str, Producer] = {}  # bootstrap servers -> producer
         self._reports: list[tuple[str, str | None]] = []  # (message id, error) from callbacks
         self._pieces = Reassembler()  # fragments of large messages passing through
-        self.relay = AckRelay(settings, batch=self.options.batch, clock=self.clock)
-        self.handlers = TaskHandlers("forwarder", self.options.task_handlers)
+        self.relay = AckRelay(settings, batch=settings.batch, clock=self.clock)
+        self._inbound: Consumer | None = None
+        self._redis: redis.Redis | None = None
+        self._view: RedisView | None = None
 
-    def run(self, stop: threading.Event) -> None:
+    def open(self) -> None:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
-        watcher = CatalogWatcher(s)
-        watcher.view = self.catalog
-        inbound = kafka.consumer(s, read_committed=False)
-        md = inbound.list_topics(self.names.inbound, timeout=10).topics[self.names.inbound]
-        inbound.assign(
-            [TopicPartition(self.names.inbound, p, OFFSET_END) for p in sorted(md.partitions)]
-        )
-        r = redis.Redis.from_url(s.redis_url)
-        view = RedisView("forwarded", r, self.handlers, self.options.view_every_ms)
-        ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
-        ticker.every(1, "task_handlers", self.handlers.on_tick)
-        ticker.every(5, "drop_stale", lambda _t: self._drop_stale())
+        self.catalog = self.shell.read_catalog()
+        self._inbound = kafka.consumer(s, read_committed=False)
+        topic = self.names.inbound
+        md = self._inbound.list_topics(topic, timeout=10).topics[topic]
+        self._inbound.assign([TopicPartition(topic, p, OFFSET_END) for p in sorted(md.partitions)])
+        self._redis = redis.Redis.from_url(s.redis_url)
+        self._view = RedisView("forwarded", self._redis, self.handlers, s.view_every_ms)
         export_transport_defaults("forwarder")
-        port = serve_metrics(s.metrics_port, host=s.metrics_host)
-        self.handlers.start()
-        HEALTHY.labels("forwarder").set(1)
-        self.ready.set()
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        return (TickTask(5, "drop_stale", lambda _t: self._drop_stale()),)
+
+    def on_catalog(self, view: CatalogView) -> None:
+        self.catalog = view
+
+    def step(self) -> None:
+        assert self._inbound is not None and self._view is not None
+        self._poll_inbound(self._inbound)
+        self._forward()
+        self._publish_view(self._view)
+        local = self._producer(self.settings.kafka_bootstrap)
+        if self.relay.pump(local):
+            local.poll(0)
+
+    def close(self) -> None:
         log.info(
-            "forwarder ready (instance %s, tick %d ms, metrics port %s)",
-            s.instance,
-            self.intervals.tick_ms,
-            port or "off",
+            "forwarder: %d forwarded, %d dropped, %d held (dropped)",
+            self.queue.forwarded,
+            self.queue.dropped,
+            len(self.queue),
         )
-        try:
-            while not stop.is_set():
-                if watcher.poll(0):
-                    self.catalog = watcher.view
-                self._poll_inbound(inbound)
-                ticker.poll(self.clock.now_ms())
-                self._forward()
-                self._publish_view(view)
-                if self.relay.pump(self._producer(self.settings.kafka_bootstrap)):
-                    self._producer(self.settings.kafka_bootstrap).poll(0)
-        finally:
-            HEALTHY.labels("forwarder").set(0)
-            self.handlers.stop(2)
-            log.info(
-                "forwarder stopped after %d tick(s): %d forwarded, %d dropped, %d held (dropped)",
-                ticker.tick,
-                self.queue.forwarded,
-                self.queue.dropped,
-                len(self.queue),
-            )
-            inbound.close()
-            watcher.close()
-            self.relay.close()
-            for p in self._producers.values():
-                p.flush(2)
-            self._producers.clear()
-            r.close()
+        if self._inbound is not None:
+            self._inbound.close()
+        self.relay.close()
+        for p in self._producers.values():
+            p.flush(2)
+        self._producers.clear()
+        if self._redis is not None:
+            self._redis.close()
 
     def _poll_inbound(self, c: Any) -> None:
         now = self.clock.now_ms()
-        for m in c.consume(self.options.batch, 0.02):
+        for m in c.consume(self.settings.batch, 0.02):
             if m.error() is not None or m.value() is None:
                 kafka.log_consumer_error(m, log)
                 continue
@@ -169,7 +139,7 @@ class Forwarder:
                 self.queue.failed(mid, err)
         self._reports.clear()
         now = self.clock.now_ms()
-        for record in self.queue.take(self.options.batch):
+        for record in self.queue.take(self.settings.batch):
             hop = next_hop(self.catalog, record, self.settings.instance, now)
             if isinstance(hop, str):
                 self.queue.failed(record.message_id, hop)
@@ -202,7 +172,7 @@ class Forwarder:
         p = self._producers.get(address)
         if p is None:
             p = kafka.remote_producer(
-                self.settings, address, delivery_timeout_ms=self.options.delivery_timeout_ms
+                self.settings, address, delivery_timeout_ms=self.settings.delivery_timeout_ms
             )
             self._producers[address] = p
         return p
@@ -226,7 +196,7 @@ class Forwarder:
 
     def _drop_stale(self) -> None:
         now = self.clock.now_ms()
-        self._pieces.purge(now, self.intervals.forwarder_stale_ms)
-        dropped = self.queue.drop_stale(now, self.intervals.forwarder_stale_ms)
+        self._pieces.purge(now, self.settings.forwarder_stale_ms)
+        dropped = self.queue.drop_stale(now, self.settings.forwarder_stale_ms)
         if dropped:
             log.info("dropped %d message(s) not forwarded in time (the origins resend)", dropped)

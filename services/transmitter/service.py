@@ -16,130 +16,112 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog.model import CatalogView, Route
-from ksb.clock import Clock, SystemClock
+from ksb.catalog.model import Catalog, CatalogView, Route
+from ksb.clock import Clock
 from ksb.dialog.sequencing import Backoff
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
-from ksb.runtime.metrics import HEALTHY, TRANSMISSION_DEPTH, serve_metrics
+from ksb.runtime.metrics import TRANSMISSION_DEPTH
 from ksb.runtime.redis_view import RedisView
-from ksb.runtime.task_handlers import TaskHandlers
-from ksb.runtime.ticker import Intervals, Ticker
-from ksb.settings import Settings
+from ksb.runtime.service import Service, TickTask
+from ksb.settings import TransmitterSettings
 from ksb.transmission.links import LinkEvent, Packet, Peers, delivery_problem, route_for
 from ksb.transmission.queue import TransmissionQueue
 from ksb.wire.protocol import AckRecord, InboundMessage, dumps
 
-__all__ = ["Transmitter", "TransmitterOptions"]
+__all__ = ["Transmitter"]
 
 log = logging.getLogger("ksb.transmitter")
 
 
-@dataclass(frozen=True)
-class TransmitterOptions:
-    """Knobs beyond `Settings` and `Intervals`, with production defaults; tests shorten them."""
+class Transmitter(Service):
+    """The transmission queue of `settings.instance`, run in the service shell."""
 
-    batch: int = 500
-    view_every_ms: int = 500
-    max_wait_ms: int = 10_000
-    task_handlers: int | None = None
-    """Task handler threads (None: 2 x CPUs)."""
-    backoff: Backoff = field(default_factory=lambda: Backoff(initial_ms=2_000, max_ms=60_000))
+    name = "transmitter"
 
-
-class Transmitter:
-    """The transmission queue of `settings.instance`; `run(stop)` until stopped."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        intervals: Intervals | None = None,
-        options: TransmitterOptions | None = None,
-        clock: Clock | None = None,
-    ) -> None:
-        self.settings = settings
+    def __init__(self, settings: TransmitterSettings, *, clock: Clock | None = None) -> None:
+        super().__init__(settings, clock)
+        self.settings: TransmitterSettings = settings
         self.names = Names(settings.instance)
-        self.intervals = intervals or Intervals(tick_ms=settings.tick_ms)
-        self.options = options or TransmitterOptions()
-        self.clock = clock or SystemClock()
-        self.ready = threading.Event()
         self.peers = Peers()
         self.queue = TransmissionQueue(
-            max_wait_ms=self.options.max_wait_ms,
-            backoff=self.options.backoff,
+            max_wait_ms=settings.max_wait_ms,
+            backoff=Backoff(initial_ms=settings.retry_initial_ms, max_ms=settings.retry_max_ms),
             max_held_bytes=settings.transmitter_memory_bytes,
         )
         self._tx_position = 0  # next offset of `transmission` the main consumer will read
-        self.catalog = CatalogView(load_catalog(settings))
+        self.catalog = CatalogView(Catalog())
+        self.audit = Audit()
+        """Audit events (transmit, acknowledge, suppression) for the Spark audit; never fatal."""
         self._outbound: Producer | None = None
-        # The view goes to Redis from a task handler: a slow Redis must not stall transmission.
-        self.handlers = TaskHandlers("transmitter", self.options.task_handlers)
-        # Audit events (transmit, acknowledge, suppression) for the Spark audit; never fatal.
-        self.audit = Audit(KafkaAudit(kafka.producer(settings), self.names))
+        self._tx: Consumer | None = None
+        self._acks: Consumer | None = None
+        self._links: Consumer | None = None
+        self._redis: redis.Redis | None = None
+        self._view: RedisView | None = None
 
-    # ----------------------------------------------------------------- the loop
-    def run(self, stop: threading.Event) -> None:
+    def open(self) -> None:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
-        watcher = CatalogWatcher(s)
-        watcher.view = self.catalog
-        tx = kafka.consumer(s)
-        tx.assign([TopicPartition(self.names.transmission, 0, -2)])
-        acks = kafka.consumer(s)
-        acks.assign([TopicPartition(self.names.acks, 0, -2)])
-        links = kafka.consumer(s, read_committed=False)
-        links.assign([TopicPartition(self.names.links, 0, -2)])
-        self._outbound = kafka.producer(s)
-        r = redis.Redis.from_url(s.redis_url)
-        view = RedisView("transmission", r, self.handlers, self.options.view_every_ms)
-        ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
-        ticker.every(1, "task_handlers", self.handlers.on_tick)
-        ticker.every(2, "reclassify", lambda _t: self._reclassify())
-        ticker.every(2, "reregister", lambda _t: self._reregister())
-        ticker.every(2, "trim_caches", lambda _t: self._trim_caches())
-        ticker.every(5, "cleanup_acked", lambda _t: self._poll_acks(acks, 0))
         self._self_check()
-        serve_metrics(s.metrics_port, host=s.metrics_host)
-        self.handlers.start()
-        HEALTHY.labels("transmitter").set(1)
-        self.ready.set()
-        log.info("transmitter ready (instance %s, tick %d ms)", s.instance, self.intervals.tick_ms)
-        try:
-            while not stop.is_set():
-                if watcher.poll(0):
-                    self.catalog = watcher.view
-                    self._reclassify()
-                got = self._poll_transmission(tx)
-                self._poll_acks(acks, 0 if got else 0.02)
-                self._poll_links(links)
-                now = self.clock.now_ms()
-                ticker.poll(now)
-                self.queue.retransmit_due(now)
-                self._send(now)
-                self._publish_view(view, now)
-        finally:
-            HEALTHY.labels("transmitter").set(0)
-            self.handlers.stop(2)
-            log.info("transmitter stopped after %d tick(s)", ticker.tick)
-            for c in (tx, acks, links):
+        self.catalog = self.shell.read_catalog()
+        self._tx = kafka.consumer(s)
+        self._tx.assign([TopicPartition(self.names.transmission, 0, -2)])
+        self._acks = kafka.consumer(s)
+        self._acks.assign([TopicPartition(self.names.acks, 0, -2)])
+        self._links = kafka.consumer(s, read_committed=False)
+        self._links.assign([TopicPartition(self.names.links, 0, -2)])
+        self._outbound = kafka.producer(s)
+        self.audit = Audit(KafkaAudit(kafka.producer(s), self.names))
+        self._redis = redis.Redis.from_url(s.redis_url)
+        # The view goes to Redis from a task handler: a slow Redis must not stall transmission.
+        self._view = RedisView("transmission", self._redis, self.handlers, s.view_every_ms)
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        return (
+            TickTask(2, "reclassify", lambda _t: self._reclassify()),
+            TickTask(2, "reregister", lambda _t: self._reregister()),
+            TickTask(2, "trim_caches", lambda _t: self._trim_caches()),
+            TickTask(5, "cleanup_acked", lambda _t: self._cleanup_acked()),
+        )
+
+    def on_catalog(self, view: CatalogView) -> None:
+        self.catalog = view
+        self._reclassify()
+
+    def step(self) -> None:
+        assert self._tx is not None and self._acks is not None and self._links is not None
+        assert self._view is not None
+        got = self._poll_transmission(self._tx)
+        self._poll_acks(self._acks, 0 if got else 0.02)
+        self._poll_links(self._links)
+        now = self.clock.now_ms()
+        self.queue.retransmit_due(now)
+        self._send(now)
+        self._publish_view(self._view, now)
+
+    def close(self) -> None:
+        for c in (self._tx, self._acks, self._links):
+            if c is not None:
                 c.close()
-            watcher.close()
+        if self._outbound is not None:
             self._outbound.flush(2)
-            self.audit.flush(2)
             self._outbound = None
-            r.close()
+        self.audit.flush(2)
+        if self._redis is not None:
+            self._redis.close()
+
+    def _cleanup_acked(self) -> None:
+        if self._acks is not None:
+            self._poll_acks(self._acks, 0)
 
     def _self_check(self) -> None:
         """Fail fast on a transmission topic that is missing (a mistyped instance)."""
@@ -150,7 +132,7 @@ class Transmitter:
     # ----------------------------------------------------------------- input
     def _poll_transmission(self, c: Consumer) -> int:
         n = 0
-        for m in c.consume(self.options.batch, 0.02):
+        for m in c.consume(self.settings.batch, 0.02):
             if m.error() is not None or m.value() is None:
                 kafka.log_consumer_error(m, log)
                 continue
@@ -188,7 +170,7 @@ class Transmitter:
         self.peers.forget(self.queue.destinations())
 
     def _poll_acks(self, c: Consumer, timeout_s: float) -> None:
-        for m in c.consume(self.options.batch, timeout_s):
+        for m in c.consume(self.settings.batch, timeout_s):
             if m.error() is not None or m.value() is None:
                 kafka.log_consumer_error(m, log)
                 continue
@@ -206,7 +188,7 @@ class Transmitter:
 
     def _poll_links(self, c: Consumer) -> None:
         """The transport's connection changes: suppression, and destinations that came back."""
-        for m in c.consume(self.options.batch, 0):
+        for m in c.consume(self.settings.batch, 0):
             if m.error() is not None or m.value() is None:
                 kafka.log_consumer_error(m, log)
                 continue
@@ -253,7 +235,7 @@ class Transmitter:
         assert p is not None
         p.poll(0)
         packets: dict[str, Packet | None] = {}  # one route lookup per destination and batch
-        for record in self.queue.take(now, self.peers.reachable(now), self.options.batch):
+        for record in self.queue.take(now, self.peers.reachable(now), self.settings.batch):
             dest = record.to_instance
             if dest not in packets:
                 packets[dest] = self._packet(dest, now)

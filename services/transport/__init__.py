@@ -1,6 +1,6 @@
 """The transport: one connection per destination broker instance, fed by the transmitter over
 the ``outbound`` topic. See `services.transport.service`."""
 
-from services.transport.service import Transport, TransportOptions
+from services.transport.service import Transport
 
-__all__ = ["Transport", "TransportOptions"]
+__all__ = ["Transport"]

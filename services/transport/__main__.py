@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from ksb.runtime.service import configure_logging, stop_on_signals
-from ksb.runtime.ticker import Intervals
-from ksb.settings import load_settings
+from ksb.runtime.service import run_main
+from ksb.settings import TransportSettings
 from services.transport.service import Transport
 
 
 def main() -> None:
-    configure_logging("transport")
-    settings = load_settings()
-    intervals = Intervals.from_env()
-    stop = stop_on_signals()
-    Transport(settings, intervals=intervals).run(stop)
+    run_main(lambda: Transport(TransportSettings.from_env()), "transport")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,38 +34,22 @@ from confluent_kafka import (
 )
 
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog.model import CatalogView
-from ksb.clock import Clock, SystemClock
+from ksb.catalog.model import Catalog, CatalogView
+from ksb.clock import Clock
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.catalog_store import CatalogWatcher, load_catalog
-from ksb.runtime.metrics import CONNECTIONS, HEALTHY, SUPPRESSED_DESTINATIONS, serve_metrics
+from ksb.runtime.metrics import CONNECTIONS, SUPPRESSED_DESTINATIONS
 from ksb.runtime.redis_view import RedisView
-from ksb.runtime.task_handlers import TaskHandlers
-from ksb.runtime.ticker import Intervals, Ticker
-from ksb.settings import Settings
+from ksb.runtime.service import Service, TickTask
+from ksb.settings import TransportSettings
 from ksb.transmission.ack_relay import AckRelay
 from ksb.transmission.links import LinkEvent, Links, Packet, bootstrap_of, route_for
 from ksb.wire.fragments import wire_records
 from ksb.wire.protocol import InboundMessage
 
-__all__ = ["Transport", "TransportOptions"]
+__all__ = ["Transport"]
 
 log = logging.getLogger("ksb.transmission.links")
-
-
-@dataclass(frozen=True)
-class TransportOptions:
-    """Knobs beyond `Settings` and `Intervals`, with production defaults; tests shorten them."""
-
-    batch: int = 500
-    connect_timeout_s: float = 3.0
-    delivery_timeout_ms: int = 5_000
-    view_every_ms: int = 500
-    packet_ttl_ms: int = 30_000
-    """Older packets are not sent: the transmitter has queued them again by then."""
-    task_handlers: int | None = None
-    """Task handler threads (None: 2 x CPUs)."""
 
 
 @dataclass
@@ -77,93 +61,84 @@ class _Connection:
     """The next hop's ``inbound`` topic: the destination's own, or a forwarder's."""
 
 
-class Transport:
-    """Connections of `settings.instance` to other broker instances; `run(stop)` until stopped."""
+class Transport(Service):
+    """Connections of `settings.instance` to other broker instances, run in the service shell."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        *,
-        intervals: Intervals | None = None,
-        options: TransportOptions | None = None,
-        clock: Clock | None = None,
-    ) -> None:
-        self.settings = settings
+    name = "transport"
+
+    def __init__(self, settings: TransportSettings, *, clock: Clock | None = None) -> None:
+        super().__init__(settings, clock)
+        self.settings: TransportSettings = settings
         self.names = Names(settings.instance)
-        self.intervals = intervals or Intervals(tick_ms=settings.tick_ms)
-        self.options = options or TransportOptions()
-        self.clock = clock or SystemClock()
-        self.ready = threading.Event()
-        self.links = Links(self.intervals)
-        self.catalog = CatalogView(load_catalog(settings))
-        self.relay = AckRelay(settings, batch=self.options.batch, clock=self.clock)
-        self.handlers = TaskHandlers("transport", self.options.task_handlers)
+        self.links = Links(
+            suppress_after_disconnect_ms=settings.suppress_after_disconnect_ms,
+            suppress_after_failed_connect_ms=settings.suppress_after_failed_connect_ms,
+            idle_connection_ms=settings.idle_connection_ms,
+        )
+        self.catalog = CatalogView(Catalog())
+        self.relay = AckRelay(settings, batch=settings.batch, clock=self.clock)
         self.sent = 0
         self.dropped = 0
+        self.audit = Audit()
         self._conns: dict[str, _Connection] = {}
         self._delivery_errors: list[tuple[str, str]] = []
         self._local: Producer | None = None
-        self.audit = Audit(KafkaAudit(kafka.producer(settings), self.names))
+        self._outbound: Consumer | None = None
+        self._redis: redis.Redis | None = None
+        self._view: RedisView | None = None
 
-    # ----------------------------------------------------------------- the loop
-    def run(self, stop: threading.Event) -> None:
+    def open(self) -> None:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
+        self.catalog = self.shell.read_catalog()
         self._local = kafka.producer(s)
-        watcher = CatalogWatcher(s)
-        watcher.view = self.catalog
-        outbound = self._outbound_consumer()
-        r = redis.Redis.from_url(s.redis_url)
-        view = RedisView("connections", r, self.handlers, self.options.view_every_ms)
-        self.links.restore_suppression(_load_suppression(r, self.names), self.clock.now_ms())
-        ticker = Ticker(self.clock.now_ms(), self.intervals.schedule)
-        ticker.every(1, "task_handlers", self.handlers.on_tick)
-        ticker.every(1, "commit", lambda _t: _commit(outbound))
-        ticker.every(2, "close_rerouted", lambda _t: self._close_rerouted())
-        ticker.every(5, "close_idle", lambda _t: self._close_idle())
-        port = serve_metrics(s.metrics_port, host=s.metrics_host)
-        self.handlers.start()
-        HEALTHY.labels("transport").set(1)
-        self.ready.set()
-        log.info(
-            "transport ready (instance %s, tick %d ms, metrics port %s)",
-            s.instance,
-            self.intervals.tick_ms,
-            port or "off",
+        self.audit = Audit(KafkaAudit(kafka.producer(s), self.names))
+        self._outbound = self._outbound_consumer()
+        self._redis = redis.Redis.from_url(s.redis_url)
+        self._view = RedisView("connections", self._redis, self.handlers, s.view_every_ms)
+        restored = _load_suppression(self._redis, self.names)
+        self.links.restore_suppression(restored, self.clock.now_ms())
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        return (
+            TickTask(1, "commit", lambda _t: self._commit_position()),
+            TickTask(2, "close_rerouted", lambda _t: self._close_rerouted()),
+            TickTask(5, "close_idle", lambda _t: self._close_idle()),
         )
-        try:
-            while not stop.is_set():
-                if watcher.poll(0):
-                    self.catalog = watcher.view
-                    self._close_rerouted()
-                self._carry(kafka.consume_batch(outbound, self.options.batch, 0.02))
-                now = self.clock.now_ms()
-                self._delivery_reports(now)
-                if self.relay.pump(self._local):
-                    self._local.poll(0)
-                ticker.poll(now)
-                self._publish_view(view, now)
-        finally:
-            HEALTHY.labels("transport").set(0)
-            self.handlers.stop(2)
-            log.info(
-                "transport stopped after %d tick(s): %d sent, %d dropped",
-                ticker.tick,
-                self.sent,
-                self.dropped,
-            )
-            _commit(outbound)
-            outbound.close()
-            watcher.close()
-            self.relay.close()
-            for conn in self._conns.values():
-                conn.producer.flush(2)
+
+    def on_catalog(self, view: CatalogView) -> None:
+        self.catalog = view
+        self._close_rerouted()
+
+    def step(self) -> None:
+        assert self._outbound is not None and self._local is not None and self._view is not None
+        self._carry(kafka.consume_batch(self._outbound, self.settings.batch, 0.02))
+        now = self.clock.now_ms()
+        self._delivery_reports(now)
+        if self.relay.pump(self._local):
+            self._local.poll(0)
+        self._publish_view(self._view, now)
+
+    def close(self) -> None:
+        log.info("transport: %d sent, %d dropped", self.sent, self.dropped)
+        if self._outbound is not None:
+            self._commit_position()
+            self._outbound.close()
+        self.relay.close()
+        for conn in self._conns.values():
+            conn.producer.flush(2)
+        if self._local is not None:
             self._local.flush(2)
-            self.audit.flush(2)
-            # Drop the clients now: librdkafka keeps reconnecting for as long as one is alive.
-            self._conns.clear()
-            self._local = None
-            r.close()
+        self.audit.flush(2)
+        # Drop the clients now: librdkafka keeps reconnecting for as long as one is alive.
+        self._conns.clear()
+        self._local = None
+        if self._redis is not None:
+            self._redis.close()
+
+    def _commit_position(self) -> None:
+        if self._outbound is not None:
+            _commit(self._outbound)
 
     def _outbound_consumer(self) -> Consumer:
         """Assigned, not subscribed (one reader, no group join delay); starts where it stopped."""
@@ -189,7 +164,7 @@ class Transport:
             if packet is None:
                 log.warning("outbound record at %s has no packet headers: skipped", m.offset())
                 continue
-            if now - packet.taken_ms > self.options.packet_ttl_ms:
+            if now - packet.taken_ms > self.settings.packet_ttl_ms:
                 self.dropped += 1
                 continue
             conn = self._connection(packet, now)
@@ -248,15 +223,16 @@ class Transport:
         return self._connect(packet.destination, address, packet.topic, now)
 
     def _connect(self, dest: str, address: str, topic: str, now: int) -> _Connection | None:
+        connect_timeout_s = self.settings.connect_timeout_ms / 1000
         p = kafka.remote_producer(
             self.settings,
             address,
-            delivery_timeout_ms=self.options.delivery_timeout_ms,
-            connect_timeout_s=self.options.connect_timeout_s,
+            delivery_timeout_ms=self.settings.delivery_timeout_ms,
+            connect_timeout_s=connect_timeout_s,
         )
         try:
-            _handshake(p, topic, address, self.options.connect_timeout_s)
-            self.relay.watch(address, self.settings.instance, self.options.connect_timeout_s)
+            _handshake(p, topic, address, connect_timeout_s)
+            self.relay.watch(address, self.settings.instance, connect_timeout_s)
         except (KafkaException, _ConnectFailed, TimeoutError) as exc:
             now = self.clock.now_ms()  # the back-off counts from the failure, not the attempt
             reason = f"connect to {dest} at {address} failed: {exc}"

@@ -1,59 +1,209 @@
-"""One typed settings object, read from the environment (prefix ``KSB_``).
+"""Settings: one typed model per service, on one shared base, read from ``KSB_*`` variables.
 
-Unknown ``KSB_`` variables fail at start-up with the variable named, so a typo never silently falls
-back to a default.
+Each process reads exactly the variables of its own model (`KsbSettings.from_env`): a ``KSB_*``
+variable that the model does not have stops the start with the variable named, so a typo, or a
+setting given to the wrong service, is an error instead of a silently ignored default. Every field
+is read where it is used (a unit test checks that each one is), and every timing rule of the seeds
+is a field with its unit in its name, so a rule is found from its setting. Constructing a model
+reads nothing from the environment; only `from_env` does.
+
+`KsbSettings.narrow` turns one process's settings into another's (the same deployment's variables
+as that process reads them): the way a tool that starts several services, or an activated task,
+hands each one what it needs.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any, Self, TypeVar
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ksb.errors import CatalogError
+from ksb.errors import KsbError
 
-__all__ = ["Settings", "load_settings", "settings_env"]
+__all__ = [
+    "ActivatedTaskSettings",
+    "ActivationSettings",
+    "CliSettings",
+    "ClientSettings",
+    "DispatcherSettings",
+    "ExternalActivatorSettings",
+    "ForwarderSettings",
+    "KsbSettings",
+    "ServiceSettings",
+    "SettingsError",
+    "SparkSettings",
+    "TransmitterSettings",
+    "TransportSettings",
+    "settings_env",
+]
 
-_PREFIX = "KSB_"
-# Variables that belong to other parts of the toolchain (the local stack, tests), not to a service.
-_FOREIGN = {"KSB_KAFKA_LIBS", "KSB_SPARK_JARS"}
-# The housekeeping intervals have their own reader, which refuses unknown names itself
-# (`ksb.runtime.ticker.Intervals.from_env`).
-_INTERVALS_PREFIX = "KSB_INTERVAL_"
+PREFIX = "KSB_"
+TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_TEST_STACK"})
+"""Variables of the development tools (where the Kafka jars are, which test stack), not of a
+process's settings: a service started from a shell that has them still starts."""
+
+S = TypeVar("S", bound="KsbSettings")
 
 
-class Settings(BaseSettings):
-    """Everything a KSB service or client needs to know about its environment."""
+class SettingsError(KsbError):
+    """A ``KSB_*`` variable that the process does not read, or a value it cannot take."""
 
-    model_config = SettingsConfigDict(env_prefix=_PREFIX, extra="forbid", frozen=True)
+    code = "invalid_setting"
+
+
+class KsbSettings(BaseModel):
+    """What every KSB process needs: which broker instance, and how to reach Kafka and Redis."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     instance: str = Field("local", pattern=r"^[A-Za-z0-9_-]+$")
     kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
-    request_partitions: int = Field(1, ge=1)
-    max_body_bytes: int = Field(1_048_576, ge=0)
-    fragment_bytes: int = Field(262_144, ge=1024)
-    """Inbound records longer than this cross instances as fragments (`ksb.wire.fragments`)."""
-    transmitter_memory_bytes: int = Field(64 * 1024 * 1024, ge=4096)
-    """What the transmitter may hold in memory; beyond it, dialogs wait unclassified (issue 5)."""
-    lock_ttl_ms: int = Field(30_000, ge=100)
-    txn_timeout_ms: int = Field(10_000, ge=1000)
-    batch_max: int = Field(500, ge=1)
-    batch_linger_ms: int = Field(5, ge=0)
     fetch_wait_max_ms: int = Field(10, ge=0)
+    """How long a consumer's fetch may wait for data (librdkafka's 500 ms would be most of a hop)."""
     session_timeout_ms: int = Field(6_000, ge=500)
+    batch_linger_ms: int = Field(5, ge=0)
+    request_partitions: int = Field(1, ge=1)
+    """Partitions of the instance's requests topic, when a process has to create it."""
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
+        """This model's settings from ``KSB_*`` variables; any other ``KSB_*`` variable is refused."""
+        env = os.environ if environ is None else environ
+        known = {f"{PREFIX}{name.upper()}" for name in cls.model_fields}
+        unknown = sorted(
+            k for k in env if k.startswith(PREFIX) and k not in known and k not in TOOLING_VARIABLES
+        )
+        if unknown:
+            raise SettingsError(
+                f"{cls.__name__} does not read {', '.join(unknown)} "
+                f"(it reads {', '.join(sorted(known))})"
+            )
+        values = {
+            name: env[var] for name in cls.model_fields if (var := f"{PREFIX}{name.upper()}") in env
+        }
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise SettingsError(_reasons(exc)) from None
+
+    def narrow(self, model: type[S], **overrides: Any) -> S:
+        """These settings as `model`: the fields both have are copied, `overrides` win, the rest
+        keep `model`'s defaults (one deployment's variables, as another process reads them)."""
+        shared = {k: getattr(self, k) for k in model.model_fields if k in type(self).model_fields}
+        try:
+            return model(**{**shared, **overrides})
+        except ValidationError as exc:
+            raise SettingsError(_reasons(exc)) from None
+
+
+class ClientSettings(KsbSettings):
+    """An application using the SDK (`ksb.sdk`): it RECEIVEs under group locks."""
+
+    lock_ttl_ms: int = Field(30_000, ge=100)
+    """A group lock's lease; the reader renews it while its transaction runs."""
+
+
+class CliSettings(ClientSettings):
+    """The `ksb` command line."""
+
     leak_idle_s: int = Field(3600, ge=1)
+    """`ksb endpoints --leaked`: an endpoint idle this long counts as leaked."""
+
+
+class ActivatedTaskSettings(ClientSettings):
+    """A task started by internal activation (`python -m ksb.activation.activated`)."""
+
+    activated_idle_ms: int = Field(2_000, ge=0)
+    """The task returns once RECEIVE has found nothing for this long."""
+
+
+class ServiceSettings(KsbSettings):
+    """What every long-running service has: metrics, health, the broker's periodic timer."""
+
     metrics_port: int = Field(0, ge=0)
     metrics_host: str = "127.0.0.1"
     tick_ms: int = Field(5_000, ge=1)
-    activated_idle_ms: int = Field(2_000, ge=0)
+    """The periodic timer: housekeeping runs every tick, every 2nd and every 5th."""
+    task_handlers: int | None = Field(None, ge=1)
+    """Threads for asynchronous tasks; unset means 2 x CPUs."""
+
+
+class DispatcherSettings(ServiceSettings):
+    max_body_bytes: int = Field(1_048_576, ge=0)
+    txn_timeout_ms: int = Field(10_000, ge=1000)
+    batch_max: int = Field(500, ge=1)
+    """Requests applied in one Kafka transaction at most."""
+    inbound_stale_ms: int = Field(10_000, ge=1)
+    """Early arrivals from other instances older than this are dropped on the next tick."""
+    reassembly_stale_ms: int = Field(60_000, ge=1)
+    """A large inbound message still missing fragments this long after its first is forgotten."""
+    broker_retry_every: int = Field(5, ge=1)
+    """A broker that failed to start is retried every this many ticks."""
+
+
+class TransmitterSettings(ServiceSettings):
+    transmitter_memory_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    """What the transmitter may hold; beyond it, dialogs wait unclassified until memory frees."""
+    batch: int = Field(500, ge=1)
+    view_every_ms: int = Field(500, ge=1)
+    max_wait_ms: int = Field(10_000, ge=1)
+    """Starvation prevention: no level waits longer than this for a transmission slot."""
+    retry_initial_ms: int = Field(2_000, ge=1)
+    retry_max_ms: int = Field(60_000, ge=1)
+    """Retransmission of what is not acknowledged backs off from the first to the second."""
+
+
+class TransportSettings(ServiceSettings):
+    fragment_bytes: int = Field(262_144, ge=1024)
+    """Inbound records longer than this cross instances as fragments (`ksb.wire.fragments`)."""
+    batch: int = Field(500, ge=1)
+    connect_timeout_ms: int = Field(3_000, ge=1)
+    delivery_timeout_ms: int = Field(5_000, ge=1)
+    view_every_ms: int = Field(500, ge=1)
+    packet_ttl_ms: int = Field(30_000, ge=1)
+    """Older packets are not sent: the transmitter has queued them again by then."""
+    suppress_after_disconnect_ms: int = Field(15_000, ge=1)
+    suppress_after_failed_connect_ms: int = Field(60_000, ge=1)
+    idle_connection_ms: int = Field(90_000, ge=1)
+
+
+class ForwarderSettings(ServiceSettings):
+    fragment_bytes: int = Field(262_144, ge=1024)
+    batch: int = Field(500, ge=1)
+    delivery_timeout_ms: int = Field(5_000, ge=1)
+    view_every_ms: int = Field(500, ge=1)
+    forwarder_stale_ms: int = Field(60_000, ge=1)
+    """What could not be forwarded within this is dropped on the 5th tick."""
+
+
+class ActivationSettings(ServiceSettings):
+    lock_ttl_ms: int = Field(30_000, ge=100)
+    """The lock lease the monitors' readers and the started tasks use."""
     activation_check_ms: int = Field(100, ge=10)
+    """How often each queue monitor looks at its queue."""
     activation_empty_grace_ms: int = Field(5_000, ge=0)
+    """An empty RECEIVE this recent means a reader is keeping up: no activation."""
+    activated_idle_ms: int = Field(2_000, ge=0)
+    """Passed to the tasks it starts (`ActivatedTaskSettings.activated_idle_ms`)."""
     poison_rollbacks: int = Field(5, ge=1)
-    # The external activator (python -m services.external_activator): its per-queue YAML file.
+    """Rollbacks in a row that disable a queue (poison-message handling)."""
+
+
+class ExternalActivatorSettings(ServiceSettings):
     external_activator_config: str = ""
-    # The Spark audit job (python -m ksb.spark): where it checkpoints and writes, and its windows.
+    """The YAML file of per-queue reader commands."""
+    lock_ttl_ms: int = Field(30_000, ge=100)
+    """Passed to the readers it starts."""
+
+
+class SparkSettings(KsbSettings):
+    """The audit and SLA job (`python -m ksb.spark`)."""
+
+    metrics_port: int = Field(0, ge=0)
+    metrics_host: str = "127.0.0.1"
     spark_checkpoint_dir: str = "var/spark/checkpoints"
     spark_master: str = "local[2]"
     spark_driver_host: str = "127.0.0.1"
@@ -61,30 +211,25 @@ class Settings(BaseSettings):
     spark_window_s: int = Field(10, ge=1)
     spark_watermark_s: int = Field(30, ge=0)
     spark_trigger_s: int = Field(5, ge=1)
+    spark_jars: str = ".cache/spark/jars"
+    """The Spark Kafka connector's jars (`make .cache/spark/jars/.fetched` puts them there)."""
 
 
-def load_settings(**overrides: object) -> Settings:
-    """Read settings from ``KSB_*`` variables; refuse unknown ones by name."""
-    known = {f"{_PREFIX}{name.upper()}" for name in Settings.model_fields}
-    unknown = sorted(
-        k
-        for k in os.environ
-        if k.startswith(_PREFIX)
-        and k not in known
-        and k not in _FOREIGN
-        and not k.startswith(_INTERVALS_PREFIX)
-    )
-    if unknown:
-        raise CatalogError(f"unknown setting(s) in the environment: {', '.join(unknown)}")
-    return Settings(**overrides)  # type: ignore[arg-type]
-
-
-def settings_env(settings: Settings, **extra: str) -> dict[str, str]:
+def settings_env(settings: KsbSettings, **extra: str) -> dict[str, str]:
     """The environment a child process (a service, an activated task) reads `settings` from: the
     parent's variables without its own ``KSB_*`` ones, then one ``KSB_*`` variable per field."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIX)}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(PREFIX)}
     for name, value in settings.model_dump().items():
-        env[f"{_PREFIX}{name.upper()}"] = str(value)
+        if value is not None:
+            env[f"{PREFIX}{name.upper()}"] = str(value)
     env.update(extra)
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+def _reasons(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        field = ".".join(str(p) for p in err["loc"]) or "(settings)"
+        parts.append(f"{PREFIX}{field.upper()}: {err['msg']}")
+    return "invalid settings: " + "; ".join(parts)

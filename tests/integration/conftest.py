@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
+from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from services.dispatcher import Dispatcher
 from tests.conftest import Stack
 
@@ -56,8 +56,8 @@ BASIC_CATALOG: dict[str, Any] = {
 
 
 @pytest.fixture
-def settings(stack: Stack, unique: str) -> Settings:
-    return Settings(
+def settings(stack: Stack, unique: str) -> Deployment:
+    return Deployment(
         instance=f"t{unique}",
         kafka_bootstrap=stack.kafka_bootstrap,
         redis_url=stack.redis_url,
@@ -67,7 +67,7 @@ def settings(stack: Stack, unique: str) -> Settings:
 
 
 @pytest.fixture
-def catalog(settings: Settings) -> Catalog:
+def catalog(settings: Deployment) -> Catalog:
     """The basic catalog, applied to this test's instance (tests may apply another one)."""
     return apply_catalog(settings, parse_catalog(BASIC_CATALOG))
 
@@ -75,7 +75,7 @@ def catalog(settings: Settings) -> Catalog:
 class ThreadDispatcher:
     """A dispatcher in a thread of the test process: quick to start, stopped at the end."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Deployment) -> None:
         self.dispatcher = Dispatcher(settings)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.dispatcher.run, args=(self.stop_event,))
@@ -89,7 +89,7 @@ class ThreadDispatcher:
 
 
 @pytest.fixture
-def dispatcher(settings: Settings, catalog: Catalog) -> Iterator[ThreadDispatcher]:
+def dispatcher(settings: Deployment, catalog: Catalog) -> Iterator[ThreadDispatcher]:
     d = ThreadDispatcher(settings)
     try:
         yield d
@@ -99,7 +99,7 @@ def dispatcher(settings: Settings, catalog: Catalog) -> Iterator[ThreadDispatche
 
 @pytest.fixture
 def dispatcher_process(
-    settings: Settings, catalog: Catalog, tmp_path: Path
+    settings: Deployment, catalog: Catalog, tmp_path: Path
 ) -> Iterator[ServiceProcess]:
     """The dispatcher as a real child process, for tests that SIGKILL it."""
     proc = ServiceProcess("dispatcher", settings, tmp_path / "dispatcher.log").start()
@@ -111,7 +111,7 @@ def dispatcher_process(
 
 
 @pytest.fixture
-def client(settings: Settings) -> Iterator[KsbClient]:
+def client(settings: Deployment) -> Iterator[KsbClient]:
     c = KsbClient(settings)
     try:
         yield c

@@ -16,7 +16,7 @@ from typing import TextIO
 
 from ksb.errors import CommitRefused, LockLost
 from ksb.sdk.client import KsbClient
-from ksb.settings import load_settings
+from ksb.settings import ClientSettings
 
 
 def _write(out: TextIO, state: str, batch: list[list[str]], reason: str = "") -> None:
@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
     queue, out_path, top = argv[1], argv[2], int(argv[3])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with KsbClient(load_settings()) as client, open(out_path, "a") as out:
+    with KsbClient(ClientSettings.from_env()) as client, open(out_path, "a") as out:
         client.reader(queue)  # follow the queue before saying ready
         print("reader ready", flush=True)
         while not stop.is_set():

@@ -8,11 +8,11 @@ from typing import Any
 
 from confluent_kafka import KafkaError, TopicPartition
 
+from devtools.deployment import Deployment
 from ksb.dialog.endpoint import Endpoint, decode_endpoint
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from ksb.wire.protocol import QueueMessage
 
 
@@ -29,7 +29,7 @@ def receive_all(
 
 
 def read_topic(
-    settings: Settings, topic: str, *, timeout_s: float = 10
+    settings: Deployment, topic: str, *, timeout_s: float = 10
 ) -> list[tuple[bytes | None, bytes | None]]:
     """Every record of a topic, from the beginning to its current end."""
     c = kafka.consumer(settings)
@@ -41,7 +41,9 @@ def read_topic(
     return out
 
 
-def errors(settings: Settings, *, at_least: int = 1, timeout_s: float = 15) -> list[dict[str, Any]]:
+def errors(
+    settings: Deployment, *, at_least: int = 1, timeout_s: float = 15
+) -> list[dict[str, Any]]:
     """The error topic's records, waiting until at least ``at_least`` are there."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -53,7 +55,7 @@ def errors(settings: Settings, *, at_least: int = 1, timeout_s: float = 15) -> l
         time.sleep(0.1)
 
 
-def endpoints(settings: Settings) -> dict[str, Endpoint]:
+def endpoints(settings: Deployment) -> dict[str, Endpoint]:
     """The latest state of every endpoint, from the compacted endpoints topic."""
     latest: dict[str, Endpoint] = {}
     for k, v in read_topic(settings, Names(settings.instance).endpoints):
@@ -63,7 +65,7 @@ def endpoints(settings: Settings) -> dict[str, Endpoint]:
 
 
 def wait_endpoint(
-    settings: Settings, handle: str, state: str, *, timeout_s: float = 15
+    settings: Deployment, handle: str, state: str, *, timeout_s: float = 15
 ) -> Endpoint:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -77,7 +79,7 @@ def wait_endpoint(
         time.sleep(0.1)
 
 
-def end_offsets(settings: Settings, topic: str) -> dict[int, int]:
+def end_offsets(settings: Deployment, topic: str) -> dict[int, int]:
     c = kafka.consumer(settings)
     try:
         md = c.list_topics(topic, timeout=10).topics[topic]
@@ -126,7 +128,7 @@ class Flow:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: Deployment,
         sender: KsbClient,
         *,
         dialogs: int,
@@ -302,7 +304,7 @@ def check_exactly_once_in_order(
     assert sum(len(v) for v in by_conv.values()) == dialogs * per_dialog
 
 
-def queue_receipts(settings: Settings, queue: str) -> dict[str, tuple[int, int]]:
+def queue_receipts(settings: Deployment, queue: str) -> dict[str, tuple[int, int]]:
     """Per message id in a queue topic: (message records, receipt tombstones); no commit outcomes."""
     counts: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     for k, v in read_topic(settings, Names(settings.instance).queue(queue), timeout_s=60):
@@ -314,7 +316,7 @@ def queue_receipts(settings: Settings, queue: str) -> dict[str, tuple[int, int]]
 
 
 def wait_error(
-    settings: Settings, match: Callable[[dict[str, Any]], bool], *, timeout_s: float = 15
+    settings: Deployment, match: Callable[[dict[str, Any]], bool], *, timeout_s: float = 15
 ) -> dict[str, Any]:
     """The first error-topic record ``match`` accepts, waiting for it to appear."""
     deadline = time.monotonic() + timeout_s

@@ -14,13 +14,13 @@ import redis
 from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import parse_catalog
 from ksb.cli.app import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from services.activation import ActivationService
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import read_topic, receive_all
@@ -39,7 +39,7 @@ def with_target_queue(**changes: Any) -> dict[str, Any]:
 
 
 class ThreadActivation:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Deployment) -> None:
         self.service = ActivationService(settings)
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop_event,))
@@ -53,13 +53,15 @@ class ThreadActivation:
 
 
 @pytest.fixture
-def fast_settings(settings: Settings) -> Settings:
+def fast_settings(settings: Deployment) -> Deployment:
     return settings.model_copy(
         update={"tick_ms": 500, "activated_idle_ms": 800, "activation_empty_grace_ms": 1000}
     )
 
 
-def start(settings: Settings, catalog: dict[str, Any]) -> tuple[ThreadDispatcher, ThreadActivation]:
+def start(
+    settings: Deployment, catalog: dict[str, Any]
+) -> tuple[ThreadDispatcher, ThreadActivation]:
     apply_catalog(settings, parse_catalog(catalog))
     return ThreadDispatcher(settings), ThreadActivation(settings)
 
@@ -72,7 +74,7 @@ def stop_all() -> Iterator[list[Any]]:
         r.stop()
 
 
-def monitor_view(settings: Settings, queue: str) -> dict[str, Any]:
+def monitor_view(settings: Deployment, queue: str) -> dict[str, Any]:
     raw = redis.Redis.from_url(settings.redis_url).hget(
         Names(settings.instance).monitors_key, queue
     )
@@ -80,7 +82,7 @@ def monitor_view(settings: Settings, queue: str) -> dict[str, Any]:
 
 
 def test_internal_activation_starts_readers_that_reply_and_retire(
-    fast_settings: Settings, stop_all: list[Any]
+    fast_settings: Deployment, stop_all: list[Any]
 ) -> None:
     cat = with_target_queue(
         activation={
@@ -112,7 +114,7 @@ def test_internal_activation_starts_readers_that_reply_and_retire(
 
 
 def test_backlog_on_one_conversation_does_not_start_a_third_reader(
-    fast_settings: Settings, stop_all: list[Any]
+    fast_settings: Deployment, stop_all: list[Any]
 ) -> None:
     cat = with_target_queue(
         activation={
@@ -138,7 +140,7 @@ def test_backlog_on_one_conversation_does_not_start_a_third_reader(
 
 
 def test_external_activation_publishes_one_event_until_a_receive(
-    fast_settings: Settings, stop_all: list[Any]
+    fast_settings: Deployment, stop_all: list[Any]
 ) -> None:
     cat = copy.deepcopy(BASIC_CATALOG)
     cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 60}]
@@ -159,7 +161,7 @@ def test_external_activation_publishes_one_event_until_a_receive(
 
 
 def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
-    fast_settings: Settings, stop_all: list[Any]
+    fast_settings: Deployment, stop_all: list[Any]
 ) -> None:
     cat = copy.deepcopy(BASIC_CATALOG)
     cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 600}]
@@ -198,7 +200,7 @@ def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
 
 
 def test_dead_letter_policy_moves_one_bad_message_and_keeps_the_queue_running(
-    fast_settings: Settings, stop_all: list[Any]
+    fast_settings: Deployment, stop_all: list[Any]
 ) -> None:
     cat = with_target_queue(dead_letter={"max_rollbacks": 3, "error_code": 500})
     stop_all.extend(start(fast_settings, cat))
@@ -253,7 +255,7 @@ class HandlerKilled(BaseException):
 
 
 def test_a_dead_task_handler_is_restarted_by_the_running_service_on_its_next_tick(
-    fast_settings: Settings, stop_all: list[Any]
+    fast_settings: Deployment, stop_all: list[Any]
 ) -> None:
     act = ThreadActivation(fast_settings)  # no catalog: no monitors, only the loop and its ticks
     stop_all.append(act)

@@ -23,6 +23,7 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.cli.app import app
@@ -30,7 +31,7 @@ from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import Settings, load_settings
+from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import check_exactly_once_in_order, queue_receipts, read_topic
@@ -46,7 +47,7 @@ _PROCS = "tests.integration.test_activation_faults"
 # --------------------------------------------------------------------------- procedures (in tasks)
 @functools.cache
 def _task_redis() -> redis.Redis:
-    return redis.Redis.from_url(load_settings().redis_url)
+    return redis.Redis.from_url(ActivatedTaskSettings.from_env().redis_url)
 
 
 def _test_key(instance: str, what: str) -> str:
@@ -55,7 +56,7 @@ def _test_key(instance: str, what: str) -> str:
 
 def _note_task(r: redis.Redis) -> str:
     """Record this task's pid (so the test can clean up orphans) and return its task id."""
-    r.sadd(_test_key(load_settings().instance, "pids"), os.getpid())
+    r.sadd(_test_key(ActivatedTaskSettings.from_env().instance, "pids"), os.getpid())
     return os.environ.get("ACTIVATED_TASK_ID", "?")
 
 
@@ -79,7 +80,9 @@ def crash_once(tx: Transaction, messages: list[QueueMessage]) -> None:
     for m in messages:
         marker = json.dumps({"task": task, "group": m.conversation_group_id})
         crash = json.loads(m.message_body).get("crash")
-        if crash and r.set(_test_key(load_settings().instance, "crashed"), marker, nx=True):
+        if crash and r.set(
+            _test_key(ActivatedTaskSettings.from_env().instance, "crashed"), marker, nx=True
+        ):
             os._exit(1)
     time.sleep(0.05 * len(messages))
     for m in messages:
@@ -88,14 +91,14 @@ def crash_once(tx: Transaction, messages: list[QueueMessage]) -> None:
 
 # --------------------------------------------------------------------------- fixtures and helpers
 @pytest.fixture
-def fast_settings(settings: Settings) -> Settings:
+def fast_settings(settings: Deployment) -> Deployment:
     return settings.model_copy(
         update={"tick_ms": 500, "activated_idle_ms": 800, "activation_empty_grace_ms": 1000}
     )
 
 
 @pytest.fixture
-def stop_all(settings: Settings) -> Iterator[list[Any]]:
+def stop_all(settings: Deployment) -> Iterator[list[Any]]:
     """Things to stop at the end (last first), then any activated task still alive."""
     running: list[Any] = []
     yield running
@@ -104,7 +107,7 @@ def stop_all(settings: Settings) -> Iterator[list[Any]]:
     _end_orphan_tasks(settings)
 
 
-def _end_orphan_tasks(settings: Settings) -> None:
+def _end_orphan_tasks(settings: Deployment) -> None:
     """Tasks outlive a killed activation service; end the ones this test's procedures recorded."""
     r = redis.Redis.from_url(settings.redis_url)
     try:
@@ -122,7 +125,7 @@ def _end_orphan_tasks(settings: Settings) -> None:
 
 
 @pytest.fixture
-def r(settings: Settings) -> Iterator[redis.Redis]:
+def r(settings: Deployment) -> Iterator[redis.Redis]:
     conn = redis.Redis.from_url(settings.redis_url)
     try:
         yield conn
@@ -130,14 +133,14 @@ def r(settings: Settings) -> Iterator[redis.Redis]:
         conn.close()
 
 
-def cli(settings: Settings, *args: str) -> str:
+def cli(settings: Deployment, *args: str) -> str:
     env = {f"KSB_{k.upper()}": str(v) for k, v in settings.model_dump().items()}
     result = CliRunner().invoke(app, list(args), env=env)
     assert result.exit_code == 0, result.output
     return result.output
 
 
-def live_tasks(r: redis.Redis, settings: Settings) -> int:
+def live_tasks(r: redis.Redis, settings: Deployment) -> int:
     """Tasks with a live heartbeat, as the monitors and `ksb tasks` count them."""
     key = Names(settings.instance).tasks_key(QUEUE)
     return int(r.zcount(key, int(time.time() * 1000), "+inf"))
@@ -157,7 +160,7 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: flo
 class TaskSampler:
     """Samples running tasks every 20 ms: the heartbeat set and the monitor's own count."""
 
-    settings: Settings
+    settings: Deployment
     samples: list[tuple[float, int, int]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -220,7 +223,7 @@ def collect_replies(
 
 
 def assert_processed_once(
-    settings: Settings, replies: list[dict[str, Any]], dialogs: int, per: int
+    settings: Deployment, replies: list[dict[str, Any]], dialogs: int, per: int
 ) -> None:
     check_exactly_once_in_order(replies, dialogs, per)
     receipts = queue_receipts(settings, QUEUE)
@@ -241,7 +244,7 @@ def activation(procedure: str, max_queue_readers: int, **queue: Any) -> dict[str
 
 # --------------------------------------------------------------------------- the tests
 def test_sigkilled_activation_service_counts_surviving_tasks_after_restart(
-    fast_settings: Settings, stop_all: list[Any], r: redis.Redis, tmp_path: Path
+    fast_settings: Deployment, stop_all: list[Any], r: redis.Redis, tmp_path: Path
 ) -> None:
     """Tasks outlive the service; the restarted one counts their heartbeats: never a third."""
     dialogs, per = 40, 6  # 240 messages at 100 ms: about 12 s of work for two readers
@@ -293,7 +296,7 @@ def test_sigkilled_activation_service_counts_surviving_tasks_after_restart(
 
 
 def test_a_crashed_task_is_counted_out_and_its_group_is_processed_later(
-    fast_settings: Settings, stop_all: list[Any], r: redis.Redis
+    fast_settings: Deployment, stop_all: list[Any], r: redis.Redis
 ) -> None:
     settings = fast_settings.model_copy(update={"lock_ttl_ms": 2000})
     dialogs, per = 6, 3
@@ -337,7 +340,7 @@ def test_a_crashed_task_is_counted_out_and_its_group_is_processed_later(
 
 
 def test_alter_queue_readers_and_status_take_effect_at_once(
-    fast_settings: Settings, stop_all: list[Any], r: redis.Redis
+    fast_settings: Deployment, stop_all: list[Any], r: redis.Redis
 ) -> None:
     # No poison handling interference: this test's probing RECEIVEs roll back.
     settings = fast_settings.model_copy(update={"poison_rollbacks": 1000})
@@ -387,7 +390,7 @@ def test_alter_queue_readers_and_status_take_effect_at_once(
 
 
 def test_poison_message_handling_off_keeps_the_queue_enabled(
-    fast_settings: Settings, stop_all: list[Any], r: redis.Redis
+    fast_settings: Deployment, stop_all: list[Any], r: redis.Redis
 ) -> None:
     cat = copy.deepcopy(BASIC_CATALOG)
     cat["event_notifications"] = [{"name": "ext", "queue": QUEUE, "timeout_s": 600}]

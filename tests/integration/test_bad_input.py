@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import ERROR, Catalog
 from ksb.errors import CommitRefused
 from ksb.names import Names
 from ksb.runtime.catalog_store import load_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint, wait_error
 
@@ -53,16 +53,16 @@ def _assert_delivered(
     assert receive_all(client, queue, 1, timeout_s=0.5) == []
 
 
-def _by_request(settings: Settings, request_id: str) -> dict[str, Any]:
+def _by_request(settings: Deployment, request_id: str) -> dict[str, Any]:
     return wait_error(settings, lambda r: r.get("request_id") == request_id)
 
 
-def _by_handle(settings: Settings, handle: str) -> dict[str, Any]:
+def _by_handle(settings: Deployment, handle: str) -> dict[str, Any]:
     return wait_error(settings, lambda r: r.get("handle") == handle)
 
 
 def test_malformed_records_get_a_malformed_record_error(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     bad: list[tuple[bytes | None, str]] = [
         (b"this is not JSON {", "Invalid JSON"),
@@ -94,7 +94,7 @@ def test_malformed_records_get_a_malformed_record_error(
 
 
 def test_unknown_service_contract_and_message_type_are_named(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     good = client.begin_dialog(INIT, TGT, CON)
     _good(client, good, "before")
@@ -123,7 +123,7 @@ def test_unknown_service_contract_and_message_type_are_named(
 
 
 def test_message_type_not_allowed_from_that_side(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     good = client.begin_dialog(INIT, TGT, CON)
     _good(client, good, "before")
@@ -149,7 +149,7 @@ def test_message_type_not_allowed_from_that_side(
     ids=["schema", "json", "empty"],
 )
 def test_body_failing_validation_errors_only_its_dialog(
-    settings: Settings,
+    settings: Deployment,
     client: KsbClient,
     dispatcher: ThreadDispatcher,
     message_type: str,
@@ -171,7 +171,7 @@ def test_body_failing_validation_errors_only_its_dialog(
 
 
 def test_body_over_the_size_limit_is_refused(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     limit = settings.max_body_bytes
     good = client.begin_dialog(INIT, TGT, CON)
@@ -190,7 +190,7 @@ def test_body_over_the_size_limit_is_refused(
 
 
 def test_send_on_unknown_or_closed_conversation(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     good = client.begin_dialog(INIT, TGT, CON)
     _good(client, good, "before")
@@ -230,7 +230,7 @@ def test_send_on_unknown_or_closed_conversation(
 
 
 def test_multi_handle_send_with_one_bad_handle_queues_nothing(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     good = client.begin_dialog(INIT, TGT, CON)
     other = client.begin_dialog(INIT, TGT, CON)
@@ -254,7 +254,7 @@ def test_multi_handle_send_with_one_bad_handle_queues_nothing(
 
 
 def test_commit_with_one_bad_action_is_refused_whole(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     good = client.begin_dialog(INIT, TGT, CON)
     _good(client, good, "first")
@@ -273,7 +273,7 @@ def test_commit_with_one_bad_action_is_refused_whole(
 
 
 def test_an_invalid_catalog_record_is_skipped_not_fatal(
-    settings: Settings, catalog: Catalog, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, catalog: Catalog, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     """A catalog record written by hand that is not a valid catalog: every reader keeps the newest
     valid version (with a warning naming the record) and the running dispatcher goes on."""

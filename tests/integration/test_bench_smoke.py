@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.cross_instance import CrossOptions, format_lines, run_cross_instance
-from ksb.settings import Settings
+from devtools.deployment import Deployment
 from tests.conftest import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,7 +55,7 @@ def test_cross_instance_bench_delivers_everything_once(stack: Stack, tmp_path: P
     """The cross-instance section with tiny counts: every message of both paths and of the backlog
     arrives exactly once and in order, nothing reaches B while the link is cut, and every figure it
     prints is there and positive (never how large)."""
-    settings = Settings(
+    settings = Deployment(
         instance=f"bx{uuid.uuid4().hex[:8]}",
         kafka_bootstrap=stack.kafka_bootstrap,
         redis_url=stack.redis_url,

@@ -15,15 +15,16 @@ import pytest
 from confluent_kafka import KafkaError, KafkaException
 from prometheus_client import REGISTRY
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import parse_catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
+from ksb.settings import DispatcherSettings
 from ksb.wire.protocol import BrokerNotification, parse_bcn
 from services.dispatcher import Dispatcher
-from services.dispatcher.service import kafka_answers
+from services.dispatcher.notifications import kafka_answers
 from tests.healthz import get, serving_healthz
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import read_topic, receive_all
@@ -37,8 +38,10 @@ TICK_MS = 100
 class StartingDispatcher:
     """A dispatcher thread that, unlike the `dispatcher` fixture, does not wait to be ready."""
 
-    def __init__(self, settings: Settings, dispatcher: Dispatcher | None = None) -> None:
-        self.dispatcher = dispatcher or Dispatcher(settings, task_handlers=2)
+    def __init__(self, settings: Deployment, dispatcher: Dispatcher | None = None) -> None:
+        self.dispatcher = dispatcher or Dispatcher(
+            settings.narrow(DispatcherSettings, task_handlers=2)
+        )
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.dispatcher.run, args=(self.stop_event,))
         self.thread.start()
@@ -50,12 +53,12 @@ class StartingDispatcher:
 
 
 @pytest.fixture
-def fast(settings: Settings) -> Settings:
+def fast(settings: Deployment) -> Deployment:
     return settings.model_copy(update={"tick_ms": TICK_MS})
 
 
 @pytest.fixture
-def starting(fast: Settings) -> Iterator[StartingDispatcher]:
+def starting(fast: Deployment) -> Iterator[StartingDispatcher]:
     d = StartingDispatcher(fast)
     try:
         yield d
@@ -63,12 +66,12 @@ def starting(fast: Settings) -> Iterator[StartingDispatcher]:
         d.stop()
 
 
-def bcns(settings: Settings) -> list[BrokerNotification]:
+def bcns(settings: Deployment) -> list[BrokerNotification]:
     return [parse_bcn(v) for _k, v in read_topic(settings, Names(settings.instance).bcn)]
 
 
 def wait_bcn(
-    settings: Settings, match: Callable[[BrokerNotification], bool], *, timeout_s: float = 30
+    settings: Deployment, match: Callable[[BrokerNotification], bool], *, timeout_s: float = 30
 ) -> BrokerNotification:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -91,7 +94,7 @@ def service_up() -> float | None:
     return REGISTRY.get_sample_value("ksb_service_up", {"service": "dispatcher"})
 
 
-def deliver_one(settings: Settings) -> None:
+def deliver_one(settings: Deployment) -> None:
     with KsbClient(settings) as client:
         h = client.begin_dialog(I, T, C)
         client.send(h, "//t/Request", '{"n": 1}')
@@ -101,7 +104,7 @@ def deliver_one(settings: Settings) -> None:
 
 
 def test_started_before_its_catalog_it_starts_within_ticks_of_the_apply(
-    fast: Settings, starting: StartingDispatcher, healthz: str
+    fast: Deployment, starting: StartingDispatcher, healthz: str
 ) -> None:
     d = starting.dispatcher
     failed = wait_bcn(fast, lambda b: b.event == "start_failed")
@@ -139,7 +142,7 @@ def test_started_before_its_catalog_it_starts_within_ticks_of_the_apply(
     assert set(events[:-2]) == {"start_failed"}
 
 
-def test_missing_queue_topics_are_retried_every_fifth_tick(fast: Settings) -> None:
+def test_missing_queue_topics_are_retried_every_fifth_tick(fast: Deployment) -> None:
     names = Names(fast.instance)
     admin = kafka.admin(fast)
     kafka.ensure_topics(admin, kafka.core_topics(names, fast))
@@ -173,7 +176,7 @@ def test_missing_queue_topics_are_retried_every_fifth_tick(fast: Settings) -> No
         starting.stop()
 
 
-def test_a_start_kafka_failed_is_retried_on_the_tick_after_kafka_answers(fast: Settings) -> None:
+def test_a_start_kafka_failed_is_retried_on_the_tick_after_kafka_answers(fast: Deployment) -> None:
     """The 5th-tick retry is pushed out of reach (1000 ticks): only the Kafka probe can start it."""
     apply_catalog(fast, parse_catalog(BASIC_CATALOG))
     probes: list[bool] = []
@@ -183,7 +186,9 @@ def test_a_start_kafka_failed_is_retried_on_the_tick_after_kafka_answers(fast: S
         probes.append(len(probes) >= 2 and kafka_answers(fast))
         return probes[-1]
 
-    d = Dispatcher(fast, task_handlers=2, retry_every_ticks=1000, kafka_probe=probe)
+    d = Dispatcher(
+        fast.narrow(DispatcherSettings, task_handlers=2, broker_retry_every=1000), kafka_probe=probe
+    )
     real_start = d.start
     calls: list[int] = []
 

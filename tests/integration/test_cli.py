@@ -11,11 +11,11 @@ import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, Catalog
 from ksb.cli.app import app
 from ksb.dialog.views import ONE_SIDED_GRACE_MS
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 INITIATOR, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
 
 
-def ksb(settings: Settings, *args: str) -> Result:
+def ksb(settings: Deployment, *args: str) -> Result:
     """Run `ksb ARGS` with the test instance's settings in the environment, as a user would."""
     env = {
         "KSB_INSTANCE": settings.instance,
@@ -48,12 +48,12 @@ def refused(result: Result) -> str:
     return result.stderr
 
 
-def shown(settings: Settings) -> dict[str, Any]:
+def shown(settings: Deployment) -> dict[str, Any]:
     value: dict[str, Any] = json.loads(ok(ksb(settings, "catalog", "show", "--json")))
     return value
 
 
-def test_catalog_apply_then_show(settings: Settings, tmp_path: Path) -> None:
+def test_catalog_apply_then_show(settings: Deployment, tmp_path: Path) -> None:
     path = tmp_path / "catalog.yaml"
     path.write_text(yaml.safe_dump(BASIC_CATALOG))
     assert "applied catalog version 1" in ok(ksb(settings, "catalog", "apply", str(path)))
@@ -77,7 +77,7 @@ def test_catalog_apply_then_show(settings: Settings, tmp_path: Path) -> None:
     ],
 )
 def test_invalid_catalog_is_refused_naming_the_field(
-    settings: Settings, tmp_path: Path, change: dict[str, Any], field: str
+    settings: Deployment, tmp_path: Path, change: dict[str, Any], field: str
 ) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({**BASIC_CATALOG, **change}))
@@ -87,7 +87,7 @@ def test_invalid_catalog_is_refused_naming_the_field(
 
 
 def test_sql_applies_priority_and_queue_changes(
-    settings: Settings, catalog: Catalog, tmp_path: Path
+    settings: Deployment, catalog: Catalog, tmp_path: Path
 ) -> None:
     create = (
         "CREATE BROKER PRIORITY TargetHigh FOR CONVERSATION\n"
@@ -122,7 +122,7 @@ def test_sql_applies_priority_and_queue_changes(
     assert after["priorities"][0]["level"] == 3
 
 
-def test_sql_bad_statement_points_at_the_token(settings: Settings, catalog: Catalog) -> None:
+def test_sql_bad_statement_points_at_the_token(settings: Deployment, catalog: Catalog) -> None:
     reason = refused(ksb(settings, "sql", "CREATE BROKER PRIORTY p FOR CONVERSATION"))
     first, source, caret = reason.splitlines()[:3]
     assert first.startswith("error: line 1, column 15: unexpected 'PRIORTY'")
@@ -138,7 +138,7 @@ def test_sql_bad_statement_points_at_the_token(settings: Settings, catalog: Cata
 
 
 def test_endpoints_leaked_errors_and_queue_peek(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     # A: the target ends WITH CLEANUP, so the initiator is left open with nobody on the far side.
     cleaned = client.begin_dialog(INITIATOR, T, C)

@@ -32,13 +32,14 @@ import prometheus_client
 import pytest
 
 import ksb.runtime.metrics  # noqa: F401  (registers the services' metrics in the default registry)
+from devtools.deployment import Deployment
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings, settings_env
+from ksb.settings import SparkSettings, settings_env
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import receive_all
 
@@ -150,13 +151,13 @@ def problem(prom: Prometheus, q: PanelQuery, *, need_data: bool) -> str | None:
 class SparkExporter:
     """`python -m ksb.spark` with its exporter on `port` (only when the module exists)."""
 
-    def __init__(self, settings: Settings, log_path: Path) -> None:
+    def __init__(self, settings: Deployment, log_path: Path) -> None:
         self.log_path = log_path
         with log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ksb.spark"],
                 cwd=log_path.parent,
-                env=settings_env(settings),
+                env=settings_env(settings.narrow(SparkSettings)),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -198,7 +199,7 @@ def _catalog() -> dict[str, Any]:
 
 @pytest.mark.integration
 @pytest.mark.timeout(480)  # the Spark job, when present, takes minutes to show windows
-def _traffic_round(settings: Settings) -> int:
+def _traffic_round(settings: Deployment) -> int:
     """Request/reply through activated readers, and one refused request (an unknown handle)."""
     with KsbClient(settings) as client:
         sent = 0
@@ -212,14 +213,14 @@ def _traffic_round(settings: Settings) -> int:
     return sent
 
 
-def _traffic(settings: Settings, stop: threading.Event) -> None:
+def _traffic(settings: Deployment, stop: threading.Event) -> None:
     while not stop.is_set():
         _traffic_round(settings)
         stop.wait(0.5)
 
 
 def test_every_dashboard_panel_returns_data_from_a_real_prometheus(
-    settings: Settings,
+    settings: Deployment,
     tmp_path: Path,
     running: list[ServiceProcess | Prometheus | SparkExporter],
 ) -> None:

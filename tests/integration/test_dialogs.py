@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint
 
@@ -19,7 +19,7 @@ I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"  # noqa: E741
 
 
 def test_request_reply_end_in_order(
-    client: KsbClient, settings: Settings, dispatcher: ThreadDispatcher
+    client: KsbClient, settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     handles = [client.begin_dialog(I, T, C) for _ in range(3)]
     for h in handles:
@@ -75,7 +75,7 @@ def test_receive_returns_one_group_and_rollback_puts_back(
 
 
 def test_locked_group_is_skipped_by_another_reader(
-    client: KsbClient, settings: Settings, dispatcher: ThreadDispatcher
+    client: KsbClient, settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     a = client.begin_dialog(I, T, C)
     client.send(a, "//t/Request", "{}")
@@ -90,7 +90,7 @@ def test_locked_group_is_skipped_by_another_reader(
 
 
 def test_body_failing_validation_errors_the_dialog(
-    client: KsbClient, settings: Settings, dispatcher: ThreadDispatcher
+    client: KsbClient, settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     h = client.begin_dialog(I, T, C)
     client.send(h, "//t/Order", json.dumps({"qty": 0}))
@@ -103,7 +103,7 @@ def test_body_failing_validation_errors_the_dialog(
 
 
 def test_unknown_service_goes_to_error_topic(
-    client: KsbClient, settings: Settings, dispatcher: ThreadDispatcher
+    client: KsbClient, settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     client.begin_dialog(I, "//t/Nobody", C)
     client.flush()
@@ -113,7 +113,7 @@ def test_unknown_service_goes_to_error_topic(
 
 
 def test_a_lock_outlives_its_ttl_while_the_transaction_runs(
-    settings: Settings, dispatcher: ThreadDispatcher
+    settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     short = settings.model_copy(update={"lock_ttl_ms": 600})
     with KsbClient(short) as client, KsbClient(short) as other:

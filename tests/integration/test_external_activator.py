@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import redis
 
+from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import receive_all
 from tests.integration.test_activation import ThreadActivation
@@ -36,7 +36,7 @@ DONE = re.compile(r"task (TargetQueue-ext-\S+) done: (\d+) message")
 
 
 @pytest.fixture
-def fast_settings(settings: Settings) -> Settings:
+def fast_settings(settings: Deployment) -> Deployment:
     """Short tick and idle time, so readers retire within a second of the queue going empty."""
     return settings.model_copy(
         update={"tick_ms": 500, "activated_idle_ms": 800, "activation_empty_grace_ms": 1000}
@@ -57,7 +57,7 @@ class TaskSetPeak:
     An independent witness of concurrency: it counts readers alive, not what the activator says.
     """
 
-    def __init__(self, settings: Settings, queue: str) -> None:
+    def __init__(self, settings: Deployment, queue: str) -> None:
         self.redis = redis.Redis.from_url(settings.redis_url)
         self.key = Names(settings.instance).tasks_key(queue)
         self.peak = 0
@@ -86,7 +86,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def test_external_activator_starts_readers_that_reply_never_above_max(
-    fast_settings: Settings, stop_all: list[Any], tmp_path: Path
+    fast_settings: Deployment, stop_all: list[Any], tmp_path: Path
 ) -> None:
     cat = copy.deepcopy(BASIC_CATALOG)
     cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 10}]

@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from devtools.deployment import Deployment
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings, settings_env
+from ksb.settings import ClientSettings, settings_env
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import Flow, check_exactly_once_in_order, queue_receipts
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_dispatcher_sigkill_three_times_keeps_exactly_once_in_order(
-    settings: Settings, client: KsbClient, dispatcher_process: ServiceProcess, tmp_path: Path
+    settings: Deployment, client: KsbClient, dispatcher_process: ServiceProcess, tmp_path: Path
 ) -> None:
     """10,000 messages over 100 dialogs; the dispatcher is SIGKILLed three times while they flow."""
     # The sender is paced so that the messages are still flowing at every kill.
@@ -86,7 +87,7 @@ def reader_procs() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 def _start_reader(
-    settings: Settings, out: Path, log: Path, procs: list[subprocess.Popen[bytes]], *, top: int
+    settings: Deployment, out: Path, log: Path, procs: list[subprocess.Popen[bytes]], *, top: int
 ) -> subprocess.Popen[bytes]:
     with log.open("ab") as f:
         proc = subprocess.Popen(
@@ -99,7 +100,7 @@ def _start_reader(
                 str(top),
             ],
             cwd=REPO_ROOT,
-            env=settings_env(settings),
+            env=settings_env(settings.narrow(ClientSettings)),
             stdout=f,
             stderr=subprocess.STDOUT,
         )
@@ -133,7 +134,7 @@ def _wait_committed(
 
 
 def test_reader_sigkill_redelivers_uncommitted_after_lock_expiry(
-    settings: Settings,
+    settings: Deployment,
     client: KsbClient,
     dispatcher: ThreadDispatcher,
     tmp_path: Path,

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, Catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from ksb.wire.partitioning import target_handle
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import receive_all, wait_endpoint
@@ -60,7 +60,7 @@ def run_script(script: str, env: dict[str, str], cwd: Path, timeout_s: float) ->
 
 
 def test_doc_example_begins_sends_receives_and_ends(
-    settings: Settings,
+    settings: Deployment,
     catalog: Catalog,
     dispatcher: ThreadDispatcher,
     client: KsbClient,

@@ -12,11 +12,11 @@ import time
 import pytest
 import redis
 
+from devtools.deployment import Deployment
 from ksb.errors import CommitRefused, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import Settings
 from ksb.wire.protocol import CommitRequest, QueueMessage, Receipt, SendRequest, dumps
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import Flow, queue_receipts, read_topic, receive_all, wait_error
@@ -27,7 +27,7 @@ INIT, TGT, CON = "//t/Initiator", "//t/Target", "//t/Contract"
 Q = "TargetQueue"
 
 
-def _flushall(settings: Settings) -> None:
+def _flushall(settings: Deployment) -> None:
     r = redis.Redis.from_url(settings.redis_url)
     try:
         r.flushall()
@@ -35,7 +35,7 @@ def _flushall(settings: Settings) -> None:
         r.close()
 
 
-def _token(settings: Settings, group: str) -> int:
+def _token(settings: Deployment, group: str) -> int:
     r = redis.Redis.from_url(settings.redis_url)
     try:
         raw = r.hget(Names(settings.instance).lock_key(Q, group), "token")
@@ -45,7 +45,7 @@ def _token(settings: Settings, group: str) -> int:
     return int(raw)
 
 
-def _queued(settings: Settings, count: int, timeout_s: float = 15) -> None:
+def _queued(settings: Deployment, count: int, timeout_s: float = 15) -> None:
     """Wait until the dispatcher has put ``count`` messages in the target queue."""
     deadline = time.monotonic() + timeout_s
     while sum(1 for m, _ in queue_receipts(settings, Q).values() if m) < count:
@@ -53,7 +53,7 @@ def _queued(settings: Settings, count: int, timeout_s: float = 15) -> None:
         time.sleep(0.1)
 
 
-def _dialog_with(client: KsbClient, settings: Settings, count: int) -> str:
+def _dialog_with(client: KsbClient, settings: Deployment, count: int) -> str:
     h = client.begin_dialog(INIT, TGT, CON)
     for n in range(count):
         client.send(h, "//t/Request", json.dumps({"n": n}))
@@ -69,7 +69,7 @@ def _receive(tx: Transaction, count: int) -> list[QueueMessage]:
 
 
 def test_flushall_mid_run_keeps_exactly_once_in_order(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     """Redis is flushed twice while 1,800 messages flow; every one arrives once, in order.
 
@@ -104,7 +104,7 @@ def test_flushall_mid_run_keeps_exactly_once_in_order(
 
 
 def test_commit_after_lock_expired_and_taken_is_refused_and_redelivered(
-    settings: Settings, dispatcher: ThreadDispatcher
+    settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     """A's lease runs out (a stalled holder); B takes the group; A's commit is refused."""
     with KsbClient(settings) as a, KsbClient(settings) as b:
@@ -139,7 +139,7 @@ def test_commit_after_lock_expired_and_taken_is_refused_and_redelivered(
 
 
 def test_commit_after_flush_and_taken_is_refused_and_redelivered(
-    settings: Settings, dispatcher: ThreadDispatcher
+    settings: Deployment, dispatcher: ThreadDispatcher
 ) -> None:
     with KsbClient(settings) as a, KsbClient(settings) as b:
         _dialog_with(a, settings, 2)
@@ -162,7 +162,7 @@ def test_commit_after_flush_and_taken_is_refused_and_redelivered(
 
 
 def test_commit_after_flush_with_no_new_holder_is_refused_and_messages_come_back(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     _dialog_with(client, settings, 2)
     tx = client.transaction()
@@ -178,7 +178,7 @@ def test_commit_after_flush_with_no_new_holder_is_refused_and_messages_come_back
 
 
 def test_stale_fencing_token_is_refused_by_the_dispatcher(
-    settings: Settings, client: KsbClient, dispatcher: ThreadDispatcher
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
 ) -> None:
     """A commit carrying an older token than one already applied for the group is refused whole."""
     h = _dialog_with(client, settings, 2)

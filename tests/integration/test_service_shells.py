@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
-from ksb.settings import Settings
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("name", ["transmitter", "transport", "forwarder"])
 def test_shell_starts_ticks_and_exits_zero_on_sigterm(
-    name: str, settings: Settings, tmp_path: Path
+    name: str, settings: Deployment, tmp_path: Path
 ) -> None:
     # A short tick so the loop really runs ticks before the stop, not only the start-up path.
     fast = settings.model_copy(update={"tick_ms": 50})

@@ -20,12 +20,12 @@ pytest.importorskip("pyarrow")
 from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
+from devtools.deployment import Deployment
 from ksb.audit import AuditEvent
 from ksb.catalog.model import Catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
 from ksb.spark.report import load_outputs
 from tests.conftest import Stack
 
@@ -47,7 +47,9 @@ def spark() -> Iterator[Any]:
         session.stop()
 
 
-def _job(spark: Any, settings: Settings, tmp: Path, registry: CollectorRegistry, **kw: Any) -> Any:
+def _job(
+    spark: Any, settings: Deployment, tmp: Path, registry: CollectorRegistry, **kw: Any
+) -> Any:
     from ksb.spark.exporter import SlaExporter
     from ksb.spark.job import AuditJob, JobConfig
 
@@ -62,14 +64,14 @@ def _job(spark: Any, settings: Settings, tmp: Path, registry: CollectorRegistry,
     return AuditJob(spark, config, exporter=SlaExporter(registry))
 
 
-def _topics(settings: Settings) -> None:
+def _topics(settings: Deployment) -> None:
     names = Names(settings.instance)
     kafka.ensure_topics(
         kafka.admin(settings), [kafka.TopicSpec(names.audit, 1), kafka.TopicSpec(names.sla, 1)]
     )
 
 
-def _produce(settings: Settings, events: list[AuditEvent]) -> None:
+def _produce(settings: Deployment, events: list[AuditEvent]) -> None:
     p = Producer({"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True})
     topic = Names(settings.instance).audit
     for e in events:
@@ -98,7 +100,7 @@ class Events:
 
 
 def test_inversions_starvation_and_sla_percentiles_with_restart(
-    spark: Any, settings: Settings, tmp_path: Path
+    spark: Any, settings: Deployment, tmp_path: Path
 ) -> None:
     _topics(settings)
     base = (int(time.time() * 1000) // WINDOW_MS) * WINDOW_MS
@@ -220,7 +222,7 @@ def test_inversions_starvation_and_sla_percentiles_with_restart(
 
 def test_dispatcher_events_produce_sla_rows(
     spark: Any,
-    settings: Settings,
+    settings: Deployment,
     catalog: Catalog,
     dispatcher: ThreadDispatcher,
     client: KsbClient,

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from devtools.deployment import Deployment
 from devtools.localstack import start_stack
 from ksb.catalog.model import parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
-from ksb.settings import Settings
 from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import check_exactly_once_in_order, read_topic, receive_all
@@ -44,8 +44,8 @@ def far(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         running.stop()
 
 
-def _settings(stack: Stack, name: str) -> Settings:
-    return Settings(
+def _settings(stack: Stack, name: str) -> Deployment:
+    return Deployment(
         instance=name,
         kafka_bootstrap=stack.kafka_bootstrap,
         redis_url=stack.redis_url,

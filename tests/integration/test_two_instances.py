@@ -14,17 +14,16 @@ import pytest
 import redis
 from confluent_kafka import Producer
 
+from devtools.deployment import Deployment
 from ksb.catalog.model import Catalog, parse_catalog
-from ksb.dialog.sequencing import Backoff
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
-from ksb.runtime.ticker import Intervals
 from ksb.sdk.client import KsbClient
-from ksb.settings import Settings
+from ksb.settings import ForwarderSettings, TransmitterSettings, TransportSettings
 from ksb.transmission.links import Packet
 from services.forwarder import Forwarder
-from services.transmitter import Transmitter, TransmitterOptions
-from services.transport import Transport, TransportOptions
+from services.transmitter import Transmitter
+from services.transport import Transport
 from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import (
@@ -59,28 +58,33 @@ def _catalogs(address: str = "LOCAL") -> tuple[dict[str, Any], dict[str, Any]]:
     return a, b
 
 
-FAST = Intervals(
-    tick_ms=100,
-    suppress_after_disconnect_ms=500,
-    suppress_after_failed_connect_ms=1_000,
-)
+FAST = {
+    "tick_ms": 100,
+    "suppress_after_disconnect_ms": 500,
+    "suppress_after_failed_connect_ms": 1_000,
+}
+"""Transmitter and transport intervals for these tests (the rest at their defaults)."""
 
 
 class ThreadTransmitter:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Deployment) -> None:
         self.transmitter = Transmitter(
-            settings,
-            intervals=FAST,
-            options=TransmitterOptions(
-                view_every_ms=100, backoff=Backoff(initial_ms=1_000, max_ms=4_000)
-            ),
+            settings.narrow(
+                TransmitterSettings,
+                tick_ms=FAST["tick_ms"],
+                view_every_ms=100,
+                retry_initial_ms=1_000,
+                retry_max_ms=4_000,
+            )
         )
         self.transport = Transport(
-            settings,
-            intervals=FAST,
-            options=TransportOptions(
-                connect_timeout_s=1.0, delivery_timeout_ms=2_000, view_every_ms=100
-            ),
+            settings.narrow(
+                TransportSettings,
+                **FAST,
+                connect_timeout_ms=1_000,
+                delivery_timeout_ms=2_000,
+                view_every_ms=100,
+            )
         )
         self.stop_event = threading.Event()
         self.threads = [
@@ -99,7 +103,7 @@ class ThreadTransmitter:
 
 
 class Instance:
-    def __init__(self, settings: Settings, catalog: dict[str, Any]) -> None:
+    def __init__(self, settings: Deployment, catalog: dict[str, Any]) -> None:
         self.settings = settings
         self.catalog: Catalog = apply_catalog(settings, parse_catalog(catalog))
         self.dispatcher = ThreadDispatcher(settings)
@@ -118,8 +122,8 @@ def _two_instances(
 ) -> Iterator[tuple[Instance, Instance]]:
     """A (initiator) and B (target) on the session's cluster, routed to each other."""
 
-    def settings(name: str, **extra: Any) -> Settings:
-        return Settings(
+    def settings(name: str, **extra: Any) -> Deployment:
+        return Deployment(
             instance=f"t{unique}{name}",
             kafka_bootstrap=stack.kafka_bootstrap,
             redis_url=stack.redis_url,
@@ -201,7 +205,7 @@ def test_foreign_records_on_outbound_and_links_are_skipped_and_nothing_else_is_h
     assert "unreadable links record" in text
 
 
-def _audit_kinds(settings: Settings, wanted: set[str], timeout_s: float = 15) -> set[str]:
+def _audit_kinds(settings: Deployment, wanted: set[str], timeout_s: float = 15) -> set[str]:
     deadline = time.monotonic() + timeout_s
     while True:
         records = read_topic(settings, Names(settings.instance).audit)
@@ -211,7 +215,7 @@ def _audit_kinds(settings: Settings, wanted: set[str], timeout_s: float = 15) ->
         time.sleep(0.2)
 
 
-def _wait_view_empty(settings: Settings, timeout_s: float = 30) -> dict[str, Any]:
+def _wait_view_empty(settings: Deployment, timeout_s: float = 30) -> dict[str, Any]:
     r = redis.Redis.from_url(settings.redis_url)
     deadline = time.monotonic() + timeout_s
     try:
@@ -273,7 +277,7 @@ def test_initiatordb_targetdb_priorities(pair: tuple[Instance, Instance]) -> Non
     ]
     apply_catalog(a.settings, parse_catalog(ca))
     v = apply_catalog(b.settings, parse_catalog(cb)).version
-    assert a.dispatcher.dispatcher._watcher is not None
+    assert a.dispatcher.dispatcher.engine is not None
     _wait_catalog(a.dispatcher, v)
     _wait_catalog(b.dispatcher, v)
     h = a.client.begin_dialog(I, T, C)
@@ -339,7 +343,7 @@ def test_cut_link_mid_stream_then_restore(pair: tuple[Instance, Instance]) -> No
     _wait_view_empty(a.settings, timeout_s=60)
 
 
-def _wait_view(settings: Settings, check: Any, timeout_s: float = 30) -> dict[str, Any]:
+def _wait_view(settings: Deployment, check: Any, timeout_s: float = 30) -> dict[str, Any]:
     r = redis.Redis.from_url(settings.redis_url)
     deadline = time.monotonic() + timeout_s
     try:
@@ -379,8 +383,8 @@ def test_expired_route_holds_messages_until_renewed(pair: tuple[Instance, Instan
 
 
 class ThreadForwarder:
-    def __init__(self, settings: Settings) -> None:
-        self.forwarder = Forwarder(settings, intervals=Intervals(tick_ms=100))
+    def __init__(self, settings: Deployment) -> None:
+        self.forwarder = Forwarder(settings.narrow(ForwarderSettings, tick_ms=100))
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.forwarder.run, args=(self.stop_event,))
         self.thread.start()
@@ -397,8 +401,8 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
 ) -> None:
     """A -> B -> C: B hosts neither service; its forwarder passes both directions on."""
 
-    def settings(name: str) -> Settings:
-        return Settings(
+    def settings(name: str) -> Deployment:
+        return Deployment(
             instance=f"t{unique}{name}",
             kafka_bootstrap=stack.kafka_bootstrap,
             redis_url=stack.redis_url,
@@ -460,7 +464,7 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
         b_dispatcher.stop()
 
 
-def _forwarded_view_published(settings: Settings, timeout_s: float = 10) -> bool:
+def _forwarded_view_published(settings: Deployment, timeout_s: float = 10) -> bool:
     r = redis.Redis.from_url(settings.redis_url)
     deadline = time.monotonic() + timeout_s
     try:
@@ -495,7 +499,7 @@ def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance])
 @pytest.fixture
 def solo(stack: Stack, unique: str) -> Iterator[Instance]:
     """One instance with a transmitter: local dialogs whose target queue gets disabled."""
-    s = Settings(
+    s = Deployment(
         instance=f"t{unique}S",
         kafka_bootstrap=stack.kafka_bootstrap,
         redis_url=stack.redis_url,

@@ -7,6 +7,7 @@ on the container network, which is what Prometheus scrapes.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -14,6 +15,9 @@ from typing import Any
 
 import pytest
 import yaml
+
+from devtools.deployment import settings_model
+from ksb.settings import CliSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -117,3 +121,23 @@ def test_grafana_provisions_the_dashboards_and_the_datasource() -> None:
     assert ds["datasources"][0]["url"] == "http://prometheus:9090"
     dashboards = sorted(p.stem for p in (ROOT / "infra/grafana/dashboards").glob("*.json"))
     assert dashboards == ["activation", "overview", "priorities", "sla", "transport"]
+
+
+def test_every_ksb_container_reads_exactly_its_own_settings() -> None:
+    """What a container's environment holds, its process's settings model reads (no unknown or
+    foreign KSB_* variable would stop it at start-up)."""
+    for svc in _compose()["services"].values():
+        command = svc.get("command") or []
+        if command[:2] == ["python", "-m"]:
+            model = settings_model(command[2])
+        elif command[:1] == ["ksb"]:
+            model = CliSettings
+        else:
+            continue  # not a KSB process (Kafka, Redis, Spark, Prometheus, Grafana)
+        env = {k: _interpolated(str(v)) for k, v in (svc.get("environment") or {}).items()}
+        model.from_env(env)  # raises, naming the variable, on anything the model does not read
+
+
+def _interpolated(value: str) -> str:
+    """Compose's `${VAR:-default}` as compose fills it in when VAR is unset."""
+    return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)

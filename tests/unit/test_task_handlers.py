@@ -23,7 +23,7 @@ from ksb.runtime.task_handlers import (
     handlers_to_restart,
 )
 from ksb.runtime.ticker import Ticker, TickSchedule
-from ksb.settings import Settings
+from ksb.settings import ActivationSettings
 from services.activation import ActivationService
 
 
@@ -218,14 +218,14 @@ def test_a_full_queue_refuses_instead_of_blocking_the_caller(service: str) -> No
 def test_the_activation_service_restarts_a_dead_handler_on_its_next_tick() -> None:
     """The wiring, not the pool: the service's own ticker checks its handlers on every tick."""
     clock = ManualClock(start_ms=0)
-    settings = Settings(instance="unit", tick_ms=5000, redis_url="redis://127.0.0.1:1/0")
+    settings = ActivationSettings(
+        instance="unit", tick_ms=5000, redis_url="redis://127.0.0.1:1/0", task_handlers=2
+    )
     # Building the service touches neither Kafka nor Redis (the client connects on first use).
     act = ActivationService(
-        settings,
-        clock=clock,
-        redis_client=redis.Redis.from_url(settings.redis_url),
-        task_handlers=2,
+        settings, clock=clock, redis_client=redis.Redis.from_url(settings.redis_url)
     )
+    act.shell.start_ticker()  # what the shell does once the service is open
     act.handlers.start()
     try:
         restarts = sample("ksb_task_handler_restarts_total", "activation")

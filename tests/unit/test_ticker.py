@@ -1,4 +1,4 @@
-"""The periodic timer, the interval settings and the pure maintenance rules, all in milliseconds."""
+"""The periodic timer and the pure maintenance rules, all in milliseconds."""
 
 from __future__ import annotations
 
@@ -7,15 +7,8 @@ import logging
 import pytest
 
 from ksb.clock import ManualClock
-from ksb.runtime.ticker import (
-    Intervals,
-    IntervalsError,
-    Suppression,
-    Ticker,
-    TickSchedule,
-    idle_to_close,
-    stale,
-)
+from ksb.runtime.ticker import Ticker, TickSchedule, idle_to_close, stale
+from ksb.transmission.suppression import Suppression
 
 START = 1_000_000
 
@@ -109,51 +102,6 @@ def test_every_rejects_a_duplicate_name() -> None:
         ticker.every(2, "x", lambda tick: None)
 
 
-def test_intervals_defaults_follow_the_broker() -> None:
-    intervals = Intervals()
-    assert intervals.tick_ms == 5000
-    assert intervals.dispatcher_stale_ms == 10_000
-    assert intervals.suppress_after_disconnect_ms == 15_000
-    assert intervals.suppress_after_failed_connect_ms == 60_000
-    assert intervals.forwarder_stale_ms == 60_000
-    assert intervals.idle_connection_ms == 90_000
-    assert intervals.schedule == TickSchedule(5000)
-
-
-def test_intervals_from_env_reads_each_field() -> None:
-    env = {
-        "KSB_TICK_MS": "100",
-        "KSB_INTERVAL_DISPATCHER_STALE_MS": "200",
-        "KSB_INTERVAL_SUPPRESS_AFTER_DISCONNECT_MS": "300",
-        "KSB_INTERVAL_SUPPRESS_AFTER_FAILED_CONNECT_MS": "400",
-        "KSB_INTERVAL_FORWARDER_STALE_MS": "500",
-        "KSB_INTERVAL_IDLE_CONNECTION_MS": "600",
-        "UNRELATED": "x",
-    }
-    assert Intervals.from_env(env) == Intervals(100, 200, 300, 400, 500, 600)
-
-
-def test_intervals_from_env_keeps_defaults_for_unset_fields() -> None:
-    assert Intervals.from_env({"KSB_TICK_MS": "1000"}) == Intervals(tick_ms=1000)
-
-
-def test_intervals_from_env_uses_the_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KSB_INTERVAL_IDLE_CONNECTION_MS", "1234")
-    assert Intervals.from_env().idle_connection_ms == 1234
-
-
-def test_an_unknown_interval_variable_fails_naming_it() -> None:
-    with pytest.raises(IntervalsError, match="KSB_INTERVAL_IDLE_CONECTION_MS"):
-        Intervals.from_env({"KSB_INTERVAL_IDLE_CONECTION_MS": "1"})
-
-
-@pytest.mark.parametrize("raw", ["abc", "0", "-5", "1.5"])
-def test_a_bad_interval_value_fails_naming_the_variable(raw: str) -> None:
-    with pytest.raises(IntervalsError, match="KSB_TICK_MS") as caught:
-        Intervals.from_env({"KSB_TICK_MS": raw})
-    assert caught.value.code == "invalid_setting"
-
-
 def test_suppression_after_disconnect_lasts_15_seconds() -> None:
     s = Suppression()
     s.on_disconnect("b", 1000)
@@ -186,7 +134,7 @@ def test_a_connection_clears_suppression() -> None:
 
 
 def test_due_lists_pending_destinations_that_are_not_suppressed() -> None:
-    s = Suppression.from_intervals(Intervals(suppress_after_disconnect_ms=1000))
+    s = Suppression(after_disconnect_ms=1000)
     s.on_disconnect("down", 0)
     s.on_failed_connect("dead", 0)
     assert s.due(["up", "down", "dead"], 500) == ["up"]

@@ -6,7 +6,6 @@ from typing import Any
 
 from ksb.catalog.model import CatalogView, parse_catalog
 from ksb.dialog.sequencing import Backoff
-from ksb.runtime.ticker import Intervals
 from ksb.transmission.links import (
     ROUTE_EXPIRED,
     Headers,
@@ -24,7 +23,7 @@ T0 = 1_700_000_000_000
 
 
 def test_suppression_schedule_15s_after_disconnect_60s_after_failed_connect() -> None:
-    links = Links(Intervals())
+    links = Links()
     assert not links.is_suppressed("B", T0)
     failed = links.on_failed_connect("B", "x:1", "refused", T0)
     assert (failed.kind, failed.suppressed_until_ms, failed.reason) == (
@@ -45,7 +44,7 @@ def test_suppression_schedule_15s_after_disconnect_60s_after_failed_connect() ->
 
 
 def test_a_failed_attempt_restarts_the_full_back_off_and_a_disconnect_never_shortens_it() -> None:
-    links = Links(Intervals(suppress_after_disconnect_ms=15, suppress_after_failed_connect_ms=60))
+    links = Links(suppress_after_disconnect_ms=15, suppress_after_failed_connect_ms=60)
     links.on_connected("B", "x:1", T0)
     links.on_failed_connect("B", "x:1", "refused", T0)
     links.on_failed_connect("B", "x:1", "refused", T0 + 50)
@@ -54,7 +53,7 @@ def test_a_failed_attempt_restarts_the_full_back_off_and_a_disconnect_never_shor
 
 
 def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
-    links = Links(Intervals())
+    links = Links()
     links.on_connected("B", "x:1", T0)
     links.on_activity("B", T0 + 10_000, sent=3)
     assert links.idle(T0 + 99_999) == []
@@ -62,7 +61,7 @@ def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
     closed = links.close("B", T0 + 100_000)
     assert closed is not None and (closed.kind, closed.suppressed_until_ms) == ("closed", None)
     assert links.close("B", T0 + 100_001) is None
-    other = Links(Intervals())
+    other = Links()
     other.restore_suppression({"C": T0 + 5_000, "D": T0 - 1}, T0)
     assert other.is_suppressed("C", T0) and not other.is_suppressed("D", T0)
     assert links.rows(T0 + 10_000)[0]["sent"] == 3

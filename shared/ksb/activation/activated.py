@@ -19,7 +19,7 @@ from collections.abc import Callable
 from ksb.errors import CommitRefused, KsbError, LockLost, QueueDisabled
 from ksb.names import Names
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import load_settings
+from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
 
 __all__ = ["Procedure", "resolve", "run_task"]
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     queue, path, task_id = args
     procedure = resolve(path)
-    settings = load_settings()
+    settings = ActivatedTaskSettings.from_env()
     with KsbClient(settings) as client:
         n = run_task(client, queue, procedure, task_id, settings.activated_idle_ms)
     log.info("task %s done: %d message(s)", task_id, n)

@@ -38,7 +38,7 @@ from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.queue_index import QueueIndex
-from ksb.settings import Settings, load_settings
+from ksb.settings import CliSettings, KsbSettings
 from ksb.wire.protocol import (
     CommitOutcome,
     DeadLetterRecord,
@@ -87,8 +87,8 @@ def _reported(command: Callable[_P, None]) -> Callable[_P, None]:
     return run
 
 
-def _settings() -> Settings:
-    return load_settings()
+def _settings() -> CliSettings:
+    return CliSettings.from_env()
 
 
 _PIPE_WIDTH = 1_000
@@ -115,7 +115,7 @@ def _now_ms() -> int:
 # --------------------------------------------------------------------------- catalog
 
 
-def store_catalog(settings: Settings, catalog: Catalog) -> Catalog:
+def store_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
     """Apply as the next version, after the checks a service would otherwise fail on at reload."""
     CatalogView(catalog)  # builds the priority table: clashing rules are refused here, not later
     return apply_catalog(settings, catalog)
@@ -314,7 +314,7 @@ def _definitions(catalog: Catalog) -> dict[str, Any]:
 # --------------------------------------------------------------------------- endpoints
 
 
-def read_endpoints(settings: Settings) -> dict[str, Endpoint]:
+def read_endpoints(settings: KsbSettings) -> dict[str, Endpoint]:
     """The latest state of every endpoint, from the compacted endpoints topic."""
     latest: dict[str, Endpoint] = {}
 
@@ -380,7 +380,7 @@ def _print_rows(title: str, rows: Sequence[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------- errors
 
 
-def read_errors(settings: Settings) -> list[dict[str, Any]]:
+def read_errors(settings: KsbSettings) -> list[dict[str, Any]]:
     """Every record of the error topic, oldest first, with its offset."""
     out: list[dict[str, Any]] = []
 
@@ -425,7 +425,7 @@ def errors(
 # --------------------------------------------------------------------------- queue peek
 
 
-def ready_messages(settings: Settings, queue: str) -> list[QueueMessage]:
+def ready_messages(settings: KsbSettings, queue: str) -> list[QueueMessage]:
     """A queue's ready messages in the order RECEIVE would return them, group by group."""
     CatalogView(load_catalog(settings)).queue(queue)  # an unknown queue is an error, not "empty"
     index = QueueIndex(queue)
@@ -487,7 +487,7 @@ def _preview(m: QueueMessage, width: int = 60) -> str:
 # --------------------------------------------------------------------------- activation views
 
 
-def read_monitors(settings: Settings) -> list[dict[str, Any]]:
+def read_monitors(settings: KsbSettings) -> list[dict[str, Any]]:
     """The activation service's queue monitors (like sys.dm_broker_queue_monitors)."""
     r = redis.Redis.from_url(settings.redis_url)
     try:
@@ -497,7 +497,7 @@ def read_monitors(settings: Settings) -> list[dict[str, Any]]:
     return [json.loads(v) for _k, v in sorted(raw.items())]
 
 
-def read_tasks(settings: Settings) -> list[dict[str, Any]]:
+def read_tasks(settings: KsbSettings) -> list[dict[str, Any]]:
     """Running activated tasks from their heartbeats (like sys.dm_broker_activated_tasks)."""
     names = Names(settings.instance)
     now = _now_ms()
@@ -530,7 +530,7 @@ def monitors(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON"
     _print_rows("Queue monitors", shown)
 
 
-def read_transmission(settings: Settings) -> dict[str, Any]:
+def read_transmission(settings: KsbSettings) -> dict[str, Any]:
     """Unacknowledged messages (sys.transmission_queue) and connections (sys.dm_broker_connections)."""
     r = redis.Redis.from_url(settings.redis_url)
     try:
@@ -553,7 +553,7 @@ def transmission(
     _print_rows("Connections", view.get("connections", []))
 
 
-def read_forwarded(settings: Settings) -> list[dict[str, Any]]:
+def read_forwarded(settings: KsbSettings) -> list[dict[str, Any]]:
     """What the forwarder holds (sys.dm_broker_forwarded_messages): empty before it published."""
     r = redis.Redis.from_url(settings.redis_url)
     try:
@@ -591,7 +591,7 @@ def tasks(as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] 
 # --------------------------------------------------------------------------- dead letters
 
 
-def read_dead_letters(settings: Settings, queue: str) -> list[DeadLetterRecord]:
+def read_dead_letters(settings: KsbSettings, queue: str) -> list[DeadLetterRecord]:
     CatalogView(load_catalog(settings)).queue(queue)
     out: dict[str, DeadLetterRecord] = {}
 
@@ -654,7 +654,7 @@ def dlq_replay(
 # --------------------------------------------------------------------------- plumbing
 
 
-def _read(settings: Settings, topic: str, handle: Callable[[Message], None]) -> None:
+def _read(settings: KsbSettings, topic: str, handle: Callable[[Message], None]) -> None:
     c = kafka.consumer(settings)
     try:
         kafka.read_to_end(c, topic, handle, timeout_s=30)

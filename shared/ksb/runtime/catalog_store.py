@@ -16,7 +16,7 @@ from ksb.catalog.model import Catalog, CatalogView, parse_catalog
 from ksb.errors import KsbError
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.settings import Settings
+from ksb.settings import KsbSettings
 
 __all__ = ["CatalogWatcher", "apply_catalog", "load_catalog"]
 
@@ -47,7 +47,7 @@ def _decode(m: Message) -> Catalog | None:
     return cat
 
 
-def load_catalog(settings: Settings) -> Catalog:
+def load_catalog(settings: KsbSettings) -> Catalog:
     """The newest applied catalog, or an empty one (version 0)."""
     names = Names(settings.instance)
     kafka.ensure_topics(kafka.admin(settings), kafka.core_topics(names, settings))
@@ -67,7 +67,7 @@ def load_catalog(settings: Settings) -> Catalog:
     return latest
 
 
-def apply_catalog(settings: Settings, catalog: Catalog) -> Catalog:
+def apply_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
     """Store ``catalog`` as the next version and create its queue topics first.
 
     Topics come before the record so that no service ever sees a queue whose topic is missing.
@@ -91,10 +91,10 @@ def apply_catalog(settings: Settings, catalog: Catalog) -> Catalog:
 class CatalogWatcher:
     """Follows the catalog topic so a running service picks up a new version without a restart."""
 
-    def __init__(self, settings: Settings) -> None:
-        names = Names(settings.instance)
+    def __init__(self, settings: KsbSettings) -> None:
+        self._topic = Names(settings.instance).catalog
         self._c: Consumer = kafka.consumer(settings)
-        self._c.assign([TopicPartition(names.catalog, 0, -2)])
+        self._c.assign([TopicPartition(self._topic, 0, -2)])
         self.view = CatalogView(Catalog())
 
     def poll(self, timeout_s: float = 0.0) -> bool:
@@ -112,9 +112,18 @@ class CatalogWatcher:
                 changed = True
         return changed
 
-    def wait_for_version(self, version: int, timeout_s: float = 30.0) -> CatalogView:
-        import time
+    def catch_up(self, timeout_s: float = 60.0) -> CatalogView:
+        """Read the catalog topic up to its current end: the newest version now."""
+        tp = TopicPartition(self._topic, 0)
+        _low, end = self._c.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+        deadline = time.monotonic() + timeout_s
+        while end > 0 and self._c.position([tp])[0].offset < end:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {self._topic} to its end")
+            self.poll(0.1)
+        return self.view
 
+    def wait_for_version(self, version: int, timeout_s: float = 30.0) -> CatalogView:
         deadline = time.monotonic() + timeout_s
         while self.view.version < version:
             if time.monotonic() > deadline:

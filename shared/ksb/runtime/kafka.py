@@ -18,7 +18,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from ksb.catalog.model import Queue
 from ksb.names import Names
-from ksb.settings import Settings
+from ksb.settings import KsbSettings
 
 __all__ = [
     "TopicSpec",
@@ -37,7 +37,11 @@ __all__ = [
 
 
 def producer(
-    settings: Settings, *, transactional_id: str | None = None, extra: dict[str, Any] | None = None
+    settings: KsbSettings,
+    *,
+    transactional_id: str | None = None,
+    txn_timeout_ms: int = 10_000,
+    extra: dict[str, Any] | None = None,
 ) -> Producer:
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
@@ -49,13 +53,13 @@ def producer(
     }
     if transactional_id is not None:
         conf["transactional.id"] = transactional_id
-        conf["transaction.timeout.ms"] = settings.txn_timeout_ms
+        conf["transaction.timeout.ms"] = txn_timeout_ms
     conf.update(extra or {})
     return Producer(conf)
 
 
 def remote_producer(
-    settings: Settings,
+    settings: KsbSettings,
     address: str,
     *,
     delivery_timeout_ms: int,
@@ -73,7 +77,7 @@ def remote_producer(
 
 
 def consumer(
-    settings: Settings, *, group: str | None = None, read_committed: bool = True, **extra: Any
+    settings: KsbSettings, *, group: str | None = None, read_committed: bool = True, **extra: Any
 ) -> Consumer:
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
@@ -92,7 +96,7 @@ def consumer(
     return Consumer(conf)
 
 
-def admin(settings: Settings) -> AdminClient:
+def admin(settings: KsbSettings) -> AdminClient:
     return AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
 
 
@@ -111,7 +115,7 @@ _COMPACT = (
 )
 
 
-def core_topics(names: Names, settings: Settings) -> list[TopicSpec]:
+def core_topics(names: Names, settings: KsbSettings) -> list[TopicSpec]:
     return [
         TopicSpec(names.requests, settings.request_partitions),
         TopicSpec(names.endpoints, 1, _COMPACT),

@@ -1,10 +1,21 @@
-"""The run loop every tick-driven service shares: metrics, health gauge, ticker, graceful stop.
+"""The service shell: what every KSB service runs inside, so each service is only its work.
 
-The transmitter, transport and forwarder do their housekeeping on the broker's periodic timer
-(`ksb.runtime.ticker`). Keeping the loop, the signal handling and the "ready" log line in one place means
-each service's `__main__` only says which tasks it registers, and every service stops the same way:
-SIGTERM or SIGINT sets an event, the loop finishes the tick it is in, the health gauge drops to 0
-and the process exits 0.
+A service (dispatcher, transmitter, transport, forwarder, activation) is a `Service`: it gives the
+shell `open` (build its clients and read its state: the network I/O that constructors must not do),
+a `step` (one pass of its loop, returning within about 100 ms), the tick tasks it wants on the
+broker's periodic timer, what to do when the catalog changes, its JSON views and its health. The
+shell owns the rest, the same way for every service:
+
+* `/metrics`, `/healthz` and the service's JSON views on ``metrics_port``;
+* the health gauge (``ksb_service_up``) and the service's health check;
+* the task handlers (`ksb.runtime.task_handlers`), started first, checked on every tick, drained last;
+* the ticker (`ksb.runtime.ticker`), counting ticks from when work starts;
+* the catalog watcher, so every service picks up a new catalog version without a restart;
+* signals: SIGTERM or SIGINT stops taking work, the loop finishes its pass, `close` drains, and the
+  process exits 0.
+
+The external activator is the one service that does not run here: it is a faust app, and faust owns
+its event loop, its signals and its workers.
 """
 
 from __future__ import annotations
@@ -12,20 +23,186 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from types import FrameType
 
+from ksb.catalog.model import Catalog, CatalogView
 from ksb.clock import Clock, SystemClock
-from ksb.runtime.metrics import HEALTHY, serve_metrics
+from ksb.runtime.catalog_store import CatalogWatcher
+from ksb.runtime.metrics import (
+    HEALTHY,
+    JsonRoute,
+    register_health_check,
+    serve_metrics,
+    unregister_health_check,
+)
+from ksb.runtime.task_handlers import TaskHandlers
 from ksb.runtime.ticker import Ticker, TickSchedule
-from ksb.settings import Settings
+from ksb.settings import ServiceSettings
 
-__all__ = ["configure_logging", "run_service", "stop_on_signals"]
+__all__ = [
+    "Service",
+    "ServiceShell",
+    "TickTask",
+    "configure_logging",
+    "run_main",
+    "stop_on_signals",
+]
 
-log = logging.getLogger("ksb.runtime.service")
+log = logging.getLogger("ksb.service")
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(frozen=True)
+class TickTask:
+    """Run `fn(tick)` on every `every`-th tick of the broker's periodic timer."""
+
+    every: int
+    name: str
+    fn: Callable[[int], None]
+
+
+class Service(ABC):
+    """What a service gives the shell; subclasses define `step` and override what they need.
+
+    The constructor only stores settings and builds in-memory state: everything that talks to
+    Kafka or Redis happens in `open`, so a service object can be made (and tested) without a
+    network, and a start that fails does so inside the shell, which reports it and closes.
+    """
+
+    name = "service"
+    ready_at_open = True
+    """The shell sets `ready` after `open`; the dispatcher sets it once its broker has started."""
+    drain_s = 2.0
+    """How long the task handlers may take to finish queued work on the way out."""
+
+    def __init__(self, settings: ServiceSettings, clock: Clock | None = None) -> None:
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.ready = threading.Event()
+        """Set when the service takes work."""
+        self.shell = ServiceShell(self)
+
+    @property
+    def handlers(self) -> TaskHandlers:
+        """The service's task handlers (owned by the shell)."""
+        return self.shell.handlers
+
+    @property
+    def ticker(self) -> Ticker:
+        """The broker's periodic timer as the shell runs it for this service."""
+        return self.shell.ticker
+
+    def run(self, stop: threading.Event) -> None:
+        """Run in the shell until `stop` is set (what `python -m services.<name>` does)."""
+        self.shell.run(stop)
+
+    @abstractmethod
+    def open(self) -> None:
+        """Build clients, create topics, read state: everything that talks to the network."""
+
+    @abstractmethod
+    def step(self) -> None:
+        """One pass of the service's loop; waits for input at most about 100 ms."""
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        """The service's housekeeping on the periodic timer."""
+        return ()
+
+    def on_catalog(self, view: CatalogView) -> None:
+        """A new catalog version was applied (most services only keep the newest view)."""
+        return None
+
+    def routes(self) -> Mapping[str, JsonRoute]:
+        """Extra JSON views served on the metrics port."""
+        return {}
+
+    def health(self) -> str | None:
+        """Why the service cannot do its job now (its /healthz answers 503 with it), or None."""
+        return None
+
+    @abstractmethod
+    def close(self) -> None:
+        """Flush and close what `open` built; called once, after the loop, also after a failure
+        (so it must cope with an `open` that stopped half-way)."""
+
+
+class ServiceShell:
+    """Runs one `Service` until stopped."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        settings = service.settings
+        self.handlers = TaskHandlers(service.name, settings.task_handlers)
+        self.ticker = Ticker(service.clock.now_ms(), TickSchedule(tick_ms=settings.tick_ms))
+        self.catalog = CatalogView(Catalog())
+        """The catalog as of the watcher's last poll (empty until `read_catalog`)."""
+        self.metrics_port = 0
+        self._watcher: CatalogWatcher | None = None
+
+    def run(self, stop: threading.Event) -> None:
+        """Open the service and run its loop until `stop` is set; close it on the way out."""
+        service, settings = self.service, self.service.settings
+        name = service.name
+        self.metrics_port = serve_metrics(
+            settings.metrics_port, service.routes(), host=settings.metrics_host
+        )
+        register_health_check(name, service.health)
+        self.handlers.start()
+        try:
+            self._watcher = CatalogWatcher(settings)
+            service.open()
+            self.start_ticker()
+            self._announce()
+            while not stop.is_set():
+                if self._watcher.poll(0):
+                    self.catalog = self._watcher.view
+                    service.on_catalog(self._watcher.view)
+                service.step()
+                self.ticker.poll(service.clock.now_ms())
+        finally:
+            HEALTHY.labels(name).set(0)
+            unregister_health_check(name, service.health)
+            self.handlers.stop(service.drain_s)
+            try:
+                service.close()
+            finally:
+                if self._watcher is not None:
+                    self._watcher.close()
+                log.info("%s stopped after %d tick(s)", name, self.ticker.tick)
+
+    def read_catalog(self) -> CatalogView:
+        """The newest catalog now (reads the catalog topic to its end); for `Service.open`."""
+        assert self._watcher is not None, "read_catalog is for Service.open"
+        self.catalog = self._watcher.catch_up()
+        return self.catalog
+
+    def start_ticker(self) -> None:
+        """Ticks count from here: the time `open` took is not ticks the service missed."""
+        now = self.service.clock.now_ms()
+        self.ticker = Ticker(now, TickSchedule(tick_ms=self.service.settings.tick_ms))
+        self.ticker.every(1, "task_handlers", self.handlers.on_tick)
+        for task in self.service.tick_tasks():
+            self.ticker.every(task.every, task.name, task.fn)
+
+    def _announce(self) -> None:
+        service, s = self.service, self.service.settings
+        if service.ready_at_open:
+            HEALTHY.labels(service.name).set(1)
+            service.ready.set()
+        log.info(
+            "%s %s (instance %s, tick %d ms, %d task handlers, metrics port %s)",
+            service.name,
+            "ready" if service.ready_at_open else "process ready",
+            s.instance,
+            s.tick_ms,
+            self.handlers.size,
+            self.metrics_port or "off",
+        )
 
 
 def configure_logging(name: str) -> None:
@@ -42,55 +219,13 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_service(
-    name: str,
-    settings: Settings,
-    ticker: Ticker | None = None,
-    *,
-    clock: Clock | None = None,
-    stop: threading.Event | None = None,
-) -> None:
-    """Run `ticker` until stopped; return normally so the process exits 0.
-
-    `ticker` defaults to one with no tasks, on `clock` (the real clock unless given), ticking every
-    `settings.tick_ms`. Without a `stop` event the loop installs its own SIGTERM/SIGINT handlers
-    (main thread only) and restores the previous ones when it returns; with one, the caller owns
-    stopping, so the loop can also run in a thread or a test.
-    """
-    clock = clock or SystemClock()
-    if ticker is None:
-        ticker = Ticker(clock.now_ms(), TickSchedule(tick_ms=settings.tick_ms))
-    if stop is None:
-        stop = threading.Event()
-        with _stop_on_signals(stop):
-            _loop(name, settings, ticker, clock, stop)
-    else:
-        _loop(name, settings, ticker, clock, stop)
-
-
-def _loop(
-    name: str, settings: Settings, ticker: Ticker, clock: Clock, stop: threading.Event
-) -> None:
-    port = serve_metrics(settings.metrics_port, host=settings.metrics_host)
-    HEALTHY.labels(name).set(1)
-    log.info(
-        "%s ready (instance %s, tick %d ms, metrics port %s)",
-        name,
-        settings.instance,
-        settings.tick_ms,
-        port or "off",
-    )
-    try:
-        while not stop.is_set():
-            wait_ms = ticker.next_due_ms - clock.now_ms()
-            # Event.wait returns as soon as a signal handler sets `stop`, so shutdown never waits
-            # for the rest of a 5 s tick.
-            if wait_ms > 0 and stop.wait(wait_ms / 1000):
-                break
-            ticker.poll(clock.now_ms())
-    finally:
-        HEALTHY.labels(name).set(0)
-        log.info("%s stopped after %d tick(s)", name, ticker.tick)
+def run_main(make: Callable[[], Service], name: str) -> None:
+    """A service's `python -m` entry point: logging, its settings from the environment (inside
+    `make`), signals, then the service in its shell until SIGTERM or SIGINT."""
+    configure_logging(name)
+    stop = threading.Event()
+    with _stop_on_signals(stop):
+        make().run(stop)
 
 
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None

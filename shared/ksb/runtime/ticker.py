@@ -14,18 +14,14 @@ delivered ticks, an "every 5th" task still runs on every 5th delivered tick afte
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from ksb.errors import KsbError
 
 __all__ = [
-    "INTERVAL_ENV",
-    "Intervals",
     "IntervalsError",
-    "Suppression",
     "TickSchedule",
     "Ticker",
     "idle_to_close",
@@ -54,68 +50,6 @@ class TickSchedule:
     def __post_init__(self) -> None:
         if self.tick_ms <= 0:
             raise IntervalsError(f"tick_ms must be positive, got {self.tick_ms}")
-
-
-@dataclass(frozen=True)
-class Intervals:
-    """Every housekeeping interval in one place, so services and tests agree on them."""
-
-    tick_ms: int = 5000
-    dispatcher_stale_ms: int = 10_000
-    suppress_after_disconnect_ms: int = 15_000
-    suppress_after_failed_connect_ms: int = 60_000
-    forwarder_stale_ms: int = 60_000
-    idle_connection_ms: int = 90_000
-
-    def __post_init__(self) -> None:
-        for field in fields(self):
-            value = getattr(self, field.name)
-            if value <= 0:
-                raise IntervalsError(f"{field.name} must be positive, got {value}")
-
-    @property
-    def schedule(self) -> TickSchedule:
-        return TickSchedule(tick_ms=self.tick_ms)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> Intervals:
-        """Read one variable per field; a misspelt KSB_INTERVAL_* fails instead of being ignored."""
-        env = os.environ if environ is None else environ
-        known = set(INTERVAL_ENV.values())
-        unknown = sorted(
-            name for name in env if name.startswith(_INTERVAL_PREFIX) and name not in known
-        )
-        if unknown:
-            raise IntervalsError(f"unknown interval setting {unknown[0]}")
-        values = {
-            field: _positive_int(variable, env[variable])
-            for field, variable in INTERVAL_ENV.items()
-            if variable in env
-        }
-        return cls(**values)
-
-
-_INTERVAL_PREFIX = "KSB_INTERVAL_"
-
-INTERVAL_ENV: Mapping[str, str] = {
-    "tick_ms": "KSB_TICK_MS",
-    "dispatcher_stale_ms": "KSB_INTERVAL_DISPATCHER_STALE_MS",
-    "suppress_after_disconnect_ms": "KSB_INTERVAL_SUPPRESS_AFTER_DISCONNECT_MS",
-    "suppress_after_failed_connect_ms": "KSB_INTERVAL_SUPPRESS_AFTER_FAILED_CONNECT_MS",
-    "forwarder_stale_ms": "KSB_INTERVAL_FORWARDER_STALE_MS",
-    "idle_connection_ms": "KSB_INTERVAL_IDLE_CONNECTION_MS",
-}
-"""Field of `Intervals` -> the environment variable that sets it."""
-
-
-def _positive_int(variable: str, raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise IntervalsError(f"{variable} must be an integer, got {raw!r}") from None
-    if value <= 0:
-        raise IntervalsError(f"{variable} must be positive, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -192,68 +126,6 @@ class Ticker:
                 continue
             ran.append(task.name)
         return ran
-
-
-class Suppression:
-    """Which remote destinations the transport must not try to connect to yet.
-
-    Backing off after a disconnect or a failed attempt keeps a dead peer from costing a connection
-    attempt on every tick.
-    """
-
-    def __init__(
-        self,
-        after_disconnect_ms: int = 15_000,
-        after_failed_connect_ms: int = 60_000,
-    ) -> None:
-        self._after_disconnect_ms = after_disconnect_ms
-        self._after_failed_connect_ms = after_failed_connect_ms
-        self._until_ms: dict[str, int] = {}
-
-    @classmethod
-    def from_intervals(cls, intervals: Intervals) -> Suppression:
-        return cls(
-            after_disconnect_ms=intervals.suppress_after_disconnect_ms,
-            after_failed_connect_ms=intervals.suppress_after_failed_connect_ms,
-        )
-
-    def on_disconnect(self, dest: str, now_ms: int) -> None:
-        self._extend(dest, now_ms + self._after_disconnect_ms)
-
-    def on_failed_connect(self, dest: str, now_ms: int) -> None:
-        """Every failed attempt restarts the full back-off, not only the first one."""
-        self._extend(dest, now_ms + self._after_failed_connect_ms)
-
-    def on_connected(self, dest: str) -> None:
-        self._until_ms.pop(dest, None)
-
-    def restore(self, dest: str, until_ms: int) -> None:
-        """Take back a deadline kept elsewhere (Redis), e.g. after the transport restarted."""
-        self._extend(dest, until_ms)
-
-    def deadlines(self) -> dict[str, int]:
-        """Every destination's suppression deadline, expired ones included until next checked."""
-        return dict(self._until_ms)
-
-    def suppressed_until(self, dest: str) -> int | None:
-        return self._until_ms.get(dest)
-
-    def is_suppressed(self, dest: str, now_ms: int) -> bool:
-        until = self._until_ms.get(dest)
-        if until is None:
-            return False
-        if now_ms >= until:
-            del self._until_ms[dest]
-            return False
-        return True
-
-    def due(self, pending_dests: Iterable[str], now_ms: int) -> list[str]:
-        """Destinations worth a connection attempt now: with pending messages, not suppressed."""
-        return [dest for dest in pending_dests if not self.is_suppressed(dest, now_ms)]
-
-    def _extend(self, dest: str, until_ms: int) -> None:
-        # A short disconnect back-off must not cut short a longer failed-connect one.
-        self._until_ms[dest] = max(until_ms, self._until_ms.get(dest, until_ms))
 
 
 def idle_to_close(last_activity_ms: Mapping[str, int], now_ms: int, idle_ms: int) -> list[str]:

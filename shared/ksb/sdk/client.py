@@ -23,7 +23,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.locks import Lease
 from ksb.sdk.reader import QueueReader
-from ksb.settings import Settings, load_settings
+from ksb.settings import ClientSettings
 from ksb.wire.protocol import (
     Action,
     BeginRequest,
@@ -49,8 +49,8 @@ def _as_bytes(body: bytes | str) -> bytes:
 class KsbClient:
     """A connection to one broker instance: a request producer, Redis, and per-queue readers."""
 
-    def __init__(self, settings: Settings | None = None) -> None:
-        self.settings = settings or load_settings()
+    def __init__(self, settings: ClientSettings | None = None) -> None:
+        self.settings = settings or ClientSettings.from_env()
         self.names = Names(self.settings.instance)
         self._producer = kafka.producer(self.settings, extra={"linger.ms": 2})
         self.audit = Audit(KafkaAudit(self._producer, self.names))

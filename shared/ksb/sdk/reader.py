@@ -8,6 +8,7 @@ so that the next holder waits until its own index has read that far.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -22,7 +23,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.locks import GroupLocks, Lease
 from ksb.sdk.queue_index import QueueIndex
-from ksb.settings import Settings
+from ksb.settings import ClientSettings
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import CommitOutcome, QueueMessage, parse_queue_record
 
@@ -37,7 +38,7 @@ class QueueReader:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: ClientSettings,
         queue: str,
         redis_client: redis.Redis,
         *,
@@ -283,6 +284,18 @@ class QueueReader:
         with self._cond:
             top = next(iter(self.index.candidates(self.held)), None)
             return self.index.level_of(group), None if top is None else self.index.level_of(top)
+
+    def candidates(self, limit: int) -> tuple[list[str], int]:
+        """Up to `limit` groups with ready messages, best first, and the ready message count:
+        what a queue monitor looks at, read in one consistent moment."""
+        with self._cond:
+            groups = list(itertools.islice(self.index.candidates(), limit))
+            return groups, self.index.ready_messages
+
+    def ready_message(self, message_id: str) -> QueueMessage | None:
+        """The message if it is still waiting in the queue."""
+        with self._cond:
+            return self.index.messages.get(message_id)
 
     def messages(
         self, lease: Lease, top: int | None, handle: str | None = None

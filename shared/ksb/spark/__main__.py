@@ -18,12 +18,12 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import load_catalog
 from ksb.runtime.metrics import serve_metrics
-from ksb.settings import Settings, load_settings
+from ksb.settings import KsbSettings, SparkSettings
 
 log = logging.getLogger("ksb.spark")
 
 
-def _targets(settings: Settings) -> dict[int, int]:
+def _targets(settings: KsbSettings) -> dict[int, int]:
     try:
         return dict(load_catalog(settings).sla_targets_ms)
     except KsbError as exc:
@@ -42,7 +42,7 @@ def main() -> int:
     from ksb.spark.job import AuditJob, JobConfig
     from ksb.spark.session import build_session
 
-    s = load_settings()
+    s = SparkSettings.from_env()
     names = Names(s.instance)
     kafka.ensure_topics(
         kafka.admin(s), [*kafka.core_topics(names, s), kafka.TopicSpec(names.sla, 1)]
@@ -62,6 +62,7 @@ def main() -> int:
     spark = build_session(
         f"ksb-audit-{s.instance}",
         master=s.spark_master,
+        jars_dir=_path(s.spark_jars),
         conf={"spark.driver.host": s.spark_driver_host},
     )
     job = AuditJob(spark, config, exporter=SlaExporter())

@@ -21,10 +21,9 @@ __all__ = ["build_session", "spark_jars"]
 
 
 def spark_jars(jars_dir: Path | None = None) -> list[Path]:
-    """The connector jars: ``KSB_SPARK_JARS`` or .cache/spark/jars under the working directory (where
-    `make` fetches them); fail fast with the fix."""
-    env = os.environ.get("KSB_SPARK_JARS")
-    folder = jars_dir or (Path(env) if env else Path(".cache") / "spark" / "jars")
+    """The connector jars in `jars_dir` (``KSB_SPARK_JARS``; by default .cache/spark/jars under the
+    working directory, where `make` fetches them); fail fast with the fix."""
+    folder = jars_dir or Path(".cache") / "spark" / "jars"
     jars = sorted(folder.glob("*.jar"))
     if not any(j.name.startswith("spark-sql-kafka-0-10_") for j in jars):
         raise KsbError(

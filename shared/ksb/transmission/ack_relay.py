@@ -29,7 +29,7 @@ from ksb.clock import Clock, SystemClock
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.kafka import TopicSpec
-from ksb.settings import Settings
+from ksb.settings import KsbSettings
 from ksb.transmission.links import bootstrap_of
 
 __all__ = ["AckRelay"]
@@ -41,7 +41,7 @@ log = logging.getLogger("ksb.transmission.ack_relay")
 class AckRelay:
     """Relays ``ksb.<instance>.acks`` from far clusters to ours; `pump` copies what arrived."""
 
-    settings: Settings
+    settings: KsbSettings
     batch: int = 500
     clock: Clock = field(default_factory=SystemClock)
     retry_after_ms: int = 5_000

@@ -30,7 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ksb.catalog.model import CatalogView, Route
-from ksb.runtime.ticker import Intervals, Suppression, idle_to_close
+from ksb.runtime.ticker import idle_to_close
+from ksb.transmission.suppression import Suppression
 
 __all__ = [
     "LOCAL_ADDRESS",
@@ -162,9 +163,18 @@ class Link:
 class Links:
     """Connection state per destination; the caller does the I/O and reports what happened."""
 
-    def __init__(self, intervals: Intervals | None = None) -> None:
-        self.intervals = intervals or Intervals()
-        self.suppression = Suppression.from_intervals(self.intervals)
+    def __init__(
+        self,
+        *,
+        suppress_after_disconnect_ms: int = 15_000,
+        suppress_after_failed_connect_ms: int = 60_000,
+        idle_connection_ms: int = 90_000,
+    ) -> None:
+        self.suppression = Suppression(
+            after_disconnect_ms=suppress_after_disconnect_ms,
+            after_failed_connect_ms=suppress_after_failed_connect_ms,
+        )
+        self.idle_connection_ms = idle_connection_ms
         self._links: dict[str, Link] = {}
 
     def link(self, destination: str) -> Link | None:
@@ -234,7 +244,7 @@ class Links:
     def idle(self, now_ms: int) -> list[str]:
         """Connected destinations idle for `idle_connection_ms`: the caller closes them."""
         active = {d: link.last_activity_ms for d, link in self._links.items() if link.connected}
-        return idle_to_close(active, now_ms, self.intervals.idle_connection_ms)
+        return idle_to_close(active, now_ms, self.idle_connection_ms)
 
     def suppressed(self, now_ms: int) -> dict[str, int]:
         """Destinations suppressed now -> until when (ms), for Redis and the views."""
