@@ -16,11 +16,12 @@ from typer.testing import CliRunner
 
 from devtools.deployment import Deployment
 from ksb.catalog.model import parse_catalog
-from ksb.cli.app import app
+from ksb.cli import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.sdk.client import KsbClient
+from ksb.settings import CliSettings, settings_env
 from services.activation import ActivationService
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import read_topic, receive_all
@@ -234,7 +235,7 @@ def test_dead_letter_policy_moves_one_bad_message_and_keeps_the_queue_running(
         [err] = receive_all(client, "InitiatorQueue", 1, timeout_s=15)
         assert json.loads(err.message_body)["code"] == 500
         # `ksb dlq list` shows it and `ksb dlq replay` puts it back, ready to RECEIVE.
-        env = {f"KSB_{k.upper()}": str(v) for k, v in fast_settings.model_dump().items()}
+        env = settings_env(fast_settings.narrow(CliSettings))
         runner = CliRunner()
         listed = runner.invoke(app, ["dlq", "list", "TargetQueue", "--json"], env=env)
         assert listed.exit_code == 0, listed.output

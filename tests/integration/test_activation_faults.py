@@ -26,12 +26,12 @@ from typer.testing import CliRunner
 from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import parse_catalog
-from ksb.cli.app import app
+from ksb.cli import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import ActivatedTaskSettings
+from ksb.settings import ActivatedTaskSettings, CliSettings, settings_env
 from ksb.wire.protocol import QueueMessage
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import check_exactly_once_in_order, queue_receipts, read_topic
@@ -134,7 +134,7 @@ def r(settings: Deployment) -> Iterator[redis.Redis]:
 
 
 def cli(settings: Deployment, *args: str) -> str:
-    env = {f"KSB_{k.upper()}": str(v) for k, v in settings.model_dump().items()}
+    env = settings_env(settings.narrow(CliSettings))
     result = CliRunner().invoke(app, list(args), env=env)
     assert result.exit_code == 0, result.output
     return result.output

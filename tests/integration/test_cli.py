@@ -13,7 +13,7 @@ from typer.testing import CliRunner, Result
 
 from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, Catalog
-from ksb.cli.app import app
+from ksb.cli import app
 from ksb.dialog.views import ONE_SIDED_GRACE_MS
 from ksb.sdk.client import KsbClient
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher

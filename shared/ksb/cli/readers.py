@@ -1,0 +1,170 @@
+"""Reading an instance's live state: what the `ksb` commands show and the demo checks.
+
+Every reader folds a topic from its beginning to its end (endpoints, errors, a queue, dead letters)
+or reads a view a service keeps in Redis (monitors, tasks, transmission, forwarded messages), so
+nothing needs a running service to answer, and the demo's checks see exactly what an operator
+would.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from confluent_kafka import Message
+
+from ksb.catalog.model import CatalogView
+from ksb.dialog.endpoint import Endpoint, decode_endpoint
+from ksb.errors import ProtocolError
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import load_catalog
+from ksb.runtime.redis_view import read_transmission_view
+from ksb.sdk.queue_index import QueueIndex
+from ksb.settings import KsbSettings
+from ksb.wire.protocol import CommitOutcome, DeadLetterRecord, QueueMessage, parse_queue_record
+
+__all__ = [
+    "read_dead_letters",
+    "read_endpoints",
+    "read_errors",
+    "read_forwarded",
+    "read_monitors",
+    "read_tasks",
+    "read_topic",
+    "read_transmission",
+    "ready_messages",
+]
+
+
+def read_endpoints(settings: KsbSettings) -> dict[str, Endpoint]:
+    """The latest state of every endpoint, from the compacted endpoints topic."""
+    latest: dict[str, Endpoint] = {}
+
+    def keep(m: Message) -> None:
+        key, value = m.key(), m.value()
+        if key is None:
+            return
+        if value is None:
+            latest.pop(key.decode(), None)
+        else:
+            latest[key.decode()] = decode_endpoint(value)
+
+    read_topic(settings, Names(settings.instance).endpoints, keep)
+    return latest
+
+
+def read_errors(settings: KsbSettings) -> list[dict[str, Any]]:
+    """Every record of the error topic, oldest first, with its offset."""
+    out: list[dict[str, Any]] = []
+
+    def keep(m: Message) -> None:
+        value = m.value()
+        if value is None:
+            return
+        try:
+            record = json.loads(value)
+        except ValueError:
+            record = {"code": "unreadable", "reason": value[:200].decode(errors="replace")}
+        out.append({"offset": m.offset(), **record})
+
+    read_topic(settings, Names(settings.instance).errors, keep)
+    return out
+
+
+def ready_messages(settings: KsbSettings, queue: str) -> list[QueueMessage]:
+    """A queue's ready messages in the order RECEIVE would return them, group by group."""
+    CatalogView(load_catalog(settings)).queue(queue)  # an unknown queue is an error, not "empty"
+    index = QueueIndex(queue)
+
+    def fold(m: Message) -> None:
+        key = (m.key() or b"").decode()
+        if key.startswith("commit/"):
+            return
+        try:
+            value = parse_queue_record(m.value())
+        except ProtocolError:
+            return
+        if isinstance(value, CommitOutcome):
+            return
+        index.apply(key, value, m.partition() or 0, m.offset() or 0)
+
+    read_topic(settings, Names(settings.instance).queue(queue), fold)
+    return [m for group in index.candidates() for m in index.take(group)]
+
+
+def read_monitors(settings: KsbSettings) -> list[dict[str, Any]]:
+    """The activation service's queue monitors (like sys.dm_broker_queue_monitors)."""
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        raw = r.hgetall(Names(settings.instance).monitors_key)
+    finally:
+        r.close()
+    return [json.loads(v) for _k, v in sorted(raw.items())]
+
+
+def read_tasks(settings: KsbSettings) -> list[dict[str, Any]]:
+    """Running activated tasks from their heartbeats (like sys.dm_broker_activated_tasks)."""
+    names = Names(settings.instance)
+    now = time.time_ns() // 1_000_000
+    r = redis.Redis.from_url(settings.redis_url)
+    rows: list[dict[str, Any]] = []
+    try:
+        for queue in CatalogView(load_catalog(settings)).queues:
+            live: list[tuple[bytes, float]] = r.zrangebyscore(  # type: ignore[assignment]
+                names.tasks_key(queue), now, "+inf", withscores=True
+            )
+            for member, deadline in live:
+                task = member.decode() if isinstance(member, bytes) else str(member)
+                rows.append(
+                    {"queue": queue, "task_id": task, "heartbeat_due_ms": int(deadline) - now}
+                )
+    finally:
+        r.close()
+    return rows
+
+
+def read_transmission(settings: KsbSettings) -> dict[str, Any]:
+    """Unacknowledged messages (sys.transmission_queue) and connections (sys.dm_broker_connections)."""
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        return read_transmission_view(r, Names(settings.instance))
+    finally:
+        r.close()
+
+
+def read_forwarded(settings: KsbSettings) -> list[dict[str, Any]]:
+    """What the forwarder holds (sys.dm_broker_forwarded_messages): empty before it published."""
+    r = redis.Redis.from_url(settings.redis_url)
+    try:
+        raw = r.get(Names(settings.instance).forwarded_view_key)
+    finally:
+        r.close()
+    rows: list[dict[str, Any]] = json.loads(raw)["messages"] if raw else []
+    return rows
+
+
+def read_dead_letters(settings: KsbSettings, queue: str) -> list[DeadLetterRecord]:
+    CatalogView(load_catalog(settings)).queue(queue)
+    out: dict[str, DeadLetterRecord] = {}
+
+    def keep(m: Message) -> None:
+        value = m.value()
+        if value is not None:
+            record = DeadLetterRecord.model_validate_json(value)
+            out[record.message.message_id] = record
+
+    read_topic(settings, Names(settings.instance).dead_letters(queue), keep)
+    return list(out.values())
+
+
+def read_topic(settings: KsbSettings, topic: str, handle: Callable[[Message], None]) -> None:
+    """Fold `topic` from its beginning to its current end into `handle`."""
+    c = kafka.consumer(settings)
+    try:
+        kafka.read_to_end(c, topic, handle, timeout_s=30)
+    finally:
+        c.close()
