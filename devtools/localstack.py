@@ -16,19 +16,36 @@ import argparse
 import atexit
 import contextlib
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from devtools.kafka_node import (
+    KafkaLayout,
+    format_kafka_storage,
+    kafka_libs_dir,
+    kafka_ready,
+    start_kafka,
+    write_kafka_properties,
+)
+from devtools.processes import (
+    REPO_ROOT,
+    LocalStackError,
+    free_port,
+    is_alive,
+    port_open,
+    register_child,
+    signal_group,
+    tail,
+    wait_gone,
+)
 
 __all__ = [
     "LocalStack",
@@ -39,36 +56,12 @@ __all__ = [
     "start_stack",
 ]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG4J2_CONFIG = REPO_ROOT / "infra" / "local" / "log4j2.properties"
 CLI_STACK_DIR = REPO_ROOT / "var" / "stack"
 CLI_STACK_FILE = CLI_STACK_DIR / "stack.json"
 
-# Fixed per-stack settings. Replication factors and ISR of 1 because there is one broker;
-# small internal-topic partition counts because creating 50 partitions per internal topic
-# is most of a cold broker's start-up time; no auto-creation so a typo in a topic name is
-# an error instead of a silently created topic; a short abort-cleanup interval so tests of
-# timed-out transactions do not wait a minute.
-KAFKA_BROKER_SETTINGS: dict[str, str] = {
-    "offsets.topic.replication.factor": "1",
-    "offsets.topic.num.partitions": "4",
-    "transaction.state.log.replication.factor": "1",
-    "transaction.state.log.min.isr": "1",
-    "transaction.state.log.num.partitions": "4",
-    "min.insync.replicas": "1",
-    "group.initial.rebalance.delay.ms": "0",
-    "group.min.session.timeout.ms": "500",
-    "auto.create.topics.enable": "false",
-    "message.max.bytes": "8388608",
-    "transaction.abort.timed.out.transaction.cleanup.interval.ms": "2000",
-}
-KAFKA_JVM_OPTS: tuple[str, ...] = ("-Xms256m", "-Xmx768m", "-Djava.awt.headless=true")
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 60
-
-
-class LocalStackError(RuntimeError):
-    """The local stack could not be set up; the message says what to look at."""
 
 
 @dataclass(frozen=True)
@@ -94,12 +87,12 @@ class LocalStack:
         """
         pids = [self.kafka_pid, self.redis_pid]
         for pid in pids:
-            _signal_group(pid, signal.SIGTERM)
+            signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for pid in pids:
-            if not _wait_gone(pid, deadline):
-                _signal_group(pid, signal.SIGKILL)
-                _wait_gone(pid, time.monotonic() + 5.0)
+            if not wait_gone(pid, deadline):
+                signal_group(pid, signal.SIGKILL)
+                wait_gone(pid, time.monotonic() + 5.0)
         _forget(self)
 
     def as_json(self) -> dict[str, Any]:
@@ -114,58 +107,6 @@ class LocalStack:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-# Popen objects of the processes this Python process started, by pid. Reaping through
-# Popen.poll() (not os.waitpid) keeps Popen's own bookkeeping right, so it does not warn
-# "subprocess is still running" when garbage-collected (filterwarnings=error in pytest).
-_children: dict[int, subprocess.Popen[bytes]] = {}
-
-
-def _is_alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie counts as gone (it has released its ports)."""
-    if pid <= 1:
-        return False
-    child = _children.get(pid)
-    if child is not None:
-        if child.poll() is None:
-            return True
-        _children.pop(pid, None)
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A non-child zombie waits for its own parent to reap it; it is already gone for us.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
-
-
-def _wait_gone(pid: int, deadline: float) -> bool:
-    while _is_alive(pid):
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    """Signal the process group the process leads (start_new_session), then the process.
-
-    The group catches helpers the JVM might fork; the direct kill covers a process that
-    is no longer a group leader.
-    """
-    if pid <= 1:
-        return  # never kill(-1) / kill(0): that would signal everything we may signal
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, sig)
 
 
 _live: dict[tuple[int, int], LocalStack] = {}
@@ -194,39 +135,6 @@ def _stop_all_at_exit() -> None:
 # --------------------------------------------------------------------------- discovery
 
 
-def kafka_libs_dir() -> Path:
-    """Where the Kafka jars are: `KSB_KAFKA_LIBS` or the `make setup` cache.
-
-    Raises rather than downloading: fetching jars is `make setup`'s job, and a test run
-    should fail fast with the fix in the message.
-    """
-    env = os.environ.get("KSB_KAFKA_LIBS")
-    libs = Path(env) if env else REPO_ROOT / ".cache" / "kafka" / "libs"
-    if not libs.is_dir() or not any(libs.glob("kafka_2.13-*.jar")):
-        raise LocalStackError(
-            f"Kafka jars not found in {libs} (no kafka_2.13-*.jar). "
-            "Run `make setup` (or set KSB_KAFKA_LIBS to a directory of Kafka 4.2 jars)."
-        )
-    return libs
-
-
-def free_port() -> int:
-    """A port that was free a moment ago; the OS picks it so parallel runs do not collide."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _java() -> str:
-    java_home = os.environ.get("JAVA_HOME")
-    if java_home and (Path(java_home) / "bin" / "java").is_file():
-        return str(Path(java_home) / "bin" / "java")
-    found = shutil.which("java")
-    if found is None:
-        raise LocalStackError("`java` not found on PATH (Java 17+ is needed for Kafka 4.2)")
-    return found
-
-
 def _redis_server() -> str:
     found = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if Path("/usr/bin/redis-server").is_file() else None
@@ -234,190 +142,6 @@ def _redis_server() -> str:
     if found is None:
         raise LocalStackError("`redis-server` not found; run `make setup`")
     return found
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return f"({path} not readable)"
-    return "\n".join(text.splitlines()[-lines:]) or f"({path} is empty)"
-
-
-# --------------------------------------------------------------------------- kafka
-
-
-@dataclass(frozen=True)
-class _KafkaLayout:
-    root: Path
-    port: int
-    controller_port: int
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def logs(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def properties(self) -> Path:
-        return self.root / "server.properties"
-
-    @property
-    def console(self) -> Path:
-        return self.logs / "kafka.out"
-
-    @property
-    def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log_tails(self) -> str:
-        return (
-            f"--- {self.console} ---\n{_tail(self.console)}\n"
-            f"--- {self.logs / 'server.log'} ---\n{_tail(self.logs / 'server.log')}"
-        )
-
-
-def _write_kafka_properties(k: _KafkaLayout) -> None:
-    """Static voters, not a dynamic quorum: one node never changes membership, and with
-    static voters `StorageTool format` needs neither --standalone nor --initial-controllers.
-    """
-    settings = {
-        "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@127.0.0.1:{k.controller_port}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{k.port},CONTROLLER://127.0.0.1:{k.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{k.port}",
-        "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-        "log.dirs": str(k.data),
-        **KAFKA_BROKER_SETTINGS,
-    }
-    k.properties.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
-
-
-def _java_cmd(libs: Path, k: _KafkaLayout, main: str, *args: str) -> list[str]:
-    return [
-        _java(),
-        *KAFKA_JVM_OPTS,
-        f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
-        f"-Dkafka.logs.dir={k.logs}",
-        "-cp",
-        f"{libs}/*",
-        main,
-        *args,
-    ]
-
-
-def _format_kafka_storage(libs: Path, k: _KafkaLayout) -> None:
-    cluster_id = _kafka_cluster_id()
-    cmd = _java_cmd(
-        # `--cluster-id=ID`, not `-t ID`: a random id starting with "-" (1 in 64) would be read as
-        # an option and the format would fail.
-        libs,
-        k,
-        "kafka.tools.StorageTool",
-        "format",
-        f"--cluster-id={cluster_id}",
-        "-c",
-        str(k.properties),
-    )
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
-    if result.returncode != 0:
-        raise LocalStackError(
-            f"Kafka storage format failed (exit {result.returncode}):\n"
-            f"{result.stdout}\n{result.stderr}"
-        )
-
-
-def _kafka_cluster_id() -> str:
-    """What `StorageTool random-uuid` prints, without paying for a second JVM start."""
-    import base64
-
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-
-
-def _start_kafka(libs: Path, k: _KafkaLayout) -> subprocess.Popen[bytes]:
-    with k.console.open("ab") as out:
-        proc = subprocess.Popen(
-            _java_cmd(libs, k, "kafka.Kafka", str(k.properties)),
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=k.root,
-            start_new_session=True,
-        )
-    _children[proc.pid] = proc
-    return proc
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def _quiet_logger() -> Any:
-    """librdkafka logs every refused connection; during start-up those are expected."""
-    import logging
-
-    logger = logging.getLogger("devtools.localstack.kafka-probe")
-    logger.propagate = False
-    if not logger.handlers:
-        logger.addHandler(logging.NullHandler())
-    return logger
-
-
-def _kafka_ready(bootstrap: str, deadline: float) -> None:
-    """Wait for metadata AND a working transaction coordinator.
-
-    A broker that answers metadata may still fail the first `init_transactions` while it
-    creates __transaction_state; tests that start with a transaction would flake on that,
-    so readiness includes one successful init_transactions.
-    """
-    from confluent_kafka import KafkaException, Producer
-    from confluent_kafka.admin import AdminClient
-
-    logger = _quiet_logger()
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": logger})
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"Kafka at {bootstrap} did not report a broker in time")
-        try:
-            if admin.list_topics(timeout=min(2.0, remaining)).brokers:
-                break
-        except KafkaException:
-            pass
-        time.sleep(0.1)
-
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "transactional.id": f"ksb-localstack-probe-{uuid.uuid4().hex}",
-            "logger": logger,
-        }
-    )
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError(f"Kafka at {bootstrap} could not init a transaction in time")
-        try:
-            producer.init_transactions(min(10.0, remaining))
-            break
-        except KafkaException as exc:
-            err = exc.args[0] if exc.args else None
-            retriable = getattr(err, "retriable", lambda: True)()
-            if not retriable:
-                raise LocalStackError(f"init_transactions failed: {exc}") from exc
-            time.sleep(0.1)
-    producer.flush(1.0)
-
-
-# --------------------------------------------------------------------------- redis
 
 
 def _start_redis(root: Path, port: int) -> subprocess.Popen[bytes]:
@@ -441,7 +165,7 @@ def _start_redis(root: Path, port: int) -> subprocess.Popen[bytes]:
         cwd=root,
         start_new_session=True,
     )
-    _children[proc.pid] = proc
+    register_child(proc)
     return proc
 
 
@@ -480,7 +204,7 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
     deadline = time.monotonic() + timeout_s
     workdir = workdir.resolve()
     libs = kafka_libs_dir()
-    k = _KafkaLayout(root=workdir / "kafka", port=free_port(), controller_port=free_port())
+    k = KafkaLayout(root=workdir / "kafka", port=free_port(), controller_port=free_port())
     k.data.mkdir(parents=True, exist_ok=True)
     k.logs.mkdir(parents=True, exist_ok=True)
     redis_port = free_port()
@@ -491,9 +215,9 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
     kafka_proc: subprocess.Popen[bytes] | None = None
     stack: LocalStack | None = None
     try:
-        _write_kafka_properties(k)
-        _format_kafka_storage(libs, k)
-        kafka_proc = _start_kafka(libs, k)
+        write_kafka_properties(k)
+        format_kafka_storage(libs, k)
+        kafka_proc = start_kafka(libs, k)
         stack = LocalStack(
             kafka_bootstrap=k.bootstrap,
             redis_url=redis_url,
@@ -503,7 +227,7 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
         )
         if stop_at_exit:
             _remember(stack)
-        while not _port_open(k.port):
+        while not port_open(k.port):
             if kafka_proc.poll() is not None:
                 raise LocalStackError(f"Kafka exited with code {kafka_proc.returncode}")
             if redis_proc.poll() is not None:
@@ -511,18 +235,18 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"Kafka did not listen on {k.bootstrap} in {timeout_s}s")
             time.sleep(0.05)
-        _kafka_ready(k.bootstrap, deadline)
+        kafka_ready(k.bootstrap, deadline)
         _redis_ready(redis_url, deadline)
     except BaseException as exc:
         if stack is not None:
             stack.stop(grace_s=2.0)
         else:
-            _signal_group(redis_proc.pid, signal.SIGKILL)
-            _wait_gone(redis_proc.pid, time.monotonic() + 5.0)
+            signal_group(redis_proc.pid, signal.SIGKILL)
+            wait_gone(redis_proc.pid, time.monotonic() + 5.0)
         if isinstance(exc, Exception):
             raise LocalStackError(
                 f"local stack failed to start in {workdir}: {exc}\n{k.log_tails()}\n"
-                f"--- redis ---\n{_tail(workdir / 'redis' / 'redis.log', 20)}"
+                f"--- redis ---\n{tail(workdir / 'redis' / 'redis.log', 20)}"
             ) from exc
         raise
     return stack
@@ -565,8 +289,8 @@ def _load_cli_stack() -> LocalStack | None:
 def _cli_alive(stack: LocalStack) -> dict[str, bool]:
     """Checks the command line too, so a recycled pid is never taken for our broker."""
     return {
-        "kafka": _is_alive(stack.kafka_pid) and "kafka.Kafka" in _cmdline(stack.kafka_pid),
-        "redis": _is_alive(stack.redis_pid) and "redis-server" in _cmdline(stack.redis_pid),
+        "kafka": is_alive(stack.kafka_pid) and "kafka.Kafka" in _cmdline(stack.kafka_pid),
+        "redis": is_alive(stack.redis_pid) and "redis-server" in _cmdline(stack.redis_pid),
     }
 
 

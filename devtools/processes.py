@@ -1,0 +1,115 @@
+"""The processes the development tools start: who is alive, how to stop them, free ports, logs.
+
+Processes start in their own session so that a Ctrl-C in the terminal does not kill them half-way
+through a test's teardown; the tools stop them explicitly instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = [
+    "REPO_ROOT",
+    "LocalStackError",
+    "free_port",
+    "is_alive",
+    "port_open",
+    "register_child",
+    "signal_group",
+    "tail",
+    "wait_gone",
+]
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+LOG_TAIL_LINES = 60
+
+
+class LocalStackError(RuntimeError):
+    """The local stack could not be set up; the message says what to look at."""
+
+
+# Popen objects of the processes this Python process started, by pid. Reaping through
+# Popen.poll() (not os.waitpid) keeps Popen's own bookkeeping right, so it does not warn
+# "subprocess is still running" when garbage-collected (filterwarnings=error in pytest).
+_children: dict[int, subprocess.Popen[bytes]] = {}
+
+
+def is_alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie counts as gone (it has released its ports)."""
+    if pid <= 1:
+        return False
+    child = _children.get(pid)
+    if child is not None:
+        if child.poll() is None:
+            return True
+        _children.pop(pid, None)
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A non-child zombie waits for its own parent to reap it; it is already gone for us.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, deadline: float) -> bool:
+    while is_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    """Signal the process group the process leads (start_new_session), then the process.
+
+    The group catches helpers the JVM might fork; the direct kill covers a process that
+    is no longer a group leader.
+    """
+    if pid <= 1:
+        return  # never kill(-1) / kill(0): that would signal everything we may signal
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def register_child(proc: subprocess.Popen[bytes]) -> None:
+    """Remember a process this Python process started, so it is reaped through its Popen."""
+    _children[proc.pid] = proc
+
+
+def free_port() -> int:
+    """A port that was free a moment ago; the OS picks it so parallel runs do not collide."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return f"({path} not readable)"
+    return "\n".join(text.splitlines()[-lines:]) or f"({path} is empty)"
+
+
+# --------------------------------------------------------------------------- redis
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
