@@ -44,7 +44,14 @@ from ksb.sequencing import ReceiveWindow
 __all__ = ["Engine", "Inflight", "Outputs", "QueueWrite", "partition_for", "target_handle"]
 
 _TARGET_NS = uuid.UUID("6b7a1c2e-5f44-4f0e-9a51-0c1b7d1e3a10")
-_VALIDATION_CODE = {"NONE": "N", "EMPTY": "E", "WELL_FORMED_JSON": "J", "SCHEMA": "S"}
+_VALIDATION_CODE = {
+    "NONE": "N",
+    "EMPTY": "E",
+    "WELL_FORMED_XML": "X",
+    "VALID_XML": "X",
+    "WELL_FORMED_JSON": "J",
+    "SCHEMA": "S",
+}
 # Error codes placed in Error messages; negative like Service Broker's system errors.
 LIFETIME_EXPIRED = -8489
 VALIDATION_ERROR = -9615
