@@ -92,16 +92,25 @@ def _error(at: Where, reason: str) -> DdlError:
 
 
 def _one_database(statements: Iterable[Statement]) -> None:
-    """A script for two databases would merge two catalogs into one instance: refuse it."""
-    uses = [s for s in statements if isinstance(s, UseDatabase)]
-    names = list(dict.fromkeys(s.name for s in uses))
-    if len(names) > 1:
-        second = next(s for s in uses if s.name == names[1])
-        raise _error(
-            second.at,
-            f"the script switches between databases {', '.join(map(repr, names))}; "
-            "apply one database's statements per instance",
-        )
+    """A script defining objects in two databases would merge two catalogs: refuse it.
+
+    Only statements that change objects count, so `USE master; ALTER DATABASE ... SET
+    ENABLE_BROKER; USE AppDb;` ahead of the definitions (as SQL Server's tutorials begin) is fine.
+    """
+    current: str | None = None
+    first: str | None = None
+    for statement in statements:
+        if isinstance(statement, UseDatabase):
+            current = statement.name
+        elif isinstance(statement, (Create, Alter, Drop, Permission)) and current is not None:
+            if first is None:
+                first = current
+            elif current != first:
+                raise _error(
+                    statement.at,
+                    f"the script defines objects in databases {first!r} and {current!r}; "
+                    "apply one database's statements per instance",
+                )
 
 
 # --- looking objects up --------------------------------------------------------------------------
