@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ksb.catalog import END_DIALOG, ERROR
 from ksb.client import KsbClient
@@ -215,3 +216,31 @@ def test_typed_xml_message_type_validates_every_send(settings: Settings, client:
         wait_endpoint(settings, bad, "ERROR")
     finally:
         d.stop()
+
+
+def test_export_sql_rebuilds_the_catalog_on_a_fresh_instance(
+    settings: Settings, tmp_path: Path
+) -> None:
+    apply_files(settings, "lesson1-conversation-objects.sql", "expense-report-schema.sql")
+    ok(ksb(settings, "sql", "GRANT RECEIVE ON TargetQueue1DB TO app"))
+    before = shown(settings)
+    # A script that fails on its last statement stores nothing, not even its first one.
+    reason = refused(ksb(settings, "sql", "CREATE QUEUE Extra;\nDROP QUEUE TargetQueue1DB"))
+    assert reason.startswith("error: line 2, column 1: DROP QUEUE TargetQueue1DB: ")
+    assert "still used by service '//AWDB/1DBSample/TargetService'" in reason
+    assert shown(settings) == before
+
+    script = tmp_path / "export.sql"
+    script.write_text(ok(ksb(settings, "catalog", "export", "--sql")))
+    assert script.read_text().startswith(f"-- catalog version {before['version']} of instance ")
+    fresh = settings.model_copy(update={"instance": f"{settings.instance}x"})
+    ok(ksb(fresh, "sql", "--file", str(script)))
+    after = shown(fresh)
+    assert after["version"] == 1
+
+    def definitions(catalog: dict[str, object]) -> dict[str, object]:
+        return {k: v for k, v in catalog.items() if k not in {"version", "applied_ms"}}
+
+    assert definitions(after) == definitions(before)
+    as_yaml = yaml.safe_load(ok(ksb(settings, "catalog", "export")))
+    assert as_yaml == definitions(before)
