@@ -50,6 +50,7 @@ def dialog(
     [got] = receive_all(client, target_queue, 1)
     assert (got.message_type_name, got.message_body.decode()) == request
     assert got.service_name == target and got.service_contract_name == contract
+    assert got.validation == "X"  # every request type in these scripts is validated as XML
     with client.transaction() as tx:
         tx.send(got.conversation_handle, *reply)
         tx.end_conversation(got.conversation_handle)
