@@ -1,18 +1,18 @@
-"""The DDL parser: pasted SQL Server scripts in, typed statements out, errors at the token."""
+"""The DDL parser: pasted SQL Server scripts in, typed statements out, errors at the token.
+
+Broker priorities and ALTER QUEUE; the other statement kinds are in test_ddl_statements.py, their
+application to a catalog in test_ddl_apply.py.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from ksb.catalog.ddl import (
-    AlterPriority,
-    AlterQueue,
-    CreatePriority,
-    DropPriority,
-    UseDatabase,
-    apply_priority_statements,
-    parse,
-)
+from ksb.catalog.ddl import Alter, Create, Drop, Statement, UseDatabase, parse
+from ksb.catalog.ddl_apply import apply_script
+from ksb.catalog.model import Catalog, parse_catalog
 from ksb.catalog.priorities import ANY, BrokerPriority, PriorityTable, endpoint_levels
 from ksb.errors import DdlError
 
@@ -41,6 +41,18 @@ GO 2
 """
 
 
+def _priority(name: str, **fields: Any) -> Create:
+    return Create("BROKER PRIORITY", name, fields)
+
+
+def apply_priority_statements(
+    rules: list[BrokerPriority], statements: list[Statement]
+) -> list[BrokerPriority]:
+    """The priorities after the statements, applied to a catalog holding only `rules`."""
+    catalog = parse_catalog({"priorities": [r.model_dump() for r in rules]})
+    return list(apply_script(catalog, statements).priorities)
+
+
 def _rules(text: str) -> list[BrokerPriority]:
     return apply_priority_statements([], parse(text))
 
@@ -54,14 +66,12 @@ def _error(text: str) -> DdlError:
 def test_orders_script_parses_to_the_use_and_the_rule() -> None:
     assert parse(ORDERS_SCRIPT) == [
         UseDatabase("OrdersDB"),
-        CreatePriority(
-            BrokerPriority(
-                name="OrdersOutbound",
-                contract="//shop/OrderContract",
-                local_service="OrderService",
-                remote_service="ShippingService",
-                level=7,
-            )
+        _priority(
+            "OrdersOutbound",
+            contract="//shop/OrderContract",
+            local_service="OrderService",
+            remote_service="ShippingService",
+            level=7,
         ),
     ]
 
@@ -78,9 +88,12 @@ def test_each_database_script_covers_its_own_endpoint() -> None:
 
 def test_set_clause_and_every_item_are_optional() -> None:
     (bare,) = parse("CREATE BROKER PRIORITY Catchall FOR CONVERSATION")
-    assert bare == CreatePriority(BrokerPriority(name="Catchall"))
+    assert bare == _priority("Catchall")
+    assert _rules("CREATE BROKER PRIORITY Catchall FOR CONVERSATION") == [
+        BrokerPriority(name="Catchall")
+    ]
     (partial,) = parse("CREATE BROKER PRIORITY p FOR CONVERSATION SET (PRIORITY_LEVEL = 2)")
-    assert partial == CreatePriority(BrokerPriority(name="p", level=2))
+    assert partial == _priority("p", level=2)
 
 
 def test_any_default_any_order_and_optional_commas() -> None:
@@ -88,9 +101,7 @@ def test_any_default_any_order_and_optional_commas() -> None:
         "Create Broker Priority p For Conversation Set (PRIORITY_LEVEL = DEFAULT "
         "remote_service_name = any, CONTRACT_NAME = 'c' LOCAL_SERVICE_NAME = ANY);"
     )
-    assert statement == CreatePriority(
-        BrokerPriority(name="p", contract="c", local_service=ANY, remote_service=ANY, level=5)
-    )
+    assert statement == _priority("p", contract="c", local_service=ANY, remote_service=ANY, level=5)
 
 
 def test_name_forms_and_their_escapes() -> None:
@@ -98,16 +109,14 @@ def test_name_forms_and_their_escapes() -> None:
         "CREATE BROKER PRIORITY [odd]]name] FOR CONVERSATION SET ("
         "CONTRACT_NAME = N'it''s', LOCAL_SERVICE_NAME = [a-b.c/d], REMOTE_SERVICE_NAME = 'x')"
     )
-    assert statement == CreatePriority(
-        BrokerPriority(
-            name="odd]name", contract="it's", local_service="a-b.c/d", remote_service="x"
-        )
+    assert statement == _priority(
+        "odd]name", contract="it's", local_service="a-b.c/d", remote_service="x"
     )
 
 
 def test_keywords_that_are_not_expected_can_be_bare_names() -> None:
     (statement,) = parse("CREATE BROKER PRIORITY Status FOR CONVERSATION SET (CONTRACT_NAME = Set)")
-    assert statement == CreatePriority(BrokerPriority(name="Status", contract="Set"))
+    assert statement == _priority("Status", contract="Set")
 
 
 def test_several_statements_with_comments_and_without_semicolons() -> None:
@@ -119,7 +128,7 @@ def test_several_statements_with_comments_and_without_semicolons() -> None:
         "SET (CONTRACT_NAME = Bulk, PRIORITY_LEVEL = 1)\n"
         ";;\n"
     )
-    assert [s.rule.name for s in statements if isinstance(s, CreatePriority)] == ["gold", "bulk"]
+    assert [s.name for s in statements if isinstance(s, Create)] == ["gold", "bulk"]
     assert parse("") == []
     assert parse("GO\n  go  \n") == []
 
@@ -130,11 +139,11 @@ def test_alter_and_drop() -> None:
         "ALTER BROKER PRIORITY p FOR CONVERSATION SET (PRIORITY_LEVEL = 9);\n"
         "ALTER BROKER PRIORITY p FOR CONVERSATION SET (LOCAL_SERVICE_NAME = s);\n"
     )
-    assert statements[1] == AlterPriority("p", {"level": 9})
+    assert statements[1] == Alter("BROKER PRIORITY", "p", {"level": 9})
     rules = apply_priority_statements([], statements)
     assert rules == [BrokerPriority(name="p", contract="c", local_service="s", level=9)]
     (drop,) = parse("DROP BROKER PRIORITY [p]")
-    assert drop == DropPriority("p")
+    assert drop == Drop("BROKER PRIORITY", "p")
     assert apply_priority_statements(rules, [drop]) == []
     assert len(rules) == 1  # the input list is left alone
 
@@ -149,26 +158,33 @@ def test_alter_queue_forms() -> None:
         "ALTER QUEUE q WITH ACTIVATION (DROP);\n"
     )
     assert statements == [
-        AlterQueue("dbo.Order Queue", status=False),
-        AlterQueue(
+        Alter("QUEUE", "Order Queue", {"status": "OFF"}),  # a queue's schema is dropped
+        Alter(
+            "QUEUE",
             "q",
-            activation={
-                "status": True,
-                "procedure_name": "dbo.HandleOrder",
-                "max_queue_readers": 4,
-                "execute_as": "OWNER",
+            {
+                "activation": {
+                    "status": "ON",
+                    "procedure": "dbo.HandleOrder",
+                    "command": None,
+                    "max_queue_readers": 4,
+                    "execute_as": "OWNER",
+                },
+                "poison_message_handling": "OFF",
             },
-            poison_message_handling=False,
         ),
-        AlterQueue("q", activation={"execute_as": "order_reader"}),
-        AlterQueue("q", status=True, activation={"execute_as": "SELF"}),
-        AlterQueue("q", activation={"drop": True}),
+        Alter("QUEUE", "q", {"activation": {"execute_as": "order_reader"}}),
+        Alter("QUEUE", "q", {"status": "ON", "activation": {"execute_as": "SELF"}}),
+        Alter("QUEUE", "q", {"activation": None}),
     ]
 
 
-def test_apply_skips_queue_and_use_statements() -> None:
-    statements = parse("USE db; ALTER QUEUE q WITH STATUS = ON")
-    assert apply_priority_statements([], statements) == []
+def test_use_and_queue_statements_leave_priorities_alone() -> None:
+    catalog = parse_catalog({"queues": [{"name": "q", "status": "OFF"}]})
+    after = apply_script(catalog, parse("USE db; ALTER QUEUE q WITH STATUS = ON"))
+    assert after.priorities == ()
+    assert after.queues[0].status == "ON"
+    assert apply_script(Catalog(), parse("USE db; USE [db]")) == Catalog()
 
 
 def test_misspelled_item_points_at_it() -> None:
@@ -201,8 +217,8 @@ def test_level_out_of_range_points_at_the_number(value: str) -> None:
     [
         ("CREATE BROKER PRIORITY p FOR CONVERSATION SET (", 48, "unexpected end of input"),
         ("CREATE BROKER PRIORITY p FOR CONVERSATION SET ()", 48, "unexpected ')'"),
-        ("SELECT 1", 1, "unexpected 'SELECT'; expected one of ALTER, CREATE, DROP, USE"),
-        ("ALTER QUEUE q WITH RETENTION = ON", 20, "unexpected 'RETENTION'"),
+        ("SELECT 1", 1, "unexpected 'SELECT'; expected one of ALTER, CREATE, DROP, GRANT"),
+        ("ALTER QUEUE q WITH RETENTON = ON", 20, "unexpected 'RETENTON'"),
         ("ALTER QUEUE q WITH STATUS = ON, STATUS = OFF", 33, "STATUS is given more than once"),
         ("CREATE BROKER PRIORITY p FOR CONVERSATION SET (CONTRACT_NAME = $)", 64, "'$'"),
         ("CREATE BROKER PRIORITY p FOR CONVERSATION SET (CONTRACT_NAME = [])", 64, "empty name"),

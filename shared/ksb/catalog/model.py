@@ -1,4 +1,4 @@
-"""The catalog: message types, contracts, queues, services, routes and broker priorities.
+"""The catalog: message types, contracts, queues, services, routes, priorities and grants.
 
 Definitions are pydantic models with unknown fields refused, and cross-references are checked after
 parsing, so a typo in a YAML file is refused with the field's path named instead of being dropped.
@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 import jsonschema
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from ksb.catalog.priorities import BrokerPriority, PriorityTable
+from ksb.catalog.xml_validation import check_well_formed, compile_schema
 from ksb.errors import CatalogError, ValidationFailed
 
 __all__ = [
@@ -33,12 +34,14 @@ __all__ = [
     "ContractMessage",
     "DeadLetter",
     "EventNotification",
+    "Grant",
     "MessageType",
     "Queue",
     "Route",
     "SentBy",
     "Service",
     "Validation",
+    "XmlSchemaCollection",
     "load_catalog_file",
     "parse_catalog",
 ]
@@ -53,10 +56,16 @@ DEFAULT_CONTRACT = "DEFAULT"
 
 
 class Validation(str, Enum):
+    """Service Broker's validations (NONE, EMPTY, WELL_FORMED_XML, VALID_XML) and KSB's JSON ones."""
+
     NONE = "NONE"
     EMPTY = "EMPTY"
+    WELL_FORMED_XML = "WELL_FORMED_XML"
+    VALID_XML = "VALID_XML"
+    """Valid against the XML schema collection named by `xml_schema_collection`."""
     WELL_FORMED_JSON = "WELL_FORMED_JSON"
     SCHEMA = "SCHEMA"
+    """Valid JSON against the JSON schema in `schema`."""
 
 
 class SentBy(str, Enum):
@@ -69,10 +78,29 @@ class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class XmlSchemaCollection(_Model):
+    """CREATE XML SCHEMA COLLECTION: one self-contained XSD document under a name.
+
+    The XSD is compiled when the catalog is validated (and cached by its text), so a broken schema
+    is refused at apply time and the dispatcher never compiles one per message.
+    """
+
+    name: str = Field(min_length=1, max_length=128)
+    xsd: str = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _compiles(self) -> XmlSchemaCollection:
+        compile_schema(self.xsd)  # ValueError with libxml2's reason
+        return self
+
+
 class MessageType(_Model):
     name: str = Field(min_length=1, max_length=256)
     validation: Validation = Validation.NONE
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    xml_schema_collection: str | None = Field(default=None, min_length=1)
+    """VALID_XML WITH SCHEMA COLLECTION: the catalog's `xml_schema_collections` entry to use."""
+    _xsd: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _schema_matches_validation(self) -> MessageType:
@@ -82,7 +110,15 @@ class MessageType(_Model):
             jsonschema.Draft202012Validator.check_schema(self.json_schema)
         elif self.json_schema is not None:
             raise ValueError("'schema' is only allowed with validation SCHEMA")
+        if (self.validation is Validation.VALID_XML) != (self.xml_schema_collection is not None):
+            raise ValueError(
+                "validation VALID_XML goes with an 'xml_schema_collection', and only it"
+            )
         return self
+
+    def bind_xml_schema(self, xsd: str) -> None:
+        """Attach the XSD text of this type's schema collection (done by `Catalog`'s checks)."""
+        self._xsd = xsd
 
     def validate_body(self, body: bytes) -> None:
         """Raise ValidationFailed with the reason when ``body`` breaks this type's rule."""
@@ -91,6 +127,14 @@ class MessageType(_Model):
         if self.validation is Validation.EMPTY:
             if body:
                 raise ValidationFailed(f"message type {self.name!r} requires an empty body")
+            return
+        if self.validation is Validation.WELL_FORMED_XML:
+            check_well_formed(self.name, body)
+            return
+        if self.validation is Validation.VALID_XML:
+            if self._xsd is None:
+                raise ValidationFailed(f"message type {self.name!r} has no schema collection bound")
+            compile_schema(self._xsd).check(self.name, body)
             return
         try:
             doc = json.loads(body)
@@ -211,6 +255,18 @@ class Route(_Model):
         return self.via or self.broker_instance
 
 
+class Grant(_Model):
+    """GRANT SEND ON SERVICE::s / GRANT RECEIVE ON queue, to one principal.
+
+    Stored and shown only: the dispatcher is the one to enforce them.
+    """
+
+    permission: Literal["SEND", "RECEIVE"]
+    target: str = Field(min_length=1)
+    """The service (SEND) or queue (RECEIVE) the permission is on."""
+    principal: str = Field(min_length=1, max_length=128)
+
+
 class Catalog(_Model):
     """A whole catalog as declared; ``version`` is assigned when it is applied."""
 
@@ -224,6 +280,8 @@ class Catalog(_Model):
     routes: tuple[Route, ...] = ()
     priorities: tuple[BrokerPriority, ...] = ()
     event_notifications: tuple[EventNotification, ...] = ()
+    xml_schema_collections: tuple[XmlSchemaCollection, ...] = ()
+    grants: tuple[Grant, ...] = ()
     honor_broker_priority: bool = True
     sla_targets_ms: dict[int, int] = Field(default_factory=dict)
     """Time-in-queue target per priority level (1-10), in ms: the Spark SLA job counts breaches."""
@@ -242,6 +300,9 @@ class Catalog(_Model):
         _unique("routes", [r.name for r in self.routes])
         _unique("priorities", [p.name for p in self.priorities])
         _unique("event_notifications", [n.name for n in self.event_notifications])
+        _unique("xml_schema_collections", [x.name for x in self.xml_schema_collections])
+        bound = _bind_xml_schemas(self.message_types, self.xml_schema_collections)
+        object.__setattr__(self, "message_types", bound)  # frozen: set once, while validating
         types = {m.name for m in self.message_types} | {DEFAULT_MESSAGE_TYPE}
         for i, c in enumerate(self.contracts):
             for j, m in enumerate(c.messages):
@@ -260,7 +321,46 @@ class Catalog(_Model):
             for j, cname in enumerate(s.contracts):
                 if cname not in contracts:
                     raise ValueError(f"services[{i}].contracts[{j}]: unknown contract {cname!r}")
+        _check_grants(self.grants, {s.name for s in self.services}, queues)
         return self
+
+
+def _bind_xml_schemas(
+    types: tuple[MessageType, ...], collections: tuple[XmlSchemaCollection, ...]
+) -> tuple[MessageType, ...]:
+    """Each VALID_XML type with its collection's XSD, so a SEND validates without a look-up.
+
+    A type is copied before it is bound: an instance handed in may belong to another catalog.
+    """
+    by_name = {x.name: x.xsd for x in collections}
+    bound: list[MessageType] = []
+    for i, m in enumerate(types):
+        if m.xml_schema_collection is not None:
+            xsd = by_name.get(m.xml_schema_collection)
+            if xsd is None:
+                raise ValueError(
+                    f"message_types[{i}].xml_schema_collection: unknown XML schema collection "
+                    f"{m.xml_schema_collection!r}"
+                )
+            m = m.model_copy()
+            m.bind_xml_schema(xsd)
+        bound.append(m)
+    return tuple(bound)
+
+
+def _check_grants(grants: tuple[Grant, ...], services: set[str], queues: set[str]) -> None:
+    """SEND names a catalog service, RECEIVE a catalog queue; one entry per grant."""
+    seen: set[tuple[str, str, str]] = set()
+    for i, g in enumerate(grants):
+        targets, what = (services, "service") if g.permission == "SEND" else (queues, "queue")
+        if g.target not in targets:
+            raise ValueError(f"grants[{i}].target: {g.permission} on unknown {what} {g.target!r}")
+        key = (g.permission, g.target, g.principal)
+        if key in seen:
+            raise ValueError(
+                f"grants[{i}]: duplicate grant of {g.permission} on {g.target!r} to {g.principal!r}"
+            )
+        seen.add(key)
 
 
 def _unique(field: str, names: list[str]) -> None:

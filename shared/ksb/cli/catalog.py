@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+import yaml
 from rich.table import Table
 
-from ksb.catalog.ddl import AlterQueue, Statement, UseDatabase, apply_priority_statements, parse
+from ksb.catalog.ddl import parse
+from ksb.catalog.ddl_apply import apply_script
+from ksb.catalog.ddl_export import export_sql
 from ksb.catalog.model import (
     Activation,
     Catalog,
     CatalogView,
-    Queue,
     load_catalog_file,
-    parse_catalog,
 )
 from ksb.cli.app import app, catalog_app, cli_settings, echo_json, make_console, reported
-from ksb.errors import CatalogError, DdlError
+from ksb.errors import DdlError
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.settings import KsbSettings
 
-__all__ = ["apply_ddl", "catalog_tables", "store_catalog", "table"]
+__all__ = ["catalog_tables", "store_catalog", "table"]
 
 
 def store_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
@@ -65,7 +65,8 @@ def catalog_tables(catalog: Catalog) -> list[Table]:
     if catalog.message_types:
         t = table("Message types", "name", "validation", "schema")
         for m in catalog.message_types:
-            t.add_row(m.name, m.validation.value, "yes" if m.json_schema is not None else "")
+            schema = m.xml_schema_collection or ("yes" if m.json_schema is not None else "")
+            t.add_row(m.name, m.validation.value, schema)
         tables.append(t)
     if catalog.contracts:
         t = table("Contracts", "name", "messages (SENT BY)")
@@ -112,6 +113,24 @@ def catalog_tables(catalog: Catalog) -> list[Table]:
     for p in catalog.priorities:
         t.add_row(p.name, p.contract, p.local_service, p.remote_service, str(p.level))
     tables.append(t)
+    tables.extend(_ddl_tables(catalog))
+    return tables
+
+
+def _ddl_tables(catalog: Catalog) -> list[Table]:
+    """XML schema collections and grants, after the rest."""
+    tables: list[Table] = []
+    if catalog.xml_schema_collections:
+        t = table("XML schema collections", "name", "XSD characters")
+        for x in catalog.xml_schema_collections:
+            t.add_row(x.name, str(len(x.xsd)))
+        tables.append(t)
+    if catalog.grants:
+        t = table("Grants", "permission", "on", "to")
+        for g in catalog.grants:
+            on = f"SERVICE::{g.target}" if g.permission == "SEND" else f"QUEUE {g.target}"
+            t.add_row(g.permission, on, g.principal)
+        tables.append(t)
     return tables
 
 
@@ -137,14 +156,14 @@ def sql(
         Path | None, typer.Option("--file", "-f", exists=True, dir_okay=False, help="a .sql file")
     ] = None,
 ) -> None:
-    """Apply CREATE/ALTER/DROP BROKER PRIORITY and ALTER QUEUE to the catalog as a new version."""
+    """Apply Service Broker DDL (CREATE/ALTER/DROP, GRANT/REVOKE) as ONE new catalog version."""
     if (statements is None) == (file is None):
         raise DdlError("give the statements as an argument or with --file, not both or neither")
     text = statements if statements is not None else Path(str(file)).read_text()
     parsed = parse(text)
     settings = cli_settings()
     current = load_catalog(settings)
-    changed = apply_ddl(current, parsed)
+    changed = apply_script(current, parsed)
     if _definitions(changed) == _definitions(current):
         typer.echo(f"nothing to change: catalog stays at version {current.version}")
         return
@@ -152,67 +171,19 @@ def sql(
     typer.echo(f"applied {len(parsed)} statement(s): catalog version {applied.version}")
 
 
-def apply_ddl(catalog: Catalog, statements: Sequence[Statement]) -> Catalog:
-    """The catalog after the statements, re-validated as a whole; `catalog` is not changed.
-
-    Load, transform and apply are not one atomic step: two operators running DDL at the same moment
-    both build on the same version, and the later apply wins, as with two `catalog apply` runs.
-    """
-    _one_database(statements)
-    rules = apply_priority_statements(list(catalog.priorities), statements)
-    queues = [q.model_dump(mode="json") for q in catalog.queues]
-    for statement in statements:
-        if isinstance(statement, AlterQueue):
-            _alter_queue(queues[_queue_position(catalog.queues, statement.name)], statement)
-    data = catalog.model_dump(mode="json", by_alias=True)
-    data["priorities"] = [r.model_dump(mode="json") for r in rules]
-    data["queues"] = queues
-    return parse_catalog(data)  # an impossible combination is refused here, with the field named
-
-
-def _one_database(statements: Iterable[Statement]) -> None:
-    """A script for two databases would merge two rule sets into one instance: refuse it."""
-    names = list(dict.fromkeys(s.name for s in statements if isinstance(s, UseDatabase)))
-    if len(names) > 1:
-        raise DdlError(
-            f"the script switches between databases {', '.join(map(repr, names))}; "
-            "apply one database's statements per instance"
-        )
-
-
-def _queue_position(queues: Sequence[Queue], name: str) -> int:
-    """Exact name first; a schema-qualified T-SQL name (dbo.Q) matches queue Q by its last part."""
-    for candidate in (name, name.rsplit(".", 1)[-1]):
-        for i, q in enumerate(queues):
-            if q.name == candidate:
-                return i
-    raise CatalogError(f"ALTER QUEUE: unknown queue {name!r}", code="unknown_queue")
-
-
-def _on_off(flag: bool) -> str:
-    return "ON" if flag else "OFF"
-
-
-def _alter_queue(queue: dict[str, Any], statement: AlterQueue) -> None:
-    """Change only what the statement names, as ALTER QUEUE does."""
-    if statement.status is not None:
-        queue["status"] = _on_off(statement.status)
-    if statement.poison_message_handling is not None:
-        queue["poison_message_handling"] = _on_off(statement.poison_message_handling)
-    activation = statement.activation
-    if activation.get("drop"):
-        queue["activation"] = Activation.model_validate({}).model_dump(mode="json")
+@catalog_app.command("export")
+@reported
+def catalog_export(
+    as_sql: Annotated[bool, typer.Option("--sql", help="as a script `ksb sql` applies")] = False,
+) -> None:
+    """The current catalog as YAML for `ksb catalog apply`, or as DDL for `ksb sql` (--sql)."""
+    settings = cli_settings()
+    current = load_catalog(settings)
+    if as_sql:
+        header = f"catalog version {current.version} of instance {settings.instance}"
+        typer.echo(export_sql(current, header=header), nl=False)
         return
-    target = queue["activation"]
-    if "status" in activation:
-        target["status"] = _on_off(bool(activation["status"]))
-    if "procedure_name" in activation:
-        target["procedure"] = activation["procedure_name"]
-        target["command"] = None  # PROCEDURE_NAME replaces the program, whatever it was
-    if "max_queue_readers" in activation:
-        target["max_queue_readers"] = activation["max_queue_readers"]
-    if "execute_as" in activation:
-        target["execute_as"] = activation["execute_as"]
+    typer.echo(yaml.safe_dump(_definitions(current), sort_keys=False), nl=False)
 
 
 def _definitions(catalog: Catalog) -> dict[str, Any]:

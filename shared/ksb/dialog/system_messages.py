@@ -21,7 +21,14 @@ LIFETIME_EXPIRED = -8489
 VALIDATION_ERROR = -9615
 CONTRACT_REFUSED = -8408
 
-VALIDATION_CODE = {"NONE": "N", "EMPTY": "E", "WELL_FORMED_JSON": "J", "SCHEMA": "S"}
+VALIDATION_CODE = {
+    "NONE": "N",
+    "EMPTY": "E",
+    "WELL_FORMED_XML": "X",
+    "VALID_XML": "X",
+    "WELL_FORMED_JSON": "J",
+    "SCHEMA": "S",
+}
 """A message type's validation as the one-letter `validation` column of a queue message."""
 
 
