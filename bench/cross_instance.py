@@ -383,7 +383,10 @@ def run_cross_instance(
             "probes": o.probes,
             "route_address": "LOCAL",
             "instances": {"local": sl.instance, "a": sa.instance, "b": sb.instance},
-            "intervals": dict(INTERVALS),
+            "intervals": {
+                **INTERVALS,
+                "idle_connection_ms": TransportSettings().idle_connection_ms,
+            },
             "transmitter_options": {
                 "connect_timeout_s": INTERVALS["connect_timeout_ms"] / 1000,
                 "delivery_timeout_ms": TransportSettings().delivery_timeout_ms,

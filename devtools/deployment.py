@@ -9,6 +9,7 @@ every field of every service's model, which each process receives narrowed to it
 
 from __future__ import annotations
 
+from devtools.processes import REPO_ROOT
 from ksb.settings import (
     ActivatedTaskSettings,
     ActivationSettings,
@@ -37,6 +38,9 @@ class Deployment(
     ActivatedTaskSettings,
 ):
     """Every variable of one broker instance (a tool's view; no service reads this model)."""
+
+    spark_jars: str = str(REPO_ROOT / ".cache" / "spark" / "jars")
+    """Where `make` fetched the connector, wherever a tool starts the job from."""
 
 
 SERVICE_SETTINGS: dict[str, type[KsbSettings]] = {

@@ -115,7 +115,7 @@ class CatalogWatcher:
     def catch_up(self, timeout_s: float = 60.0) -> CatalogView:
         """Read the catalog topic up to its current end: the newest version now."""
         tp = TopicPartition(self._topic, 0)
-        _low, end = self._c.get_watermark_offsets(tp, timeout=timeout_s, cached=False)
+        _low, end = kafka.watermarks(self._c, tp, timeout_s)
         deadline = time.monotonic() + timeout_s
         while end > 0 and self._c.position([tp])[0].offset < end:
             if time.monotonic() > deadline:

@@ -33,6 +33,7 @@ __all__ = [
     "queue_topic",
     "read_to_end",
     "remote_producer",
+    "watermarks",
 ]
 
 
@@ -208,7 +209,7 @@ def read_to_end(
     positions: dict[int, int] = {}
     pending = set(parts)
     for p in parts:
-        low, high = _watermarks(c, TopicPartition(topic, p), timeout_s)
+        low, high = watermarks(c, TopicPartition(topic, p), timeout_s)
         if high <= low:
             pending.discard(p)
             positions[p] = high
@@ -239,7 +240,7 @@ _NOT_READY = frozenset(
 )
 
 
-def _watermarks(c: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
+def watermarks(c: Consumer, tp: TopicPartition, timeout_s: float) -> tuple[int, int]:
     """A partition's offsets, waiting out a just-created topic whose leader is not up yet."""
     deadline = time.monotonic() + timeout_s
     while True:
