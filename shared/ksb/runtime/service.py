@@ -154,14 +154,14 @@ class ServiceShell:
         register_health_check(name, service.health)
         self.handlers.start()
         try:
-            self._watcher = CatalogWatcher(settings)
             service.open()
+            watcher = self._watch_catalog()
             self.start_ticker()
             self._announce()
             while not stop.is_set():
-                if self._watcher.poll(0):
-                    self.catalog = self._watcher.view
-                    service.on_catalog(self._watcher.view)
+                if watcher.poll(0):
+                    self.catalog = watcher.view
+                    service.on_catalog(watcher.view)
                 service.step()
                 self.ticker.poll(service.clock.now_ms())
         finally:
@@ -176,10 +176,16 @@ class ServiceShell:
                 log.info("%s stopped after %d tick(s)", name, self.ticker.tick)
 
     def read_catalog(self) -> CatalogView:
-        """The newest catalog now (reads the catalog topic to its end); for `Service.open`."""
-        assert self._watcher is not None, "read_catalog is for Service.open"
-        self.catalog = self._watcher.catch_up()
+        """The newest catalog now (reads the catalog topic to its end); for `Service.open`, once
+        it has made sure the topic exists."""
+        self.catalog = self._watch_catalog().catch_up()
         return self.catalog
+
+    def _watch_catalog(self) -> CatalogWatcher:
+        if self._watcher is None:
+            self._watcher = CatalogWatcher(self.service.settings)
+            self._watcher.view = self.catalog
+        return self._watcher
 
     def start_ticker(self) -> None:
         """Ticks count from here: the time `open` took is not ticks the service missed."""
