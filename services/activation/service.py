@@ -48,7 +48,6 @@ from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog.model import Catalog, CatalogView, Queue
 from ksb.clock import Clock
 from ksb.errors import KsbError
-from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.runtime.metrics import (
@@ -105,7 +104,6 @@ class ActivationService(Service):
     ) -> None:
         super().__init__(settings, clock)
         self.settings: ActivationSettings = settings
-        self.names = Names(settings.instance)
         self._given_redis = redis_client
         self._redis: redis.Redis | None = None
         self.watches: dict[str, QueueWatch] = {}

@@ -103,7 +103,6 @@ class Dispatcher(Service):
         simulate an outage, as they use `clock` to simulate time."""
         super().__init__(settings, clock)
         self.settings: DispatcherSettings = settings
-        self.names = Names(settings.instance)
         self.broker = BrokerStart(settings.instance, retry_every=settings.broker_retry_every)
         self._bcn = BcnPublisher(settings, self.names, self.handlers)
         self._kafka_probe = KafkaProbe(

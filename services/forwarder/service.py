@@ -31,7 +31,6 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from ksb.catalog.model import Catalog, CatalogView
 from ksb.clock import Clock
 from ksb.errors import ProtocolError
 from ksb.names import Names
@@ -59,9 +58,7 @@ class Forwarder(Service):
     def __init__(self, settings: ForwarderSettings, *, clock: Clock | None = None) -> None:
         super().__init__(settings, clock)
         self.settings: ForwarderSettings = settings
-        self.names = Names(settings.instance)
         self.queue = ForwardQueue()
-        self.catalog = CatalogView(Catalog())
         self._producers: dict[str, Producer] = {}  # bootstrap servers -> producer
         self._reports: list[tuple[str, str | None]] = []  # (message id, error) from callbacks
         self._pieces = Reassembler()  # fragments of large messages passing through
@@ -73,7 +70,7 @@ class Forwarder(Service):
     def open(self) -> None:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
-        self.catalog = self.shell.read_catalog()
+        self.shell.read_catalog()
         self._inbound = kafka.consumer(s, read_committed=False)
         topic = self.names.inbound
         md = self._inbound.list_topics(topic, timeout=10).topics[topic]
@@ -84,9 +81,6 @@ class Forwarder(Service):
 
     def tick_tasks(self) -> Iterable[TickTask]:
         return (TickTask(5, "drop_stale", lambda _t: self._drop_stale()),)
-
-    def on_catalog(self, view: CatalogView) -> None:
-        self.catalog = view
 
     def step(self) -> None:
         assert self._inbound is not None and self._view is not None

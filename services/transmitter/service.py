@@ -24,7 +24,7 @@ import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog.model import Catalog, CatalogView, Route
+from ksb.catalog.model import CatalogView, Route
 from ksb.clock import Clock
 from ksb.dialog.sequencing import Backoff
 from ksb.names import Names
@@ -50,7 +50,6 @@ class Transmitter(Service):
     def __init__(self, settings: TransmitterSettings, *, clock: Clock | None = None) -> None:
         super().__init__(settings, clock)
         self.settings: TransmitterSettings = settings
-        self.names = Names(settings.instance)
         self.peers = Peers()
         self.queue = TransmissionQueue(
             max_wait_ms=settings.max_wait_ms,
@@ -58,7 +57,6 @@ class Transmitter(Service):
             max_held_bytes=settings.transmitter_memory_bytes,
         )
         self._tx_position = 0  # next offset of `transmission` the main consumer will read
-        self.catalog = CatalogView(Catalog())
         self.audit = Audit()
         """Audit events (transmit, acknowledge, suppression) for the Spark audit; never fatal."""
         self._outbound: Producer | None = None
@@ -72,7 +70,7 @@ class Transmitter(Service):
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
         self._self_check()
-        self.catalog = self.shell.read_catalog()
+        self.shell.read_catalog()
         self._tx = kafka.consumer(s)
         self._tx.assign([TopicPartition(self.names.transmission, 0, -2)])
         self._acks = kafka.consumer(s)
@@ -94,7 +92,6 @@ class Transmitter(Service):
         )
 
     def on_catalog(self, view: CatalogView) -> None:
-        self.catalog = view
         self._reclassify()
 
     def step(self) -> None:

@@ -34,7 +34,7 @@ from confluent_kafka import (
 )
 
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
-from ksb.catalog.model import Catalog, CatalogView
+from ksb.catalog.model import CatalogView
 from ksb.clock import Clock
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -69,13 +69,11 @@ class Transport(Service):
     def __init__(self, settings: TransportSettings, *, clock: Clock | None = None) -> None:
         super().__init__(settings, clock)
         self.settings: TransportSettings = settings
-        self.names = Names(settings.instance)
         self.links = Links(
             suppress_after_disconnect_ms=settings.suppress_after_disconnect_ms,
             suppress_after_failed_connect_ms=settings.suppress_after_failed_connect_ms,
             idle_connection_ms=settings.idle_connection_ms,
         )
-        self.catalog = CatalogView(Catalog())
         self.relay = AckRelay(settings, batch=settings.batch, clock=self.clock)
         self.sent = 0
         self.dropped = 0
@@ -90,7 +88,7 @@ class Transport(Service):
     def open(self) -> None:
         s = self.settings
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
-        self.catalog = self.shell.read_catalog()
+        self.shell.read_catalog()
         self._local = kafka.producer(s)
         self.audit = Audit(KafkaAudit(kafka.producer(s), self.names))
         self._outbound = self._outbound_consumer()
@@ -107,7 +105,6 @@ class Transport(Service):
         )
 
     def on_catalog(self, view: CatalogView) -> None:
-        self.catalog = view
         self._close_rerouted()
 
     def step(self) -> None:

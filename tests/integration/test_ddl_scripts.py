@@ -181,7 +181,9 @@ def expense_report(total: str) -> str:
     )
 
 
-def test_typed_xml_message_type_validates_every_send(settings: Deployment, client: KsbClient) -> None:
+def test_typed_xml_message_type_validates_every_send(
+    settings: Deployment, client: KsbClient
+) -> None:
     apply_files(settings, "expense-report-schema.sql")
     ok(
         ksb(

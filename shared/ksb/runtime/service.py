@@ -31,6 +31,7 @@ from types import FrameType
 
 from ksb.catalog.model import Catalog, CatalogView
 from ksb.clock import Clock, SystemClock
+from ksb.names import Names
 from ksb.runtime.catalog_store import CatalogWatcher
 from ksb.runtime.metrics import (
     HEALTHY,
@@ -82,10 +83,16 @@ class Service(ABC):
 
     def __init__(self, settings: ServiceSettings, clock: Clock | None = None) -> None:
         self.settings = settings
+        self.names = Names(settings.instance)
         self.clock = clock or SystemClock()
         self.ready = threading.Event()
         """Set when the service takes work."""
         self.shell = ServiceShell(self)
+
+    @property
+    def catalog(self) -> CatalogView:
+        """The newest catalog the shell has seen (read in `open`, then kept up to date)."""
+        return self.shell.catalog
 
     @property
     def handlers(self) -> TaskHandlers:
