@@ -44,7 +44,8 @@ $(STAMP_APT):
 	fi
 	touch $@
 
-run: setup
+# Everything the demo starts, the Spark audit job included, is set up first.
+run: setup $(STAMP_SPARK)
 	$(PY) -m devtools.demo
 
 test: setup $(STAMP_SPARK)
