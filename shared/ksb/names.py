@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 __all__ = ["Names"]
@@ -19,7 +20,27 @@ class Names:
 
     @property
     def requests(self) -> str:
+        """The requests topic of clients without a principal (plaintext mode, development)."""
         return f"{self.prefix}.requests"
+
+    def requests_of(self, principal: str) -> str:
+        """The requests topic only `principal` may write: how the dispatcher knows who sent a
+        request (Kafka does not tell a consumer the producer's principal; its ACLs do)."""
+        return f"{self.prefix}.requests.{principal}"
+
+    @property
+    def requests_pattern(self) -> str:
+        """Every requests topic of the instance, as a consumer subscription regex."""
+        return rf"^{re.escape(self.prefix)}\.requests(\..+)?$"
+
+    def errors_of(self, principal: str) -> str:
+        """The error records of `principal`'s requests, which only it (and operators) may read."""
+        return f"{self.prefix}.errors.{principal}"
+
+    @property
+    def relay(self) -> str:
+        """Work one dispatcher hands to the owner of another shard, inside its transaction."""
+        return f"{self.prefix}.relay"
 
     @property
     def endpoints(self) -> str:
