@@ -210,7 +210,12 @@ def _craft(settings: Deployment, events: int, opts: SparkOptions) -> int:
         group = f"g{(msg // opts.queues) % opts.groups_per_queue}"
         level = 10 if msg % 3 == 0 else 1
         enq = base + n
-        common = {"instance": inst, "queue": queue, "group": group, "priority": level}
+        common: dict[str, Any] = {
+            "instance": inst,
+            "queue": queue,
+            "group": group,
+            "priority": level,
+        }
         mid = f"m{msg}"
         batch = [
             AuditEvent(kind="enqueue", event_ms=enq, service=_SERVICE, message_id=mid, **common),

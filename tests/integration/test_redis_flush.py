@@ -196,12 +196,9 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
     # m2 is still waiting; the old holder's commit names it and carries a SEND.
     [m2_id] = [k for k, (_m, r) in queue_receipts(settings, Q).items() if r == 0]
     stale = CommitRequest(
-        kind="commit",
         reader="stale-holder",
         receipt=Receipt(queue=Q, group=group, token=stale_token, message_ids=(m2_id,)),
-        actions=(
-            SendRequest(kind="send", handles=(h,), message_type="//t/Request", body='{"stale":1}'),
-        ),
+        actions=(SendRequest(handles=(h,), message_type="//t/Request", body='{"stale":1}'),),
     )
     p = kafka.producer(settings)
     p.produce(Names(settings.instance).requests, key=group.encode(), value=dumps(stale))

@@ -37,9 +37,11 @@ def enqueue(
     queue = eng.catalog.queue(receiver.queue)
     message_id = str(uuid.uuid4())
     part = partition_for(receiver.group, queue.partitions)
+    text, b64 = encode_body(body)
     msg = QueueMessage(
         message_id=message_id,
         queue=queue.name,
+        status=1,
         priority=receiver.priority,
         queuing_order=eng.next_order(),
         conversation_group_id=receiver.group,
@@ -52,7 +54,8 @@ def enqueue(
         validation=validation,
         enqueued_ms=now,
         sent_ms=stage.sent_ms,
-        **encode_body(body),
+        body=text,
+        body_b64=b64,
     )
     stage.out.queue.append(QueueWrite(queue.name, part, message_id, msg))
     stage.new_inflight[message_id] = Inflight(
@@ -88,9 +91,9 @@ def transmit(
     """
     destination = to_instance or sender.far_instance
     assert destination is not None
+    text, b64 = encode_body(body)
     stage.out.transmissions.append(
         InboundMessage(
-            kind="inbound",
             message_id=str(uuid.uuid4()),
             conversation_id=sender.conversation_id,
             from_instance=eng.instance,
@@ -103,7 +106,8 @@ def transmit(
             seq=sender.send_seq,
             priority=sender.priority,
             enqueued_ms=now,
-            **encode_body(body),
+            body=text,
+            body_b64=b64,
         )
     )
     sender.send_seq += 1

@@ -17,7 +17,7 @@ from ksb.dialog.outputs import Outputs, QueueWrite, forget_outcome
 from ksb.dialog.stage import Stage
 from ksb.errors import ConversationError, KsbError
 from ksb.wire.partitioning import partition_for
-from ksb.wire.protocol import CommitOutcome, CommitRequest, Receipt
+from ksb.wire.protocol import CommitOutcome, CommitRequest, Receipt, replace
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
@@ -38,7 +38,9 @@ def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
         r.queue,
         partition_for(r.group, queue.partitions),
         f"commit/{req.request_id}",
-        CommitOutcome(request_id=req.request_id, group=r.group, token=r.token, applied=True),
+        CommitOutcome(
+            request_id=req.request_id, group=r.group, token=r.token, applied=True, reason=""
+        ),
     )
     stage.out.queue.extend((outcome, forget_outcome(outcome)))
     eng.fences.applied(r.queue, r.group, r.token)
@@ -63,7 +65,7 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
         stage.out.received.append(info)
         if info.retained is not None:
             # RETENTION ON: the message stays, marked received, until its conversation ends.
-            kept = info.retained.model_copy(update={"status": 0})
+            kept = replace(info.retained, status=0)
             stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, kept))
             stage.new_retained[mid] = info
         else:

@@ -156,7 +156,6 @@ class KsbClient:
         cleanup: bool = False,
     ) -> str:
         req = EndRequest(
-            kind="end",
             handle=handle,
             error_code=error_code,
             error_description=error_description,
@@ -166,7 +165,7 @@ class KsbClient:
         return req.request_id
 
     def begin_conversation_timer(self, handle: str, timeout_s: float) -> str:
-        req = TimerRequest(kind="timer", handle=handle, timeout_s=timeout_s)
+        req = TimerRequest(handle=handle, timeout_s=timeout_s)
         self._produce(req, handle)
         return req.request_id
 
@@ -183,7 +182,6 @@ def begin_request(
     conversation_group_id: str | None,
 ) -> BeginRequest:
     return BeginRequest(
-        kind="begin",
         handle=str(uuid.uuid4()),
         from_service=from_service,
         to_service=to_service,
@@ -196,9 +194,8 @@ def begin_request(
 
 def send_request(handles: str | Sequence[str], message_type: str, body: bytes | str) -> SendRequest:
     hs = (handles,) if isinstance(handles, str) else tuple(handles)
-    return SendRequest(
-        kind="send", handles=hs, message_type=message_type, **encode_body(_as_bytes(body))
-    )
+    text, b64 = encode_body(_as_bytes(body))
+    return SendRequest(handles=hs, message_type=message_type, body=text, body_b64=b64)
 
 
 class Transaction:
@@ -326,7 +323,6 @@ class Transaction:
     ) -> None:
         self._actions.append(
             EndRequest(
-                kind="end",
                 handle=handle,
                 error_code=error_code,
                 error_description=error_description,
@@ -335,7 +331,7 @@ class Transaction:
         )
 
     def begin_conversation_timer(self, handle: str, timeout_s: float) -> None:
-        self._actions.append(TimerRequest(kind="timer", handle=handle, timeout_s=timeout_s))
+        self._actions.append(TimerRequest(handle=handle, timeout_s=timeout_s))
 
     def commit_async(self) -> Future[Any]:
         """Send the commit record; the future resolves with the dispatcher's outcome."""
@@ -356,7 +352,6 @@ class Transaction:
             done.set_result(None)
             return done
         req = CommitRequest(
-            kind="commit",
             reader=self._reader.holder if self._reader else "",
             receipt=receipt,
             actions=tuple(self._actions),
@@ -416,7 +411,6 @@ class Transaction:
         assert self._reader is not None
         for mid in message_ids:
             req = DeadLetterRequest(
-                kind="dead_letter",
                 message=self._received[mid],
                 reason=f"rolled back {self._reader.queue} message the maximum number of times",
             )
