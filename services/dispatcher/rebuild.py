@@ -65,8 +65,9 @@ def _load_queue(engine: Engine, m: Message) -> None:
     if key.startswith("commit/") and value is None:
         return  # an outcome's tombstone
     if isinstance(value, CommitOutcome):
-        if value.applied and value.token:
-            # Fences survive a restart for as long as the outcome is not compacted away.
-            engine.fences.applied(_queue_of(m), value.group, value.token)
+        # The newest outcome of each group survives compaction and carries the group's fence;
+        # an outcome written before outcomes carried it gives its token if it applied.
+        fence = value.fence or (value.token if value.applied else 0)
+        engine.fences.applied(_queue_of(m), value.group, fence)
         return
     engine.load_queue_record(key, value, m.partition() or 0)

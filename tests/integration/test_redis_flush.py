@@ -207,9 +207,10 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
     assert err["code"] == "stale_token"
     assert str(stale_token) in err["reason"]
     outcomes = [
-        json.loads(v)
+        o
         for k, v in read_topic(settings, Names(settings.instance).queue(Q))
-        if k == f"commit/{stale.request_id}".encode() and v is not None
+        if k == f"commit/{group}".encode() and v is not None
+        if (o := json.loads(v))["request_id"] == stale.request_id
     ]
     assert [(o["applied"], o["reason"].split(":")[0]) for o in outcomes] == [(False, "stale_token")]
     # Nothing of the stale commit happened: m2 is delivered to a proper holder, the SEND was dropped

@@ -8,14 +8,14 @@ as waiting, `transmit` numbers it in its conversation direction for another inst
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
+from ksb.dialog import membership
 from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.wire.partitioning import partition_for
-from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body
+from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body, new_id
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
@@ -35,7 +35,8 @@ def enqueue(
 ) -> None:
     """A message into `receiver`'s queue, in its group's partition, remembered as waiting."""
     queue = eng.catalog.queue(receiver.queue)
-    message_id = str(uuid.uuid4())
+    message_id = membership.message_id(receiver.handle, receiver.enqueued)
+    receiver.enqueued += 1
     part = partition_for(receiver.group, queue.partitions)
     text, b64 = encode_body(body)
     msg = QueueMessage(
@@ -94,7 +95,7 @@ def transmit(
     text, b64 = encode_body(body)
     stage.out.transmissions.append(
         InboundMessage(
-            message_id=str(uuid.uuid4()),
+            message_id=new_id(),
             conversation_id=sender.conversation_id,
             from_instance=eng.instance,
             to_instance=destination,

@@ -74,6 +74,11 @@ class Endpoint(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Remote dialogs: the next sequence number expected from the far side. Persisted with the
     endpoint so a restarted dispatcher still drops duplicates; early arrivals are not persisted
     (the sender retransmits them, as it never saw them acknowledged)."""
+    enqueued: int = 0
+    """How many messages this endpoint's queue has been given: the next one's id is
+    ``<handle>:<enqueued>`` (`ksb.dialog.membership`)."""
+    far_group: str | None = None
+    """The far endpoint's conversation group, when it is not the far handle (the default)."""
 
     def copy(self) -> Endpoint:
         return msgspec.structs.replace(self)

@@ -34,10 +34,15 @@ class Fences:
             )
 
     def applied(self, queue: str, group: str, token: int) -> None:
-        """A commit with `token` was applied: older tokens are stale from now on."""
-        if token:
-            key = (queue, group)
-            self._applied[key] = max(self._applied.get(key, 0), token)
+        """A commit with `token` was applied (its outcome written): older tokens are stale from
+        now on. A group is remembered even at token 0, so its outcome is cleaned up at its end."""
+        key = (queue, group)
+        self._applied[key] = max(self._applied.get(key, 0), token)
+
+    def forget(self, queue: str, group: str) -> bool:
+        """The group has no conversation left: nothing it could still receive is fenced. True
+        when the group had a commit outcome (whose record can now go)."""
+        return self._applied.pop((queue, group), None) is not None
 
     def get(self, queue: str, group: str) -> int:
         """The newest applied token for the group (0: none)."""

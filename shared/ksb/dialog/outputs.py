@@ -18,7 +18,7 @@ from ksb.wire.protocol import (
     QueueMessage,
 )
 
-__all__ = ["Inflight", "Outputs", "QueueWrite", "forget_outcome"]
+__all__ = ["Inflight", "Outputs", "QueueWrite"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,3 @@ class Outputs:
         self.purged.extend(other.purged)
         self.transmissions.extend(other.transmissions)
         self.acks.extend(other.acks)
-
-
-def forget_outcome(outcome: QueueWrite) -> QueueWrite:
-    """An outcome is read once, right after it is written; its tombstone lets compaction drop it."""
-    return QueueWrite(outcome.queue, outcome.partition, outcome.key, None)

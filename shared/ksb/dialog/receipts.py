@@ -4,7 +4,8 @@ The dispatcher is the single authority that a message is received at most once: 
 message that is not waiting (received before, never there) or that belongs to another group is
 refused whole, and so is one under a stale lock token (`ksb.dialog.fences`). Refused or applied,
 every commit with a receipt gets an outcome record in its group's partition of the queue topic,
-which is how the committing reader learns the result and releases its lock.
+which is how the committing reader learns the result and releases its lock; keyed by the group,
+the newest one also keeps the group's fence through compaction and restarts.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
-from ksb.dialog.outputs import Outputs, QueueWrite, forget_outcome
+from ksb.dialog.outputs import Outputs, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.errors import ConversationError, KsbError
 from ksb.wire.partitioning import partition_for
@@ -22,7 +23,7 @@ from ksb.wire.protocol import CommitOutcome, CommitRequest, Receipt, replace
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
 
-__all__ = ["apply_receipt", "commit", "refused_outcome"]
+__all__ = ["apply_receipt", "commit", "outcome_key", "refused_outcome"]
 
 
 def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
@@ -33,17 +34,8 @@ def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
     if req.receipt is None:
         return
     r = req.receipt
-    queue = eng.catalog.queue(r.queue)
-    outcome = QueueWrite(
-        r.queue,
-        partition_for(r.group, queue.partitions),
-        f"commit/{req.request_id}",
-        CommitOutcome(
-            request_id=req.request_id, group=r.group, token=r.token, applied=True, reason=""
-        ),
-    )
-    stage.out.queue.extend((outcome, forget_outcome(outcome)))
     eng.fences.applied(r.queue, r.group, r.token)
+    stage.out.queue.append(_outcome(eng, req, r, applied=True, reason=""))
 
 
 def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
@@ -85,21 +77,27 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
 
 def refused_outcome(eng: Engine, req: CommitRequest, exc: KsbError, out: Outputs) -> None:
     """A refused commit still gets its outcome record, so its reader learns and lets go."""
-    if req.receipt is None:
-        return
-    r = req.receipt
+    if req.receipt is not None:
+        reason = f"{exc.code}: {exc.reason}"
+        out.queue.append(_outcome(eng, req, req.receipt, applied=False, reason=reason))
+
+
+def outcome_key(group: str) -> str:
+    """The queue-topic key of a group's commit outcomes: compaction keeps the newest."""
+    return f"commit/{group}"
+
+
+def _outcome(
+    eng: Engine, req: CommitRequest, r: Receipt, *, applied: bool, reason: str
+) -> QueueWrite:
     queue = eng.catalog.queues.get(r.queue)
     partitions = queue.partitions if queue else 1
-    outcome = QueueWrite(
-        r.queue,
-        partition_for(r.group, partitions),
-        f"commit/{req.request_id}",
-        CommitOutcome(
-            request_id=req.request_id,
-            group=r.group,
-            token=r.token,
-            applied=False,
-            reason=f"{exc.code}: {exc.reason}",
-        ),
+    record = CommitOutcome(
+        request_id=req.request_id,
+        group=r.group,
+        token=r.token,
+        applied=applied,
+        reason=reason,
+        fence=eng.fences.get(r.queue, r.group),
     )
-    out.queue.extend((outcome, forget_outcome(outcome)))
+    return QueueWrite(r.queue, partition_for(r.group, partitions), outcome_key(r.group), record)

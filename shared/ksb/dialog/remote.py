@@ -13,7 +13,6 @@ picked up within the stale age (10 s by default, `DispatcherSettings.inbound_sta
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
 from ksb.catalog.model import END_DIALOG, ERROR
@@ -133,7 +132,7 @@ def _inbound_endpoint(
         remote_service=msg.from_service,
         contract=msg.contract,
         queue=service.queue if service is not None else "",
-        group=str(uuid.uuid4()),
+        group=handle,
         priority=cat.priorities.level(msg.contract, msg.to_service, msg.from_service),
         far_handle=msg.conversation_id,
         created_ms=now,

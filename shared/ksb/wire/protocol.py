@@ -213,13 +213,21 @@ class QueueMessage(Wire, tag="message"):
 
 
 class CommitOutcome(Wire, tag="commit_outcome"):
-    """Written to the queue topic (key ``commit/<request_id>``) so the committing reader learns."""
+    """A commit's outcome, in its group's partition of the queue topic, keyed ``commit/<group>``.
+
+    The committing reader learns from it whether its commit applied. Keyed by the group, the
+    newest outcome of each group survives compaction, and with it ``fence``: the newest lock token
+    applied for the group, which is how the fencing rule outlives a dispatcher restart
+    (`ksb.dialog.fences`). The key is tombstoned when the group's last conversation ends.
+    """
 
     request_id: str
     group: str
     token: int
     applied: bool
     reason: str
+    fence: int = 0
+    """The newest token applied for the group after this commit (0: none)."""
 
 
 # --------------------------------------------------------------------------- records of the broker
