@@ -24,8 +24,10 @@ from ksb.dialog.fences import Fences
 from ksb.dialog.membership import Membership
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
 from ksb.dialog.receipts import commit, outcome_key, refused_outcome
+from ksb.dialog.relayed import apply_relayed
 from ksb.dialog.remote import RemoteWindows, inbound
 from ksb.dialog.send import send
+from ksb.dialog.shards import Ownership
 from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, fire_due, set_timer
 from ksb.errors import KsbError, ProtocolError
@@ -43,6 +45,7 @@ from ksb.wire.protocol import (
     SendRequest,
     TimerRequest,
 )
+from ksb.wire.relay import RelayAction, RelayClose, RelayMessage, RelayReceivedEnd
 
 __all__ = ["Engine"]
 
@@ -50,10 +53,19 @@ __all__ = ["Engine"]
 class Engine:
     """Endpoint state, queue membership, fences and timers for one broker instance."""
 
-    def __init__(self, catalog: CatalogView, *, instance: str, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        catalog: CatalogView,
+        *,
+        instance: str,
+        max_body_bytes: int,
+        ownership: Ownership | None = None,
+    ) -> None:
+        """`ownership` says which shards this engine owns (all of them when not given)."""
         self.catalog = catalog
         self.instance = instance
         self.max_body_bytes = max_body_bytes
+        self.ownership = ownership or Ownership(1)
         self.endpoints: dict[str, Endpoint] = {}
         self.inflight = Membership(self.endpoints, self._partitions)
         """Every message waiting in a queue, by id: what a receipt needs (`ksb.dialog.membership`)."""
@@ -111,6 +123,31 @@ class Engine:
                 self.apply_action(stage, request, now_ms)
         except KsbError as exc:
             return self._refused(request, exc)
+        self.merge(stage)
+        return stage.out
+
+    def handle_relayed(
+        self, record: RelayMessage | RelayReceivedEnd | RelayClose | RelayAction, now_ms: int
+    ) -> Outputs:
+        """Apply work another dispatcher relayed to the owner of this group's shard."""
+        stage = Stage(self)
+        try:
+            if isinstance(record, RelayAction):
+                self.apply_action(stage, record.action, now_ms)
+            else:
+                apply_relayed(self, stage, record, now_ms)
+        except KsbError as exc:
+            request = record.action if isinstance(record, RelayAction) else None
+            out = Outputs()
+            out.errors.append(
+                ErrorRecord(
+                    request_id=record.request_id if isinstance(record, RelayAction) else None,
+                    code=exc.code,
+                    reason=exc.reason,
+                    handle=None if request is None else _request_handle(request),
+                )
+            )
+            return out
         self.merge(stage)
         return stage.out
 
@@ -192,6 +229,10 @@ class Engine:
         """The next enqueue order: RECEIVE's tie-break among equal levels, across partitions."""
         self._order += 1
         return self._order
+
+    def owns(self, group: str) -> bool:
+        """Whether this engine owns the shard of `group` (else work for it is relayed)."""
+        return self.ownership.owns(group)
 
     def queue_disabled(self, name: str) -> bool:
         queue = self.catalog.queues.get(name)

@@ -14,11 +14,22 @@ from typing import TYPE_CHECKING
 
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
+from ksb.dialog.delivery import far_group_of
+from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.outputs import Outputs, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.errors import ConversationError, KsbError
 from ksb.wire.partitioning import partition_for
-from ksb.wire.protocol import CommitOutcome, CommitRequest, Receipt, replace
+from ksb.wire.protocol import (
+    Action,
+    BeginRequest,
+    CommitOutcome,
+    CommitRequest,
+    Receipt,
+    SendRequest,
+    replace,
+)
+from ksb.wire.relay import RelayAction, RelayReceivedEnd
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
@@ -29,8 +40,17 @@ __all__ = ["apply_receipt", "commit", "outcome_key", "refused_outcome"]
 def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
     if req.receipt is not None:
         apply_receipt(eng, stage, req.receipt, now)
+    begun: dict[str, str] = {}
     for action in req.actions:
-        eng.apply_action(stage, action, now)
+        group = _group_of(stage, action, begun)
+        if group is None or eng.owns(group):
+            eng.apply_action(stage, action, now)
+        else:
+            # A conversation of a group another dispatcher owns: carried out there, after this
+            # commit, exactly once; a refusal is reported under this commit's request id.
+            stage.out.relays.append(
+                RelayAction(action=action, group=group, request_id=req.request_id)
+            )
     if req.receipt is None:
         return
     r = req.receipt
@@ -69,10 +89,42 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
         receiver.state = ep_rules.after_receive(receiver)
         receiver.updated_ms = now
         if info.message_type in (END_DIALOG, ERROR):
-            peer = stage.maybe_endpoint(receiver.far_handle)
-            if peer is not None:
-                peer.state = ep_rules.after_peer_received_end(peer)
-                peer.updated_ms = now
+            _far_received_end(eng, stage, receiver, now)
+
+
+def _group_of(stage: Stage, action: Action, begun: dict[str, str]) -> str | None:
+    """The group an action changes, None when it is an endpoint this engine has. A BEGIN's is
+    the group it names, its related conversation's, or its own handle; another handle's is the
+    group a BEGIN earlier in the commit gave it, or else (as for any conversation not begun in a
+    related group) its own handle."""
+    if isinstance(action, BeginRequest):
+        group = action.conversation_group_id or action.handle
+        related = action.related_conversation
+        if related is not None:
+            if stage.knows(related):
+                return None
+            group = begun.get(related, related)
+        begun[action.handle] = group
+        return group
+    handle = action.handles[0] if isinstance(action, SendRequest) else action.handle
+    if stage.knows(handle):
+        return None
+    return begun.get(handle, handle)
+
+
+def _far_received_end(eng: Engine, stage: Stage, receiver: Endpoint, now: int) -> None:
+    """Our application received the far side's EndDialog or Error: the far side, if it ended
+    first, is closed by that (on its owner, when another dispatcher owns it)."""
+    if receiver.far_instance is not None:
+        return  # another instance learns it from our own EndDialog (`ksb.dialog.end`)
+    far_group = far_group_of(receiver)
+    if not eng.owns(far_group):
+        stage.out.relays.append(RelayReceivedEnd(handle=receiver.far_handle or "", group=far_group))
+        return
+    peer = stage.maybe_endpoint(receiver.far_handle)
+    if peer is not None:
+        peer.state = ep_rules.after_peer_received_end(peer)
+        peer.updated_ms = now
 
 
 def refused_outcome(eng: Engine, req: CommitRequest, exc: KsbError, out: Outputs) -> None:

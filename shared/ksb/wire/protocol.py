@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 from ksb.errors import ProtocolError
+from ksb.wire.partitioning import target_handle
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -280,6 +281,11 @@ class InboundMessage(Wire, tag="inbound"):
     priority: Level
     enqueued_ms: int
     request_id: str = msgspec.field(default_factory=new_id)
+    from_group: str | None = None
+    """The sending endpoint's conversation group, when it is not its handle."""
+    to_group: str | None = None
+    """The receiving endpoint's conversation group, when the sender knows it and it is not the
+    receiver's handle: the record's key, so it reaches the dispatcher that owns that group."""
     body: str | None = None
     body_b64: str | None = None
 
@@ -288,6 +294,18 @@ class InboundMessage(Wire, tag="inbound"):
 
     def body_bytes(self) -> bytes:
         return _body_bytes(self.body, self.body_b64)
+
+    @property
+    def receiver_handle(self) -> str:
+        """The receiving endpoint: the target (derived) for the initiator's messages."""
+        if self.from_initiator:
+            return target_handle(self.conversation_id)
+        return self.conversation_id
+
+    @property
+    def key(self) -> str:
+        """The receiving endpoint's group: what the record is keyed (and partitioned) by."""
+        return self.to_group or self.receiver_handle
 
 
 class AckRecord(Wire, tag="ack"):
@@ -388,8 +406,15 @@ _ENCODER = msgspec.json.Encoder()
 T = TypeVar("T")
 
 
+_DECODERS: dict[Any, Callable[[bytes], Any]] = {}
+
+
 def _decoder(kind: type[T]) -> Callable[[bytes], T]:
-    return msgspec.json.Decoder(kind).decode
+    """One decoder per record type, made on first use (making one costs far more than using it)."""
+    decode = _DECODERS.get(kind)
+    if decode is None:
+        decode = _DECODERS[kind] = msgspec.json.Decoder(kind).decode
+    return decode
 
 
 def parse_record(kind: type[T], raw: bytes | None, what: str) -> T:
