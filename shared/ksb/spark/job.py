@@ -106,7 +106,9 @@ class JobConfig:
     sla_targets_ms: Mapping[int, int] = field(default_factory=dict)
     write_kafka: bool = True
     min_partitions: int | None = None
-    """Spark tasks to split the topic's new offsets into (Kafka source ``minPartitions``)."""
+    """Spark tasks to split each micro-batch's offsets into (Kafka source ``minPartitions``);
+    None: the session's default parallelism, so reading and parsing use every core even when
+    the audit topic has one partition."""
 
     @property
     def names(self) -> Names:
@@ -145,9 +147,14 @@ class AuditJob:
             .option("kafka.isolation.level", "read_committed")
             # Retention may delete events the job has not read (it was down): go on, do not fail.
             .option("failOnDataLoss", "false")
+            # Fewer, larger fetches when catching up (the consumer's default is 1 MiB).
+            .option("kafka.max.partition.fetch.bytes", str(8 << 20))
         )
-        if self.config.min_partitions:
-            reader = reader.option("minPartitions", str(self.config.min_partitions))
+        splits = self.config.min_partitions
+        if splits is None:
+            splits = self.spark.sparkContext.defaultParallelism
+        if splits > 1:
+            reader = reader.option("minPartitions", str(splits))
         parsed = reader.load().select(
             F.from_json(F.col("value").cast("string"), EVENT_SCHEMA).alias("e"),
             "partition",
