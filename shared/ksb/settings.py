@@ -210,7 +210,8 @@ class SparkSettings(KsbSettings):
     spark_output_dir: str = "var/spark"
     spark_window_s: int = Field(10, ge=1)
     spark_watermark_s: int = Field(30, ge=0)
-    spark_trigger_s: int = Field(5, ge=1)
+    spark_trigger_ms: int = Field(1_000, ge=100)
+    """How often a micro-batch starts: part of an event's delay before its metric shows."""
     spark_jars: str = ".cache/spark/jars"
     """The Spark Kafka connector's jars (`make .cache/spark/jars/.fetched` puts them there)."""
 
