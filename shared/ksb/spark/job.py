@@ -161,7 +161,8 @@ class AuditJob:
             "offset",
         )
         return parsed.where(F.col("e.v") == 1).select(
-            "e.queue",
+            # Events left out their queue when it is empty (transmit, acknowledge, suppression).
+            F.coalesce(F.col("e.queue"), F.lit("")).alias("queue"),
             *(f"e.{c}" for c in EVENT_FIELDS if c not in ("targeted", "starvation_exception")),
             F.coalesce(F.col("e.targeted"), F.lit(False)).alias("targeted"),
             F.coalesce(F.col("e.starvation_exception"), F.lit(False)).alias("starvation_exception"),
