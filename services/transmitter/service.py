@@ -242,7 +242,7 @@ class Transmitter(Service):
                 continue
             p.produce(
                 self.names.outbound,
-                key=record.conversation_id.encode(),
+                key=record.key.encode(),  # the receiving group: its shard at the other end
                 value=dumps(record),
                 headers=packet.headers(),
             )

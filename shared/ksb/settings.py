@@ -142,6 +142,10 @@ class DispatcherSettings(ServiceSettings):
     """A large inbound message still missing fragments this long after its first is forgotten."""
     broker_retry_every: int = Field(5, ge=1)
     """A broker that failed to start is retried every this many ticks."""
+    member: str | None = None
+    """This dispatcher's name among the instance's dispatchers (its transactional id's suffix);
+    unset means a fresh random one per process. A fixed name lets a restarted dispatcher fence
+    its own previous incarnation at once instead of waiting out its transaction timeout."""
 
 
 class TransmitterSettings(ServiceSettings):

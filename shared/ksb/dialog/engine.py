@@ -45,7 +45,7 @@ from ksb.wire.protocol import (
     SendRequest,
     TimerRequest,
 )
-from ksb.wire.relay import RelayAction, RelayClose, RelayMessage, RelayReceivedEnd
+from ksb.wire.relay import RelayAction, RelayWork
 
 __all__ = ["Engine"]
 
@@ -105,6 +105,18 @@ class Engine:
         if value is not None and value.status == 1:
             self._order = max(self._order, value.queuing_order + 1)
 
+    def drop_shard(self, shard: int) -> None:
+        """Forget everything of a shard this engine no longer owns (another dispatcher rebuilds
+        it from Kafka); the shard's timers are skipped when they come up."""
+        self.ownership.owned.discard(shard)
+        gone = [ep for ep in self.endpoints.values() if self.ownership.shard(ep.group) == shard]
+        for ep in gone:
+            self.endpoints.pop(ep.handle, None)
+            self.remote.windows.pop(ep.handle, None)
+            self._group_sizes.pop((ep.queue, ep.group), None)
+        self.inflight.drop(lambda group: self.ownership.shard(group) == shard)
+        self.fences.drop(lambda group: self.ownership.shard(group) == shard)
+
     # ------------------------------------------------------------------ requests
     def handle(self, request: AnyRequest, now_ms: int, *, sent_ms: int | None = None) -> Outputs:
         """Apply one request. ``sent_ms``, the request record's timestamp, is stamped on the
@@ -126,9 +138,7 @@ class Engine:
         self.merge(stage)
         return stage.out
 
-    def handle_relayed(
-        self, record: RelayMessage | RelayReceivedEnd | RelayClose | RelayAction, now_ms: int
-    ) -> Outputs:
+    def handle_relayed(self, record: RelayWork, now_ms: int) -> Outputs:
         """Apply work another dispatcher relayed to the owner of this group's shard."""
         stage = Stage(self)
         try:

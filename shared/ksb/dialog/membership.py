@@ -204,6 +204,26 @@ class Membership(Mapping[str, Inflight]):
         mids += [mid for mid, info in self.retained.items() if info.handle == handle]
         return mids
 
+    def drop(self, in_shard: Callable[[str], bool]) -> None:
+        """Forget the messages of the groups `in_shard` says (a shard another dispatcher owns
+        now). Called once their endpoints are forgotten: a compact entry whose endpoint is gone
+        goes with it."""
+        for handle in [h for h, _w in self._waiting.items() if h not in self._endpoints]:
+            del self._waiting[handle]
+        for store in (self._orphans, self.retained):
+            for mid in [m for m, i in store.items() if in_shard(i.group)]:
+                del store[mid]
+        self.depth = self._count()
+
+    def _count(self) -> dict[str, int]:
+        depth: dict[str, int] = {}
+        for info in self._orphans.values():
+            depth[info.queue] = depth.get(info.queue, 0) + 1
+        for handle, waiting in self._waiting.items():
+            queue = self._endpoints[handle].queue
+            depth[queue] = depth.get(queue, 0) + len(waiting)
+        return depth
+
     # ----------------------------------------------------------------- rebuild
     def load(self, key: str, value: QueueMessage | None, partition: int, retains: bool) -> None:
         """Fold one queue record read back from Kafka (records come in offset order)."""

@@ -28,6 +28,7 @@ __all__ = [
     "core_topics",
     "dead_letter_topic",
     "ensure_topics",
+    "group_consumer",
     "log_consumer_error",
     "producer",
     "queue_topic",
@@ -97,6 +98,27 @@ def consumer(
     return Consumer(conf)
 
 
+def group_consumer(settings: KsbSettings, *, group: str, **extra: Any) -> Consumer:
+    """A member of a consumer group under Kafka's consumer protocol (KIP-848) with the broker's
+    co-partitioning ``range`` assignor: every member gets the same partition numbers of every
+    topic it subscribes to, which is what lets the partition number be a shard. Its session and
+    heartbeat are the broker's (``group.consumer.*``); a client may not set them."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "group.id": group,
+        "group.protocol": "consumer",
+        "group.remote.assignor": "range",
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "fetch.wait.max.ms": settings.fetch_wait_max_ms,
+        "fetch.error.backoff.ms": 50,
+        "enable.partition.eof": False,
+    }
+    conf.update(extra)
+    return Consumer(conf)
+
+
 def admin(settings: KsbSettings) -> AdminClient:
     return AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
 
@@ -119,12 +141,13 @@ _COMPACT = (
 def core_topics(names: Names, settings: KsbSettings) -> list[TopicSpec]:
     return [
         TopicSpec(names.requests, settings.request_partitions),
-        TopicSpec(names.endpoints, 1, _COMPACT),
+        TopicSpec(names.relay, settings.request_partitions),
+        TopicSpec(names.endpoints, settings.request_partitions, _COMPACT),
         TopicSpec(names.catalog, 1, _COMPACT),
         TopicSpec(names.errors, 1),
         TopicSpec(names.audit, 1),
         TopicSpec(names.transmission, 1),
-        TopicSpec(names.inbound, 1),
+        TopicSpec(names.inbound, settings.request_partitions),
         TopicSpec(names.acks, 1),
         TopicSpec(names.outbound, 1),
         TopicSpec(names.links, 1),

@@ -14,7 +14,7 @@ dispatchers may (Kafka ACLs).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -34,6 +34,7 @@ __all__ = [
     "RelayReceivedEnd",
     "RelayRecord",
     "RelayRequest",
+    "RelayWork",
     "parse_relay",
 ]
 
@@ -84,17 +85,21 @@ class RelayAction(Wire, tag="relay_action"):
 
 
 class RelayRequest(Wire, tag="relay_request"):
-    """A client request read from a partition that is not its key's (a client whose partitioner is
-    not CRC-32), passed to the owner of its key's shard unchanged."""
+    """A record read from a partition that is not its key's shard (a client whose partitioner is
+    not CRC-32; an ``inbound`` record keyed the old way), passed unchanged to the owner of its
+    key's shard."""
 
     key: str
     raw: bytes
-    """The request record's value as the client wrote it."""
+    """The record's value as its writer wrote it."""
+    source: Literal["requests", "inbound"] = "requests"
     principal: str | None = None
     sent_ms: int | None = None
 
 
-RelayRecord = RelayMessage | RelayReceivedEnd | RelayClose | RelayAction | RelayRequest
+RelayWork = RelayMessage | RelayReceivedEnd | RelayClose | RelayAction
+"""Work on a conversation that its shard's owner applies (`ksb.dialog.relayed`)."""
+RelayRecord = RelayWork | RelayRequest
 
 
 def parse_relay(raw: bytes | None) -> RelayRecord:
