@@ -94,22 +94,24 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
 
 def _group_of(stage: Stage, action: Action, begun: dict[str, str]) -> str | None:
     """The group an action changes, None when it is an endpoint this engine has. A BEGIN's is
-    the group it names, its related conversation's, or its own handle; another handle's is the
-    group a BEGIN earlier in the commit gave it, or else (as for any conversation not begun in a
-    related group) its own handle."""
+    its related conversation's, the group it names, or its own handle; another handle's is the
+    group a BEGIN earlier in the commit gave it, else the group the action names, else (as for
+    any conversation not begun in a named or related group) its own handle."""
     if isinstance(action, BeginRequest):
         group = action.conversation_group_id or action.handle
         related = action.related_conversation
         if related is not None:
             if stage.knows(related):
                 return None
-            group = begun.get(related, related)
+            # A related conversation of another shard: the group the BEGIN also names (the SDK
+            # names it when it knows it) finds its owner when it is not the related handle.
+            group = begun.get(related) or action.conversation_group_id or related
         begun[action.handle] = group
         return group
     handle = action.handles[0] if isinstance(action, SendRequest) else action.handle
     if stage.knows(handle):
         return None
-    return begun.get(handle, handle)
+    return begun.get(handle) or action.group or handle
 
 
 def _far_received_end(eng: Engine, stage: Stage, receiver: Endpoint, now: int) -> None:

@@ -134,6 +134,9 @@ class SendRequest(Wire, tag="send"):
     message_type: str = "DEFAULT"
     body: str | None = None
     body_b64: str | None = None
+    group: str | None = None
+    """The conversation's group when it is not the handle (a conversation begun in a named or
+    related group): lets a commit's action reach the dispatcher that owns that group."""
 
     def __post_init__(self) -> None:
         _one_body(self.body, self.body_b64)
@@ -148,12 +151,18 @@ class EndRequest(Wire, tag="end"):
     error_code: int | None = None
     error_description: str | None = None
     cleanup: bool = False
+    group: str | None = None
+    """The conversation's group when it is not the handle (a conversation begun in a named or
+    related group): lets a commit's action reach the dispatcher that owns that group."""
 
 
 class TimerRequest(Wire, tag="timer"):
     handle: str
     timeout_s: Annotated[float, msgspec.Meta(ge=0)]
     request_id: str = msgspec.field(default_factory=new_id)
+    group: str | None = None
+    """The conversation's group when it is not the handle (a conversation begun in a named or
+    related group): lets a commit's action reach the dispatcher that owns that group."""
 
 
 Action = BeginRequest | SendRequest | EndRequest | TimerRequest
