@@ -25,7 +25,7 @@ from ksb.wire.protocol import (
     parse_inbound,
     parse_request,
 )
-from ksb.wire.relay import RelayRecord, RelayRequest, RelayWork, parse_relay
+from ksb.wire.relay import RelayAction, RelayRecord, RelayRequest, parse_relay
 
 __all__ = ["Incoming", "Router"]
 
@@ -36,7 +36,7 @@ class Incoming:
     another shard's owner (`elsewhere`)."""
 
     request: AnyRequest | FragmentRecord | None = None
-    relayed: RelayWork | None = None
+    relayed: RelayAction | None = None
     elsewhere: RelayRequest | None = None
     principal: str | None = None
     sent_ms: int | None = None

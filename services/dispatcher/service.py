@@ -355,10 +355,9 @@ class Dispatcher(Service):
         started = time.perf_counter()
         p = self._producer
         p.begin_transaction()
-        instance = self.settings.instance
         for m in records:
-            self._writer.write(self._handle(m, now), now, instance)
-        self._writer.write(self.engine.tick(now), now, instance)
+            self._write(self._handle(m, now), now)
+        self._write(self.engine.tick(now), now)
         self._writer.flush()
         if records:
             positions = [
@@ -371,6 +370,12 @@ class Dispatcher(Service):
         self._queue_metrics.export_depth(self.engine)
         return len(records)
 
+    def _write(self, out: Outputs, now: int) -> None:
+        assert self._writer is not None
+        if out.received or out.purged or out.dead_letters:
+            self._queue_metrics.observe(out, now)
+        self._writer.write(out, now, self.settings.instance)
+
     def _handle(self, m: Message, now: int) -> Outputs:
         assert self.engine is not None and self._router is not None
         try:
@@ -378,7 +383,7 @@ class Dispatcher(Service):
             if incoming.elsewhere is not None:
                 return _handed_over(incoming.elsewhere)
             if incoming.relayed is not None:
-                RELAYED.labels(incoming.relayed.kind).inc()
+                RELAYED.labels(incoming.relayed.action.kind).inc()
                 return self.engine.handle_relayed(incoming.relayed, now)
             request = incoming.request
             assert request is not None  # Incoming always holds one of the three

@@ -15,10 +15,10 @@ from confluent_kafka import Producer
 from ksb.audit import Audit, dispatcher_events
 from ksb.dialog.endpoint import Endpoint, encode_endpoint
 from ksb.dialog.outputs import Outputs
-from ksb.dialog.relayed import relay_key
 from ksb.dialog.shards import shard_of
 from ksb.names import Names
 from ksb.wire.protocol import dumps
+from ksb.wire.relay import relay_key
 
 __all__ = ["OutputWriter"]
 

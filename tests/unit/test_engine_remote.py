@@ -261,3 +261,27 @@ def test_inbound_for_another_instance_is_left_to_the_forwarder(b: Engine) -> Non
     )
     out = b.handle(msg, NOW)
     assert out.errors == [] and out.acks == [] and out.transmissions == [] and not bodies(out)
+
+
+def test_records_between_instances_are_keyed_by_the_receiving_group(a: Engine, b: Engine) -> None:
+    """An initiator in a named group: the target's replies are keyed by that group, so with
+    several dispatchers at the initiator's end they reach the one that owns it."""
+    out = a.handle(
+        BeginRequest(
+            handle="c9",
+            from_service="Init",
+            to_service="Tgt",
+            contract="C",
+            conversation_group_id="orders-7",
+        ),
+        NOW,
+    )
+    assert not out.errors
+    [first] = send(a, "c9", "Req", "{}").transmissions
+    assert (first.from_group, first.key) == ("orders-7", target_handle("c9"))
+    got = b.handle(first, NOW)
+    [m] = [w.value for w in got.queue if isinstance(w.value, QueueMessage)]
+    assert m.conversation_group_id == target_handle("c9")  # a new group: the target's handle
+    assert b.endpoints[target_handle("c9")].far_group == "orders-7"
+    [reply] = send(b, target_handle("c9"), "Rep", "r").transmissions
+    assert (reply.to_group, reply.key, reply.from_group) == ("orders-7", "orders-7", None)

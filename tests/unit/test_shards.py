@@ -18,8 +18,7 @@ from ksb.catalog.model import END_DIALOG, CatalogView, parse_catalog
 from ksb.dialog.endpoint import State
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
-from ksb.dialog.relayed import relay_key
-from ksb.dialog.shards import Ownership, shard_of
+from ksb.dialog.shards import Ownership, colocated_group, shard_of
 from ksb.sdk.groups import GroupDirectory
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import (
@@ -33,7 +32,7 @@ from ksb.wire.protocol import (
     Receipt,
     SendRequest,
 )
-from ksb.wire.relay import RelayRequest
+from ksb.wire.relay import RelayRequest, relay_key
 
 CATALOG: dict[str, Any] = {
     "message_types": [{"name": "Req"}, {"name": "Rep"}],
@@ -117,7 +116,8 @@ class Cluster:
 
 
 def split_handles(shards: int) -> Iterator[str]:
-    """Initiator handles whose target lands in another shard (so every reply crosses)."""
+    """Initiator handles whose target handle hashes to another shard (a target in a group named
+    after its handle would be another dispatcher's)."""
     n = 0
     while True:
         h = f"h{n}"
@@ -145,8 +145,9 @@ def request_reply(c: Cluster, handles: list[str]) -> None:
             c.request(SendRequest(handles=(h,), message_type="Req", body=f"{h}-{i}"), h)
     for h in handles:
         t = target_handle(h)
+        [group] = {m.conversation_group_id for m in c.messages if m.conversation_handle == t}
         reply = SendRequest(handles=(t,), message_type="Rep", body=f"re-{h}")
-        c.receive("TQ", t, reply, EndRequest(handle=t))
+        c.receive("TQ", group, reply, EndRequest(handle=t))
     for h in handles:
         c.receive("IQ", h, EndRequest(handle=h))
 
@@ -159,25 +160,45 @@ def test_two_shards_deliver_what_one_engine_delivers() -> None:
     assert not one.errors and not two.errors
     assert delivered(two) == delivered(one)
     assert all(o.applied for o in two.outcomes) and len(two.outcomes) == len(one.outcomes)
-    assert two.relayed > 0 and one.relayed == 0
-    for h in handles:  # both sides ended and closed, each on its own owner
+    assert two.relayed == one.relayed == 0  # both ends of each dialog have one owner
+    for h in handles:  # both sides ended and closed
         assert two.endpoint_state(h, h) in (None, State.CLOSED)
-        assert two.endpoint_state(target_handle(h), target_handle(h)) in (None, State.CLOSED)
+    # The targets' groups: the handle with one shard, the initiator's shard with two.
+    one_groups = {m.conversation_group_id for m in one.messages if m.queue == "TQ"}
+    two_groups = {m.conversation_group_id for m in two.messages if m.queue == "TQ"}
+    assert one_groups == {target_handle(h) for h in handles}
+    assert {shard_of(g, 2) for g in two_groups} == {shard_of(h, 2) for h in handles}
+    assert two_groups == {colocated_group(h, shard_of(h, 2), 2) for h in handles}
     reply_types = [t for (q, _h), seq in delivered(two).items() if q == "IQ" for _s, t, _b in seq]
     assert reply_types.count(END_DIALOG) == len(handles)
 
 
-def test_a_message_relayed_many_times_arrives_in_order_once() -> None:
-    [h] = [h for h, _ in zip(split_handles(2), range(1), strict=False)]
-    c = Cluster(2)
-    c.request(BeginRequest(handle=h, from_service="Init", to_service="Tgt", contract="C"), h)
-    for i in range(50):
-        c.request(SendRequest(handles=(h,), message_type="Req", body=str(i)), h)
+@pytest.mark.parametrize("shards", [1, 2, 3, 6])
+def test_a_targets_group_is_new_fixed_and_in_its_initiators_shard(shards: int) -> None:
+    for n in range(100):
+        cid = f"conversation-{n}"
+        for shard in range(shards):
+            group = colocated_group(cid, shard, shards)
+            assert shard_of(group, shards) == shard
+            assert group == colocated_group(cid, shard, shards)  # anyone can recompute it
+            assert group != cid
+        if shards == 1:
+            assert colocated_group(cid, 0, 1) == target_handle(cid)
+
+
+def test_a_dialog_in_a_named_group_has_its_target_beside_it() -> None:
+    c = Cluster(3)
+    h, group = named_group_in_other_shard(3)
+    begin = BeginRequest(
+        handle=h, from_service="Init", to_service="Tgt", contract="C", conversation_group_id=group
+    )
+    c.request(begin, group)
+    for i in range(20):
+        c.request(SendRequest(handles=(h,), message_type="Req", body=str(i)), group)
     got = [m for m in c.messages if m.queue == "TQ"]
-    assert [m.body for m in got] == [str(i) for i in range(50)]
-    assert [m.message_sequence_number for m in got] == list(range(50))
-    assert len({m.message_id for m in got}) == 50
-    assert c.relayed == 50  # every message crossed once: the target is the other shard's
+    assert [m.body for m in got] == [str(i) for i in range(20)]
+    assert {shard_of(m.conversation_group_id, 3) for m in got} == {shard_of(group, 3)}
+    assert c.relayed == 0 and not c.errors
 
 
 def named_group_in_other_shard(shards: int) -> tuple[str, str]:
@@ -198,12 +219,13 @@ def test_a_commit_action_names_the_group_of_a_conversation_begun_in_a_named_grou
     c.request(begin, group)  # keyed by its group
     # A reader of a group of the other shard sends on it in its commit: with the group named,
     # the action reaches the group's owner.
-    other = next(x for x in split_handles(2) if shard_of(target_handle(x), 2) != shard_of(group, 2))
+    other = next(f"o{n}" for n in range(100) if shard_of(f"o{n}", 2) != shard_of(group, 2))
     c.request(
         BeginRequest(handle=other, from_service="Init", to_service="Tgt", contract="C"), other
     )
     c.request(SendRequest(handles=(other,), message_type="Req", body="x"), other)
-    t = target_handle(other)
+    [t] = {m.conversation_group_id for m in c.messages if m.conversation_id == other}
+    assert c.waiting("TQ", t)  # the reader has a message of its own group to commit
     hinted = SendRequest(handles=(h,), message_type="Req", body="via-hint", group=group)
     c.receive("TQ", t, hinted)
     assert not c.errors

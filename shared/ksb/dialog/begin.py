@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ksb.dialog.endpoint import Endpoint, State
+from ksb.dialog.shards import colocated_group
 from ksb.dialog.stage import Stage
 from ksb.errors import CatalogError, ConversationError
 from ksb.wire.partitioning import target_handle
@@ -42,6 +43,11 @@ def begin(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> None:
             code="contract_not_accepted",
         )
     _put_initiator(eng, stage, req, now, remote_service=target.name, far_instance=None)
+    initiator = stage.endpoints[req.handle]
+    if eng.ownership.shards > 1:
+        shard = eng.ownership.shard(initiator.group)
+        far_group = colocated_group(req.handle, shard, eng.ownership.shards)
+        initiator.far_group = None if far_group == initiator.far_handle else far_group
 
 
 def _begin_remote(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> None:
@@ -114,7 +120,8 @@ def _put_initiator(
 
 def ensure_target(eng: Engine, stage: Stage, initiator: Endpoint, now: int) -> Endpoint:
     """The target endpoint comes into being with the first message sent to it, in a new group
-    whose id is its handle (as Service Broker gives a new target a new group)."""
+    (as Service Broker gives a new target a new group): its handle, or with several shards the
+    initiator's choice of an id in its own shard (`ksb.dialog.shards.colocated_group`)."""
     assert initiator.far_handle is not None
     existing = stage.endpoints.get(initiator.far_handle) or eng.endpoints.get(initiator.far_handle)
     if existing is not None:
@@ -130,7 +137,7 @@ def ensure_target(eng: Engine, stage: Stage, initiator: Endpoint, now: int) -> E
         remote_service=initiator.local_service,
         contract=initiator.contract,
         queue=service.queue,
-        group=initiator.far_handle,
+        group=initiator.far_group or initiator.far_handle,
         priority=level,
         far_handle=initiator.handle,
         far_group=initiator.group if initiator.group != initiator.handle else None,

@@ -1,11 +1,12 @@
-"""Placing messages: into a local queue, to another instance, to another shard's owner, out again.
+"""Placing messages: into a local queue, to another instance, and out of a queue again.
 
 The ways a message moves, shared by every rule that sends one (SEND, END, a timer, a lifetime, a
-message from another instance or shard): `enqueue` makes it a queue record and remembers it as
-waiting, `transmit` numbers it in its conversation direction for another instance, `relay` numbers
-it for the dispatcher that owns the far endpoint's shard, `accept` takes an in-order message from
-the far side (another instance, another shard) with the state change it implies, and
-`drop_queued` removes a closed endpoint's messages from its queue.
+message from another instance): `enqueue` makes it a queue record and remembers it as waiting,
+`transmit` numbers it in its conversation direction for another instance (keyed by the receiving
+group when it is known, so it reaches that group's dispatcher there), `accept` takes an in-order
+message from another instance with the state change it implies, and `drop_queued` removes a closed
+endpoint's messages from its queue. A local dialog's two ends are always in one shard
+(`ksb.dialog.shards.colocated_group`), so no message between them crosses dispatchers.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from ksb.dialog.stage import Stage
 from ksb.dialog.system_messages import VALIDATION_CODE, parse_error_body
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body, new_id
-from ksb.wire.relay import RelayMessage
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
 
-__all__ = ["accept", "drop_queued", "enqueue", "far_group_of", "relay", "transmit"]
+__all__ = ["accept", "drop_queued", "enqueue", "transmit"]
 
 
 def enqueue(
@@ -113,6 +113,8 @@ def transmit(
             seq=sender.send_seq,
             priority=sender.priority,
             enqueued_ms=now,
+            from_group=None if sender.group == sender.handle else sender.group,
+            to_group=sender.far_group,
             body=text,
             body_b64=b64,
         )
@@ -143,40 +145,6 @@ def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:
     ep.outstanding = 0
 
 
-def far_group_of(ep: Endpoint) -> str:
-    """The far endpoint's conversation group: its handle unless the endpoint learned otherwise
-    (a target is always in its own group; an initiator may have joined a related one)."""
-    return ep.far_group or ep.far_handle or ""
-
-
-def relay(
-    eng: Engine, stage: Stage, sender: Endpoint, message_type: str, body: bytes, now: int
-) -> None:
-    """A message for a far endpoint another dispatcher owns, numbered in the sender's direction;
-    it travels on the relay topic inside this transaction and is accepted there in order."""
-    text, b64 = encode_body(body)
-    stage.out.relays.append(
-        RelayMessage(
-            conversation_id=sender.conversation_id,
-            from_initiator=sender.is_initiator,
-            seq=sender.send_seq,
-            to_handle=sender.far_handle or "",
-            to_group=far_group_of(sender),
-            from_group=sender.group,
-            from_service=sender.local_service,
-            to_service=sender.remote_service,
-            contract=sender.contract,
-            message_type=message_type,
-            sent_ms=stage.sent_ms,
-            lifetime_deadline_ms=sender.lifetime_deadline_ms,
-            body=text,
-            body_b64=b64,
-        )
-    )
-    sender.send_seq += 1
-    sender.updated_ms = now
-
-
 def accept(
     eng: Engine,
     stage: Stage,
@@ -186,8 +154,8 @@ def accept(
     seq: int,
     now: int,
 ) -> None:
-    """One in-order message from the far side (another instance or shard): into the queue, and
-    the state change it implies. The caller has checked the order."""
+    """One in-order message from another instance: into the queue, and the state change it
+    implies. The caller has checked the order."""
     if message_type == END_DIALOG:
         if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR):
             # We ended first (or failed): the far side's EndDialog closes us; nobody reads it.

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
-from ksb.dialog.delivery import drop_queued, enqueue, far_group_of, relay, transmit
+from ksb.dialog.delivery import drop_queued, enqueue, transmit
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.send import must_park
 from ksb.dialog.stage import Stage
@@ -34,9 +34,6 @@ def end(eng: Engine, stage: Stage, req: EndRequest, now: int) -> None:
         return
     if ep.far_instance is not None:
         _end_remote(eng, stage, ep, req, now)
-        return
-    if not eng.owns(far_group_of(ep)):
-        _end_relayed(eng, stage, ep, req, now)
         return
     peer = _local_peer(stage, ep)
     new_state = ep_rules.after_end(ep)
@@ -79,24 +76,6 @@ def _park_end(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int
         transmit(eng, stage, ep, ERROR, body, now, to_instance=eng.instance)
     else:
         transmit(eng, stage, ep, END_DIALOG, b"", now, to_instance=eng.instance)
-
-
-def _end_relayed(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
-    """END of a local dialog whose far endpoint another dispatcher owns: the EndDialog (or Error)
-    is relayed in the conversation's order, and the far side's state changes when it is applied
-    there, as on the local path; what closes this side is the far side's receipt of it."""
-    new_state = ep_rules.after_end(ep)
-    if ep.is_initiator and ep.send_seq == 0:
-        new_state = State.CLOSED  # nothing was ever sent: there is no far side to tell
-    elif ep.state not in (State.DISCONNECTED_INBOUND, State.ERROR):
-        if req.error_code is not None:
-            body = error_body(req.error_code, req.error_description or "")
-            relay(eng, stage, ep, ERROR, body, now)
-        else:
-            relay(eng, stage, ep, END_DIALOG, b"", now)
-    ep.state = new_state
-    if ep.state is State.CLOSED:
-        drop_queued(eng, stage, ep)
 
 
 def _end_remote(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:

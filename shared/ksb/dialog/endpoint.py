@@ -78,7 +78,9 @@ class Endpoint(msgspec.Struct, kw_only=True, omit_defaults=True):
     """How many messages this endpoint's queue has been given: the next one's id is
     ``<handle>:<enqueued>`` (`ksb.dialog.membership`)."""
     far_group: str | None = None
-    """The far endpoint's conversation group, when it is not the far handle (the default)."""
+    """The far endpoint's conversation group, when it is not the far handle (the default): a
+    local target's group chosen in the initiator's shard, or the group another instance's
+    endpoint is in. Records for the far side are keyed by it, so they reach its owner."""
 
     def copy(self) -> Endpoint:
         return msgspec.structs.replace(self)

@@ -24,7 +24,6 @@ from ksb.dialog.fences import Fences
 from ksb.dialog.membership import Membership
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
 from ksb.dialog.receipts import commit, outcome_key, refused_outcome
-from ksb.dialog.relayed import apply_relayed
 from ksb.dialog.remote import RemoteWindows, inbound
 from ksb.dialog.send import send
 from ksb.dialog.shards import Ownership
@@ -45,7 +44,7 @@ from ksb.wire.protocol import (
     SendRequest,
     TimerRequest,
 )
-from ksb.wire.relay import RelayAction, RelayWork
+from ksb.wire.relay import RelayAction
 
 __all__ = ["Engine"]
 
@@ -138,23 +137,20 @@ class Engine:
         self.merge(stage)
         return stage.out
 
-    def handle_relayed(self, record: RelayWork, now_ms: int) -> Outputs:
-        """Apply work another dispatcher relayed to the owner of this group's shard."""
+    def handle_relayed(self, record: RelayAction, now_ms: int) -> Outputs:
+        """Apply a commit's action that another dispatcher relayed to the owner of its group; a
+        refusal is reported under the commit's request id."""
         stage = Stage(self)
         try:
-            if isinstance(record, RelayAction):
-                self.apply_action(stage, record.action, now_ms)
-            else:
-                apply_relayed(self, stage, record, now_ms)
+            self.apply_action(stage, record.action, now_ms)
         except KsbError as exc:
-            request = record.action if isinstance(record, RelayAction) else None
             out = Outputs()
             out.errors.append(
                 ErrorRecord(
-                    request_id=record.request_id if isinstance(record, RelayAction) else None,
+                    request_id=record.request_id,
                     code=exc.code,
                     reason=exc.reason,
-                    handle=None if request is None else _request_handle(request),
+                    handle=_request_handle(record.action),
                 )
             )
             return out

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING
 
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
-from ksb.dialog.delivery import far_group_of
 from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.outputs import Outputs, QueueWrite
 from ksb.dialog.stage import Stage
@@ -29,7 +28,7 @@ from ksb.wire.protocol import (
     SendRequest,
     replace,
 )
-from ksb.wire.relay import RelayAction, RelayReceivedEnd
+from ksb.wire.relay import RelayAction
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
@@ -116,13 +115,9 @@ def _group_of(stage: Stage, action: Action, begun: dict[str, str]) -> str | None
 
 def _far_received_end(eng: Engine, stage: Stage, receiver: Endpoint, now: int) -> None:
     """Our application received the far side's EndDialog or Error: the far side, if it ended
-    first, is closed by that (on its owner, when another dispatcher owns it)."""
+    first, is closed by that (a local dialog's two ends always have the same owner)."""
     if receiver.far_instance is not None:
         return  # another instance learns it from our own EndDialog (`ksb.dialog.end`)
-    far_group = far_group_of(receiver)
-    if not eng.owns(far_group):
-        stage.out.relays.append(RelayReceivedEnd(handle=receiver.far_handle or "", group=far_group))
-        return
     peer = stage.maybe_endpoint(receiver.far_handle)
     if peer is not None:
         peer.state = ep_rules.after_peer_received_end(peer)

@@ -132,6 +132,7 @@ def _inbound_endpoint(
         group=handle,
         priority=cat.priorities.level(msg.contract, msg.to_service, msg.from_service),
         far_handle=msg.conversation_id,
+        far_group=msg.from_group,
         created_ms=now,
         updated_ms=now,
         far_instance=msg.from_instance,

@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING
 from ksb.catalog.model import ERROR, MessageType
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.begin import ensure_target
-from ksb.dialog.delivery import drop_queued, enqueue, far_group_of, relay, transmit
+from ksb.dialog.delivery import drop_queued, enqueue, transmit
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.stage import Stage
 from ksb.dialog.system_messages import VALIDATION_CODE, VALIDATION_ERROR, error_body
 from ksb.errors import ConversationError, ValidationFailed
 from ksb.wire.protocol import SendRequest
-from ksb.wire.relay import RelayClose
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
@@ -70,9 +69,6 @@ def _deliver(
     if sender.far_instance is not None:
         _deliver_remote(eng, stage, sender, mtype, body, now)
         return
-    if not eng.owns(far_group_of(sender)):
-        _deliver_relayed(eng, stage, sender, mtype, body, now)
-        return
     receiver = (
         ensure_target(eng, stage, sender, now)
         if sender.is_initiator
@@ -113,29 +109,6 @@ def _deliver_remote(
         sender.error_code, sender.error_description = VALIDATION_ERROR, exc.reason
         return
     transmit(eng, stage, sender, mtype.name, body, now)
-
-
-def _deliver_relayed(
-    eng: Engine, stage: Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
-) -> None:
-    """A local dialog whose far endpoint another dispatcher owns: validate here (the far side
-    would refuse the same body), then relay; the far owner queues it, in order, or holds it."""
-    sender.state = ep_rules.after_send(sender)
-    sender.updated_ms = now
-    try:
-        mtype.validate_body(body)
-    except ValidationFailed as exc:
-        # The receiving side refuses the message and fails the dialog, as a target would: our
-        # side gets the Error now, the far endpoint (if it exists yet) is closed there.
-        enqueue(eng, stage, sender, ERROR, "X", error_body(VALIDATION_ERROR, exc.reason), -1, now)
-        sender.state = ep_rules.after_peer_error(sender)
-        sender.error_code, sender.error_description = VALIDATION_ERROR, exc.reason
-        if sender.send_seq > 0 or not sender.is_initiator:
-            stage.out.relays.append(
-                RelayClose(handle=sender.far_handle or "", group=far_group_of(sender))
-            )
-        return
-    relay(eng, stage, sender, mtype.name, body, now)
 
 
 def must_park(eng: Engine, sender: Endpoint, receiver: Endpoint) -> bool:
