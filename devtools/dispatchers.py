@@ -62,7 +62,7 @@ class DispatcherPool:
         self.members[name] = proc
         if wait:
             proc.wait_ready("dispatcher ready", timeout_s)
-            self.wait_settled(timeout_s, including=name)
+            self.wait_settled(timeout_s)
         return name
 
     def owned(self) -> dict[str, set[int]]:
@@ -73,18 +73,19 @@ class DispatcherPool:
             if proc.alive() and name not in self.paused
         }
 
-    def settled(self, including: str | None = None) -> bool:
-        """Every shard owned by exactly one live running member (and `including` owns some)."""
+    def settled(self) -> bool:
+        """Every shard owned by exactly one live running member, and every such member owning
+        some (while there are no more members than shards): the group's assignment is done."""
         owned = self.owned()
         every = sorted(s for shards in owned.values() for s in shards)
         if every != list(range(self.shards)):
             return False
-        return including is None or bool(owned.get(including))
+        return len(owned) > self.shards or all(owned.values())
 
-    def wait_settled(self, timeout_s: float = 90, including: str | None = None) -> float:
+    def wait_settled(self, timeout_s: float = 90) -> float:
         """Wait until `settled`; returns the seconds it took."""
         started = time.monotonic()
-        while not self.settled(including):
+        while not self.settled():
             if time.monotonic() - started > timeout_s:
                 raise TimeoutError(f"dispatchers not settled in {timeout_s}s: {self.owned()}")
             time.sleep(0.05)

@@ -429,21 +429,34 @@ class Dispatcher(Service):
 
     def _recover(self, exc: KafkaException) -> None:
         """A failed transaction: abort it, then rebuild the owned shards from Kafka and go back to
-        their committed offsets (the aborted batch changed the engine's state). A producer Kafka
-        fenced (its transaction timed out) is made again."""
+        their committed offsets (the aborted batch changed the engine's state); a dispatcher the
+        group left behind rejoins instead. A producer Kafka fenced (its transaction timed out, or
+        a newer one took its id) means starting over."""
         err = exc.args[0]
-        log.warning("transaction failed (%s); rebuilding the owned shards from Kafka", err)
+        log.warning("transaction failed (%s); its work is dropped and redone from Kafka", err)
         assert self._producer is not None and self._writer is not None
         self._writer.discard()
         if err.fatal():
-            self._producer = None
             self._discard_clients()
-            if not self.try_start(self.ticker.tick):
-                return
+            self.try_start(self.ticker.tick)
             return
         if err.txn_requires_abort():
             self._producer.abort_transaction(30)
-        self._reset()
+        if err.code() in _NOT_A_MEMBER:
+            self._rejoin()
+        else:
+            self._reset()
+
+    def _rejoin(self) -> None:
+        """The group no longer counts this dispatcher in (it was paused past its session): its
+        shards are someone else's now. Forget them and join afresh; the assignment it gets is
+        rebuilt then, from what their new owners committed."""
+        assert self._consumer is not None and self.engine is not None
+        for shard in sorted(self.engine.ownership.owned):
+            self.engine.drop_shard(shard)
+        self._consumer.close()
+        self._pieces = Reassembler()
+        self._subscribe()
 
     def _reset(self) -> None:
         """Owned shards rebuilt, consumer back at their committed offsets."""
@@ -460,6 +473,17 @@ class Dispatcher(Service):
         self._pieces = Reassembler()
         assert self.engine is not None
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
+
+
+_NOT_A_MEMBER = frozenset(
+    {
+        KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError.FENCED_MEMBER_EPOCH,
+        KafkaError.STALE_MEMBER_EPOCH,
+        KafkaError.ILLEGAL_GENERATION,
+    }
+)
+"""Errors that say the consumer group has moved on without this member."""
 
 
 def _handed_over(relay: RelayRequest) -> Outputs:
