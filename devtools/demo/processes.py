@@ -122,7 +122,7 @@ def _wait_for_catalog(dispatcher: ServiceProcess | None, version: int) -> None:
     if dispatcher is None:
         return
     deadline = time.monotonic() + 30
-    markers = (f"catalog v{version} applied", f"rebuilt: catalog v{version},")
+    markers = (f"catalog v{version} applied", f", catalog v{version}, ")
     while time.monotonic() < deadline:
         text = dispatcher.log_path.read_text(errors="replace")
         if any(mark in text for mark in markers):

@@ -57,6 +57,7 @@ def load_shard(c: Consumer, names: Names, engine: Engine, view: CatalogView, sha
             _queue_record(engine, m, queue_name, shard if filtered else None, shards)
 
         read += _read(c, [TopicPartition(topic, p) for p in parts], fold)
+    engine.finish_load()
     return read
 
 

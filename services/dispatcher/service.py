@@ -54,6 +54,7 @@ from ksb.runtime.metrics import (
     RELAYED,
     REQUESTS,
     TXN_SECONDS,
+    Children,
 )
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import DispatcherSettings
@@ -118,6 +119,8 @@ class Dispatcher(Service):
         self.applied = 0
         """Requests and relayed records applied by this dispatcher (the bench compares members)."""
         self._queue_metrics = QueueMetrics()
+        self._requests, self._errors = Children(REQUESTS), Children(ERRORS)
+        self._commits, self._relayed = Children(COMMITS), Children(RELAYED)
         self._pieces = Reassembler()
         """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
 
@@ -254,7 +257,13 @@ class Dispatcher(Service):
         self._publish(self.broker.on_started(self.engine.catalog.version, self.clock.now_ms()))
         self._export_status()
         self.ready.set()
-        log.info("dispatcher ready (instance %s)", self.settings.instance)
+        log.info(
+            "dispatcher ready (instance %s, catalog v%d, %d shards, member %s)",
+            self.settings.instance,
+            self.engine.catalog.version,
+            self.engine.ownership.shards,
+            self.member,
+        )
         return True
 
     def _purge_stale_inbound(self, _tick: int) -> None:
@@ -383,7 +392,7 @@ class Dispatcher(Service):
             if incoming.elsewhere is not None:
                 return _handed_over(incoming.elsewhere)
             if incoming.relayed is not None:
-                RELAYED.labels(incoming.relayed.action.kind).inc()
+                self._relayed[incoming.relayed.action.kind].inc()
                 return self.engine.handle_relayed(incoming.relayed, now)
             request = incoming.request
             assert request is not None  # Incoming always holds one of the three
@@ -395,7 +404,7 @@ class Dispatcher(Service):
                     return _handed_over(joined)
                 request = joined
         except ProtocolError as exc:
-            ERRORS.labels(exc.code).inc()
+            self._errors[exc.code].inc()
             return Engine.malformed(
                 exc,
                 topic=m.topic() or "",
@@ -403,12 +412,12 @@ class Dispatcher(Service):
                 offset=m.offset() or 0,
                 raw=m.value(),
             )
-        REQUESTS.labels(request.kind).inc()
+        self._requests[request.kind].inc()
         out = self.engine.handle(request, now, sent_ms=incoming.sent_ms)
         for e in out.errors:
-            ERRORS.labels(e.code).inc()
+            self._errors[e.code].inc()
         if isinstance(request, CommitRequest) and request.receipt is not None:
-            COMMITS.labels("refused" if out.errors else "applied").inc()
+            self._commits["refused" if out.errors else "applied"].inc()
         return out
 
     def _joined(

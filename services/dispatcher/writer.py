@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from confluent_kafka import Producer
 
-from ksb.audit import Audit, dispatcher_events
+from ksb.audit import Audit, AuditEvent, dispatcher_events
 from ksb.dialog.endpoint import Endpoint, encode_endpoint
 from ksb.dialog.outputs import Outputs
 from ksb.dialog.shards import shard_of
@@ -36,6 +36,7 @@ class OutputWriter:
         self._audit = audit
         self._endpoints: dict[str, Endpoint] = {}
         self._queue_topics: dict[str, str] = {}
+        self._events: list[AuditEvent] = []
 
     def write(self, out: Outputs, now_ms: int, instance: str) -> None:
         p = self._p
@@ -56,7 +57,7 @@ class OutputWriter:
         if len(p) > _POLL_EVERY:
             p.poll(0)
         if self._audit.enabled:
-            self._audit.emit(dispatcher_events(out, now_ms, instance))
+            self._events += dispatcher_events(out, now_ms, instance)
 
     def _remote(self, out: Outputs) -> None:
         """Records for other instances and for the owners of other shards, in the same
@@ -74,7 +75,10 @@ class OutputWriter:
             p.produce(self._names.relay, key=key.encode(), value=dumps(r), partition=partition)
 
     def flush(self) -> int:
-        """Write each endpoint changed in this transaction once, in its shard's partition."""
+        """Write each endpoint changed in this transaction once, in its shard's partition, and
+        the transaction's audit events in as few records as their queues allow."""
+        self._audit.emit_batch(self._events)
+        self._events = []
         n = len(self._endpoints)
         for ep in self._endpoints.values():
             self._p.produce(
@@ -89,3 +93,4 @@ class OutputWriter:
     def discard(self) -> None:
         """The transaction was aborted: forget what it would have written."""
         self._endpoints.clear()
+        self._events = []

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
-from ksb.audit import Audit, AuditEvent, AuditHook, dispatcher_events, parse_audit_event
+from ksb.audit import (
+    BATCH_EVENTS,
+    Audit,
+    AuditEvent,
+    AuditHook,
+    KafkaAudit,
+    dispatcher_events,
+    parse_audit_event,
+    parse_audit_record,
+)
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
+from ksb.names import Names
 from ksb.spark.ordering import OrderingEvent, QueueOrdering
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 
@@ -197,3 +207,32 @@ def test_a_failing_hook_is_logged_not_fatal() -> None:
     audit.emit([AuditEvent(kind="error", event_ms=1, instance="i")])
     assert len(seen) == 1
     assert not Audit().enabled
+
+
+class _Recorder:
+    """Stands in for the producer: what KafkaAudit would hand Kafka, in order."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, bytes, bytes]] = []
+
+    def produce(self, topic: str, *, key: bytes, value: bytes, on_delivery: object) -> None:
+        self.records.append((topic, key, value))
+
+
+def test_a_batch_is_one_record_per_queue_in_order_and_reads_back() -> None:
+    events = [
+        AuditEvent(kind="enqueue", event_ms=i, instance="i", queue="AB"[i % 2], message_id=str(i))
+        for i in range(2 * BATCH_EVENTS + 3)
+    ]
+    rec = _Recorder()
+    KafkaAudit(rec, Names("i")).emit_batch(events)  # type: ignore[arg-type]
+    assert [(t, k) for t, k, _v in rec.records] == [("ksb.i.audit", b"A")] * 2 + [
+        ("ksb.i.audit", b"B")
+    ] * 2
+    read = [e for _t, _k, v in rec.records for e in parse_audit_record(v)]
+    assert sorted(read, key=lambda e: e.event_ms) == events
+    for queue in "AB":  # each queue's events keep their order across records
+        mine = [e.event_ms for e in read if e.queue == queue]
+        assert mine == sorted(mine)
+    single = events[0].to_json()
+    assert parse_audit_record(single) == [events[0]]

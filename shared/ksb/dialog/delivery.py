@@ -121,6 +121,8 @@ def transmit(
     )
     sender.send_seq += 1
     sender.updated_ms = now
+    # No queue record shows this number (it is in the transmission topic): write it down.
+    stage.persist.add(sender.handle)
 
 
 def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from ksb.catalog.model import CatalogView
 from ksb.dialog.begin import begin
+from ksb.dialog.counters import CounterScan, durable_change
 from ksb.dialog.dead_letters import dead_letter, replay
 from ksb.dialog.end import end
 from ksb.dialog.endpoint import Endpoint, State
@@ -72,6 +73,7 @@ class Engine:
         self.timers = Timers()
         self.remote = RemoteWindows()
         self._order = 0
+        self._scan = CounterScan()
         self._group_sizes: dict[tuple[str, str], int] = {}
         """Open endpoints per (queue, group): when a group empties, its fence is forgotten."""
 
@@ -101,8 +103,14 @@ class Engine:
     def load_queue_record(self, key: str, value: QueueMessage | None, partition: int) -> None:
         retains = value is not None and self._retains(value.queue)
         self.inflight.load(key, value, partition, retains)
+        self._scan.note(key, value)
         if value is not None and value.status == 1:
             self._order = max(self._order, value.queuing_order + 1)
+
+    def finish_load(self) -> None:
+        """After a rebuild's records: the counters endpoint records leave to the queue records
+        (`ksb.dialog.counters`)."""
+        self._scan.restore(self.endpoints, self.inflight.waiting_of)
 
     def drop_shard(self, shard: int) -> None:
         """Forget everything of a shard this engine no longer owns (another dispatcher rebuilds
@@ -188,18 +196,24 @@ class Engine:
         return out
 
     def merge(self, stage: Stage) -> None:
-        """Make a stage's changes the engine's own, and report every endpoint it touched.
+        """Make a stage's changes the engine's own, and report every endpoint whose record must
+        be written: new ones, closed ones, and those that changed in more than the counters the
+        queue records restore (`ksb.dialog.counters`).
 
         Endpoints that live on come first (a message's facts are its endpoint's), then the
         messages, then the endpoints that closed (their messages are gone by then).
         """
+        changed: list[Endpoint] = []
         for ep in stage.endpoints.values():
+            before = self.endpoints.get(ep.handle)
             if ep.state is not State.CLOSED:
-                if ep.handle not in self.endpoints:
+                if before is None:
                     key = (ep.queue, ep.group)
                     self._group_sizes[key] = self._group_sizes.get(key, 0) + 1
                 self.endpoints[ep.handle] = ep
                 self.timers.arm(ep)
+            if before is None or ep.handle in stage.persist or durable_change(before, ep):
+                changed.append(ep)
         for mid in stage.gone_inflight:
             if self.inflight.remove(mid) is None:
                 self.inflight.retained.pop(mid, None)
@@ -207,12 +221,12 @@ class Engine:
             self.inflight.add(mid, info)
         for mid, info in stage.new_retained.items():
             self.inflight.retain(mid, info)
-        for ep in stage.endpoints.values():
+        for ep in changed:
             if ep.state is State.CLOSED:
                 if self.endpoints.pop(ep.handle, None) is not None and self._left_group(ep):
                     stage.out.queue.append(self._forget_group(ep))
                 self.remote.closed_endpoint(ep)
-            stage.out.endpoints.append(ep)
+        stage.out.endpoints += changed
 
     def _left_group(self, ep: Endpoint) -> bool:
         """An endpoint closed: True when it was its group's last and the group has a commit

@@ -204,6 +204,11 @@ class Membership(Mapping[str, Inflight]):
         mids += [mid for mid, info in self.retained.items() if info.handle == handle]
         return mids
 
+    def waiting_of(self, handle: str) -> int:
+        """How many messages wait in `handle`'s queue."""
+        waiting = self._waiting.get(handle)
+        return 0 if waiting is None else len(waiting)
+
     def drop(self, in_shard: Callable[[str], bool]) -> None:
         """Forget the messages of the groups `in_shard` says (a shard another dispatcher owns
         now). Called once their endpoints are forgotten: a compact entry whose endpoint is gone

@@ -87,8 +87,21 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
         receiver.outstanding = max(0, receiver.outstanding - 1)
         receiver.state = ep_rules.after_receive(receiver)
         receiver.updated_ms = now
+        _persist_counters(stage, receiver)
         if info.message_type in (END_DIALOG, ERROR):
             _far_received_end(eng, stage, receiver, now)
+
+
+def _persist_counters(stage: Stage, receiver: Endpoint) -> None:
+    """A receipt tombstones messages, and with them what the queue showed of the dialog's
+    counters: both ends' records are written now (`ksb.dialog.counters`)."""
+    if receiver.handle in stage.persist:
+        return
+    stage.persist.add(receiver.handle)
+    if receiver.far_instance is None and receiver.far_handle is not None:
+        sender = stage.maybe_endpoint(receiver.far_handle)
+        if sender is not None:
+            stage.persist.add(sender.handle)
 
 
 def _group_of(stage: Stage, action: Action, begun: dict[str, str]) -> str | None:

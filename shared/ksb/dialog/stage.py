@@ -30,6 +30,8 @@ class Stage:
         self.gone_inflight: set[str] = set()
         self.new_retained: dict[str, Inflight] = {}
         self.out = Outputs()
+        self.persist: set[str] = set()
+        """Endpoints whose record is written even if only their counters changed."""
         self.sent_ms = sent_ms
         """The request record's timestamp, stamped on what it enqueues (end-to-end latency)."""
 

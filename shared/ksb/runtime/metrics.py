@@ -46,6 +46,7 @@ __all__ = [
     "TRANSMISSION_DEPTH",
     "TXN_SECONDS",
     "WAITING_READERS",
+    "Children",
     "HealthCheck",
     "export_transport_defaults",
     "health_problems",
@@ -57,6 +58,22 @@ __all__ = [
 ]
 
 log = logging.getLogger("ksb.runtime.metrics")
+
+
+class Children:
+    """A one-label metric's children by label value, made once: on a hot path `labels()`
+    (which checks and joins its arguments every call) costs more than the increment."""
+
+    def __init__(self, metric: Counter) -> None:
+        self._metric = metric
+        self._children: dict[str, Counter] = {}
+
+    def __getitem__(self, value: str) -> Counter:
+        child = self._children.get(value)
+        if child is None:
+            child = self._children[value] = self._metric.labels(value)
+        return child
+
 
 REQUESTS = Counter("ksb_requests_total", "Requests handled by the dispatcher", ["kind"])
 ERRORS = Counter("ksb_errors_total", "Requests refused, with the reason code", ["code"])

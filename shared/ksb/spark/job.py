@@ -40,6 +40,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.state import GroupState, GroupStateTimeout
 from pyspark.sql.types import (
+    ArrayType,
     BooleanType,
     DataType,
     IntegerType,
@@ -76,6 +77,8 @@ _EVENT_TYPES: dict[str, DataType] = {
 }
 EVENT_SCHEMA = StructType([StructField(name, t) for name, t in _EVENT_TYPES.items()])
 """The audit event fields (docs/audit.md) the job reads; the parser skips every other field."""
+_RECORD_SCHEMA = StructType([*EVENT_SCHEMA.fields, StructField("events", ArrayType(EVENT_SCHEMA))])
+"""A record is one event, or (``kind`` ``batch``) a dispatcher transaction's events of a queue."""
 assert set(EVENT_FIELDS) <= set(_EVENT_TYPES)
 
 _STRINGS = {"row", "queue", "kind", "service"}
@@ -156,11 +159,16 @@ class AuditJob:
         if splits > 1:
             reader = reader.option("minPartitions", str(splits))
         parsed = reader.load().select(
-            F.from_json(F.col("value").cast("string"), EVENT_SCHEMA).alias("e"),
+            F.from_json(F.col("value").cast("string"), _RECORD_SCHEMA).alias("r"),
             "partition",
             "offset",
         )
-        return parsed.where(F.col("e.v") == 1).select(
+        one = F.array(F.struct(*(F.col(f"r.{c}").alias(c) for c in _EVENT_TYPES)))
+        events = F.when(F.col("r.kind") == "batch", F.col("r.events")).otherwise(one)
+        flat = parsed.where(F.col("r.v") == 1).select(
+            F.posexplode(events).alias("pos", "e"), "partition", "offset"
+        )
+        return flat.where(F.col("e.v") == 1).select(
             # Events left out their queue when it is empty (transmit, acknowledge, suppression).
             F.coalesce(F.col("e.queue"), F.lit("")).alias("queue"),
             *(f"e.{c}" for c in EVENT_FIELDS if c not in ("targeted", "starvation_exception")),
@@ -168,6 +176,7 @@ class AuditJob:
             F.coalesce(F.col("e.starvation_exception"), F.lit(False)).alias("starvation_exception"),
             "partition",
             "offset",
+            "pos",
         )
 
     # ----------------------------------------------------------------- the one stateful step
@@ -255,7 +264,7 @@ def audit_function(settings: AuditSettings) -> AuditFunction:
         frames = [b for b in batches if len(b)]
         if frames:
             pdf = frames[0] if len(frames) == 1 else pd.concat(frames, ignore_index=True)
-            pdf = pdf.sort_values(["partition", "offset"], kind="stable")
+            pdf = pdf.sort_values(["partition", "offset", "pos"], kind="stable")
             audit.apply({f: column_values(pdf[f]) for f in EVENT_FIELDS})
         state.update((audit.to_json(),))
         yield pd.DataFrame(audit.drain_rows(str(queue)), columns=list(OUTPUT_COLUMNS))
