@@ -15,9 +15,8 @@ window must survive a restart exactly): their endpoints are written at every cha
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
-
-import msgspec
 
 from ksb.dialog.endpoint import Endpoint
 from ksb.wire.protocol import QueueMessage
@@ -25,12 +24,9 @@ from ksb.wire.protocol import QueueMessage
 __all__ = ["CounterScan", "durable_change"]
 
 COUNTERS = frozenset({"send_seq", "enqueued", "recv_seq", "outstanding", "updated_ms"})
-_DURABLE = tuple(i for i, f in enumerate(Endpoint.__struct_fields__) if f not in COUNTERS)
-
-
-def _durable(ep: Endpoint) -> tuple[object, ...]:
-    values = msgspec.structs.astuple(ep)
-    return tuple(values[i] for i in _DURABLE)
+_durable = operator.attrgetter(*(f for f in Endpoint.__struct_fields__ if f not in COUNTERS))
+"""An endpoint's fields other than the counters, as a tuple (built in C: this runs for every
+endpoint a request touches)."""
 
 
 def durable_change(before: Endpoint, after: Endpoint) -> bool:
