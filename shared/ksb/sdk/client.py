@@ -271,13 +271,7 @@ class Transaction:
         reader = self._lock(queue, waitfor_ms, conversation_group_id, conversation_handle)
         if reader is None or self._lease is None:
             return []
-        fresh = [
-            m
-            for m in reader.messages(self._lease, None, conversation_handle)
-            if m.message_id not in self._received
-        ]
-        if top is not None:
-            fresh = fresh[:top]
+        fresh = reader.messages(self._lease, top, conversation_handle, skip=self._received)
         for m in fresh:
             self._received[m.message_id] = m
         self._client.groups.learn_received(fresh)
