@@ -78,7 +78,10 @@ class RecordFetcher:
                     f"could not read {len(todo)} messages back from {self.topic} in time"
                 )
             others: list[Message] = []
-            for m in kafka.consume_batch(self._consumer, _BATCH, 0.2):
+            # Never past the last wanted offset: what is taken off the consumer is gone, and a
+            # later read-back that wants it would have to seek back.
+            at = self._at[1] if self._at is not None else todo[-1]
+            for m in kafka.consume_batch(self._consumer, min(_BATCH, todo[0] - at + 1), 0.2):
                 err = m.error()
                 if err is not None:
                     if err.code() != KafkaError._PARTITION_EOF:

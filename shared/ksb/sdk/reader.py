@@ -342,6 +342,11 @@ class QueueReader:
                 records[pack_position(p, off)] = m.value() or b""
         return messages_from(refs, records)
 
+    @property
+    def fetcher(self) -> RecordFetcher | None:
+        """The read-back consumer, once a RECEIVE has needed one."""
+        return self._fetcher
+
     def _fetch(self) -> RecordFetcher:
         """The read-back consumer, made on the first cache miss (a reader that keeps up needs none)."""
         with self._fetcher_lock:
