@@ -76,8 +76,8 @@ def test_bodies_read_back_from_kafka_keep_receive_order_and_rollback(
         again.rollback()
         got = _drain(client, 36, top=4)
         assert got == {d: list(range(12)) for d in range(3)}
-        assert reader.bodies.bytes == 0 and reader.fetcher is not None
-        assert reader.fetcher.records_read >= 36
+        assert reader.bodies.bytes == 0
+        assert sum(f.records_read for f in reader.fetchers) >= 36
 
 
 def test_a_small_cache_serves_what_a_read_back_passed_over(
@@ -92,7 +92,6 @@ def test_a_small_cache_serves_what_a_read_back_passed_over(
             assert 0 < reader.bodies.bytes <= 40_000
             got = _drain(client, 200, top=5)
             assert got == {d: list(range(25)) for d in range(8)}
-            assert reader.fetcher is not None
             # 40 RECEIVEs at least; reading on and the records kept on the way spare most seeks
-            assert reader.fetcher.seeks < 20
+            assert 0 < sum(f.seeks for f in reader.fetchers) < 20
             assert reader.bodies.bytes <= 40_000

@@ -38,6 +38,7 @@ __all__ = ["QueueReader"]
 log = logging.getLogger("ksb.sdk.reader")
 _CANDIDATES_PER_TRY = 32
 _FOLLOW_PREFETCH_KB = 16384
+_FETCHERS = 4
 
 
 class QueueReader:
@@ -58,8 +59,8 @@ class QueueReader:
         self.topic = self.names.queue(queue)
         self.index = QueueIndex(queue)
         self.bodies = BodyCache(settings.reader_cache_bytes)
-        self._fetcher: RecordFetcher | None = None
-        self._fetcher_lock = threading.Lock()
+        self._fetchers: dict[int, RecordFetcher] = {}
+        self._fetchers_lock = threading.Lock()
         self.holder = holder or f"reader-{uuid.uuid4().hex[:12]}"
         self.locks = GroupLocks(
             redis_client, self.names, queue, holder=self.holder, ttl_ms=settings.lock_ttl_ms
@@ -336,23 +337,30 @@ class QueueReader:
                 raw = self.bodies.get(ref.position)
                 if raw is not None:
                     records[ref.position] = raw
-        missing = [(r.partition, r.offset) for r in refs if r.position not in records]
-        if missing:
-            for (p, off), m in self._fetch().fetch(missing, self._keep_passed).items():
+        missing: dict[int, list[tuple[int, int]]] = {}
+        for r in refs:
+            if r.position not in records:
+                missing.setdefault(r.partition % _FETCHERS, []).append((r.partition, r.offset))
+        for slot, wanted in missing.items():
+            for (p, off), m in self._fetcher(slot).fetch(wanted, self._keep_passed).items():
                 records[pack_position(p, off)] = m.value() or b""
         return messages_from(refs, records)
 
     @property
-    def fetcher(self) -> RecordFetcher | None:
-        """The read-back consumer, once a RECEIVE has needed one."""
-        return self._fetcher
+    def fetchers(self) -> list[RecordFetcher]:
+        """The read-back consumers made so far."""
+        with self._fetchers_lock:
+            return list(self._fetchers.values())
 
-    def _fetch(self) -> RecordFetcher:
-        """The read-back consumer, made on the first cache miss (a reader that keeps up needs none)."""
-        with self._fetcher_lock:
-            if self._fetcher is None:
-                self._fetcher = RecordFetcher(self.settings, self.topic)
-            return self._fetcher
+    def _fetcher(self, slot: int) -> RecordFetcher:
+        """A read-back consumer, made on the first cache miss (a reader that keeps up needs none).
+        Partitions share `_FETCHERS` of them, each keeping its place in its own partitions, so
+        RECEIVEs of groups in different partitions do not seek each other's consumer away."""
+        with self._fetchers_lock:
+            f = self._fetchers.get(slot)
+            if f is None:
+                f = self._fetchers[slot] = RecordFetcher(self.settings, self.topic)
+            return f
 
     def _keep_passed(self, msgs: list[Message]) -> None:
         """Records a read-back passed over: the ready ones are what the next RECEIVEs want."""
@@ -401,5 +409,5 @@ class QueueReader:
         self._thread.join(5)
         self._consumer.close()
         self._probe.close()
-        if self._fetcher is not None:
-            self._fetcher.close()
+        for f in self.fetchers:
+            f.close()
