@@ -18,6 +18,7 @@ __all__ = [
     "now_ns",
     "parse_body",
     "peak_rss_kb",
+    "rss_kb",
     "summarize",
 ]
 
@@ -105,10 +106,19 @@ class Rate:
 
 def peak_rss_kb(pid: int | None = None) -> int | None:
     """VmHWM (peak resident set) of ``pid`` (this process by default), or None if unreadable."""
+    return _status_kb(pid, "VmHWM:")
+
+
+def rss_kb(pid: int | None = None) -> int | None:
+    """VmRSS (resident set now) of ``pid`` (this process by default), or None if unreadable."""
+    return _status_kb(pid, "VmRSS:")
+
+
+def _status_kb(pid: int | None, field: str) -> int | None:
     status = Path(f"/proc/{'self' if pid is None else pid}/status")
     try:
         for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(field):
                 return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         return None

@@ -200,7 +200,8 @@ class ActivationService(Service):
             w = self.watches.get(name)
             if w is None:
                 reader = QueueReader(
-                    self.settings.narrow(ClientSettings),
+                    # A monitor reads a body only to dead-letter it: no cache of records.
+                    self.settings.narrow(ClientSettings, reader_cache_bytes=0),
                     name,
                     self.redis,
                     holder=f"monitor-{uuid.uuid4().hex[:8]}",

@@ -7,6 +7,7 @@ dispatcher can turn it into an Error message or an error-topic record without gu
 from __future__ import annotations
 
 __all__ = [
+    "BackpressureTimeout",
     "CatalogError",
     "CommitRefused",
     "ConversationError",
@@ -73,6 +74,13 @@ class CommitRefused(KsbError):
     """The dispatcher refused a commit (stale fencing token, or a message already received)."""
 
     code = "commit_refused"
+
+
+class BackpressureTimeout(KsbError):
+    """The dispatchers did not apply this client's earlier requests in time for it to send more
+    (`ClientSettings.max_inflight_requests`, `ClientSettings.backpressure_timeout_s`)."""
+
+    code = "backpressure_timeout"
 
 
 class DdlError(KsbError):

@@ -104,6 +104,14 @@ class ClientSettings(KsbSettings):
 
     lock_ttl_ms: int = Field(30_000, ge=100)
     """A group lock's lease; the reader renews it while its transaction runs."""
+    reader_cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
+    """Records of waiting messages a reader keeps per queue so that RECEIVE need not read them back
+    from Kafka (`ksb.sdk.bodies`); the newest first. 0: every body is read back."""
+    max_inflight_requests: int = Field(2_000, ge=0)
+    """Back-pressure: requests this client sent that the dispatchers have not applied yet, at
+    most; a request beyond it waits for them (`ksb.sdk.backpressure`). 0: no limit."""
+    backpressure_timeout_s: float = Field(30.0, gt=0)
+    """How long a request may wait for the dispatchers to catch up before it fails."""
 
 
 class CliSettings(ClientSettings):

@@ -23,7 +23,9 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import load_catalog
 from ksb.runtime.redis_view import read_transmission_view
-from ksb.sdk.queue_index import QueueIndex
+from ksb.sdk.bodies import messages_from
+from ksb.sdk.fetch import RecordFetcher
+from ksb.sdk.queue_index import QueueIndex, pack_position
 from ksb.settings import KsbSettings
 from ksb.wire.protocol import (
     CommitOutcome,
@@ -98,8 +100,16 @@ def ready_messages(settings: KsbSettings, queue: str) -> list[QueueMessage]:
             return
         index.apply(key, value, m.partition() or 0, m.offset() or 0)
 
-    read_topic(settings, Names(settings.instance).queue(queue), fold)
-    return [m for group in index.candidates() for m in index.take(group)]
+    topic = Names(settings.instance).queue(queue)
+    read_topic(settings, topic, fold)
+    refs = [r for group in index.candidates() for r in index.take(group)]
+    fetcher = RecordFetcher(settings, topic, max_gap=1 << 62)  # one pass: read, never seek
+    try:
+        found = fetcher.fetch([(r.partition, r.offset) for r in refs], timeout_s=60)
+    finally:
+        fetcher.close()
+    records = {pack_position(p, off): m.value() or b"" for (p, off), m in found.items()}
+    return messages_from(refs, records)
 
 
 def read_monitors(settings: KsbSettings) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ from ksb.audit import Audit, AuditEvent, KafkaAudit
 from ksb.errors import KsbError, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.sdk.backpressure import Backpressure, CommittedOffsets
 from ksb.sdk.groups import GroupDirectory
 from ksb.sdk.locks import Lease
 from ksb.sdk.reader import QueueReader
@@ -55,6 +56,8 @@ class KsbClient:
         self.settings = settings or ClientSettings.from_env()
         self.names = Names(self.settings.instance)
         self._producer = kafka.producer(self.settings, extra={"linger.ms": 2})
+        self._offsets = CommittedOffsets(self.settings)
+        self.backpressure = Backpressure(self.settings, self._offsets)
         self.audit = Audit(KafkaAudit(self._producer, self.names))
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
@@ -85,17 +88,27 @@ class KsbClient:
             return r
 
     def _produce(self, request: Any, key: str) -> Future[None]:
+        """Hand one request to the producer, first waiting while too many are not applied yet
+        (`ksb.sdk.backpressure`)."""
         done: Future[None] = Future()
+        pressure = self.backpressure
 
-        def on_delivery(err: KafkaError | None, _msg: Message) -> None:
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
+                pressure.failed()
                 done.set_exception(KsbError(f"request not stored in Kafka: {err}"))
             else:
+                pressure.delivered(msg.topic() or "", msg.partition() or 0, msg.offset() or 0)
                 done.set_result(None)
 
-        self._producer.produce(
-            self.names.requests, key=key.encode(), value=dumps(request), on_delivery=on_delivery
-        )
+        pressure.before_send()
+        try:
+            self._producer.produce(
+                self.names.requests, key=key.encode(), value=dumps(request), on_delivery=on_delivery
+            )
+        except BaseException:
+            pressure.failed()
+            raise
         return done
 
     def wait(self, fut: Future[Any], timeout_s: float = 30) -> Any:
@@ -112,6 +125,7 @@ class KsbClient:
         self._producer.flush(10)
         self._closing.set()
         self._poller.join(2)
+        self._offsets.close()
         if self._redis is not None:
             self._redis.close()
 
@@ -271,13 +285,7 @@ class Transaction:
         reader = self._lock(queue, waitfor_ms, conversation_group_id, conversation_handle)
         if reader is None or self._lease is None:
             return []
-        fresh = [
-            m
-            for m in reader.messages(self._lease, None, conversation_handle)
-            if m.message_id not in self._received
-        ]
-        if top is not None:
-            fresh = fresh[:top]
+        fresh = reader.messages(self._lease, top, conversation_handle, skip=self._received)
         for m in fresh:
             self._received[m.message_id] = m
         self._client.groups.learn_received(fresh)

@@ -1,49 +1,170 @@
-"""What is ready to RECEIVE in one queue, ordered the way Service Broker orders it.
+"""What is ready to RECEIVE in one queue, ordered the way Service Broker orders it, in a few bytes
+a message.
 
 A reader (and the activation service) folds the queue topic into this index: message records add,
-receipts (tombstones) remove. The index answers RECEIVE's two questions without I/O: which groups to try,
-highest priority first, and which messages of a group to return, in order.
+receipts (tombstones) remove. The index answers RECEIVE's two questions without I/O: which groups
+to try, highest priority first, and which messages of a group to return, in order.
+
+It keeps no message, only what ordering and finding one need, because a reader must survive a
+backlog of millions: per conversation one array of 64-bit rows (order class and sequence packed in
+one, queuing order, partition and offset packed in one, and the message's number), 32 bytes a
+message whatever its body. The message id is not stored: the dispatcher names the ``n``-th message
+an endpoint's queue gets ``<conversation handle>:<n>`` (`ksb.dialog.membership.message_id`), so
+the row keeps ``n`` and the id is rebuilt. An id of another form (a record written before ids had
+this form, or by another producer) is kept as a string beside the rows. The bodies stay in Kafka:
+RECEIVE reads the chosen rows' records by partition and offset (`ksb.sdk.bodies`).
 """
 
 from __future__ import annotations
 
-import bisect
+from array import array
 from collections.abc import Container, Iterator
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ksb.catalog.model import DIALOG_TIMER, ERROR
 from ksb.wire.protocol import QueueMessage
 
-__all__ = ["QueueIndex", "order_key"]
+__all__ = ["QueueIndex", "Ready", "order_key", "pack_position", "unpack_position"]
+
+_STRIDE = 4
+_KEY, _ORDER, _POS, _N = range(_STRIDE)
+_CLASS_SHIFT = 60
+_SEQ_LIMIT = (1 << 59) - 1
+"""Sequence numbers are packed under the order class; beyond ±2^59 they are clamped (no dialog
+sends that many messages)."""
+_OFFSET_BITS = 48
+_OFFSET_MASK = (1 << _OFFSET_BITS) - 1
+_COMPACT_AFTER = 64
+"""Received rows at the front of a conversation are only skipped; the array is compacted once
+they are more than this many and more than half of it."""
 
 
 def order_key(m: QueueMessage) -> tuple[int, int, int]:
     """Within a conversation: DialogTimer, then Error, then the rest in sequence."""
-    if m.message_type_name == DIALOG_TIMER:
-        cls = 0
-    elif m.message_type_name == ERROR:
-        cls = 1
-    else:
-        cls = 2
-    return (cls, m.message_sequence_number, m.queuing_order)
+    return (_order_class(m.message_type_name), m.message_sequence_number, m.queuing_order)
 
 
-@dataclass
-class _Conversation:
+def _order_class(message_type: str) -> int:
+    if message_type == DIALOG_TIMER:
+        return 0
+    if message_type == ERROR:
+        return 1
+    return 2
+
+
+def _pack_key(order_class: int, seq: int) -> int:
+    return (order_class << _CLASS_SHIFT) + max(-_SEQ_LIMIT, min(_SEQ_LIMIT, seq))
+
+
+def pack_position(partition: int, offset: int) -> int:
+    """A record's place in the topic as one integer (-1: not known)."""
+    return -1 if offset < 0 else (partition << _OFFSET_BITS) | offset
+
+
+def unpack_position(pos: int) -> tuple[int, int]:
+    return (-1, -1) if pos < 0 else (pos >> _OFFSET_BITS, pos & _OFFSET_MASK)
+
+
+def _derived_n(message_id: str, handle: str) -> int | None:
+    """``n`` when the id is exactly ``<handle>:<n>``, so it can be rebuilt from the two."""
+    head, sep, tail = message_id.rpartition(":")
+    if sep and head == handle and tail.isdigit() and (tail == "0" or tail[0] != "0"):
+        return int(tail)
+    return None
+
+
+class Ready(NamedTuple):
+    """A ready message as the index knows it: enough to order it, find its record and name it."""
+
+    message_id: str
+    conversation_group_id: str
+    conversation_handle: str
     priority: int
-    first_order: int
-    keys: list[tuple[int, int, int]] = field(default_factory=list)
-    ids: list[str] = field(default_factory=list)
+    order_class: int
+    """0 DialogTimer, 1 Error, 2 any other message type."""
+    message_sequence_number: int
+    queuing_order: int
+    partition: int
+    offset: int
+
+    @property
+    def position(self) -> int:
+        return pack_position(self.partition, self.offset)
 
 
-@dataclass
+class _Conversation:
+    """One conversation's ready messages: rows of `_STRIDE` int64s, sorted by (key, order)."""
+
+    __slots__ = ("first_order", "group", "handle", "last_n", "priority", "rows", "start")
+
+    def __init__(self, group: str, handle: str, priority: int, first_order: int) -> None:
+        self.group = group
+        self.handle = handle
+        self.priority = priority
+        self.first_order = first_order
+        self.rows = array("q")
+        self.start = 0
+        self.last_n = -1
+        """The highest derived message number seen: a higher one cannot be a duplicate."""
+
+    def __len__(self) -> int:
+        return len(self.rows) // _STRIDE - self.start
+
+    def insert(self, key: int, order: int, pos: int, n: int) -> None:
+        rows = self.rows
+        if len(rows) // _STRIDE == self.start or (rows[-_STRIDE], rows[1 - _STRIDE]) < (key, order):
+            rows.extend((key, order, pos, n))  # in order: nearly always
+            return
+        i = self._bisect(key, order) * _STRIDE  # a timer or an error jumps the queue
+        rows[i:i] = array("q", (key, order, pos, n))
+
+    def _bisect(self, key: int, order: int) -> int:
+        rows = self.rows
+        lo, hi = self.start, len(rows) // _STRIDE
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if (rows[mid * _STRIDE], rows[mid * _STRIDE + 1]) <= (key, order):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def find(self, n: int) -> int | None:
+        """The row of message number ``n``; receipts nearly always name the first one."""
+        rows = self.rows
+        for i in range(self.start, len(rows) // _STRIDE):
+            if rows[i * _STRIDE + _N] == n:
+                return i
+        return None
+
+    def row(self, i: int) -> tuple[int, int, int, int]:
+        b = i * _STRIDE
+        r = self.rows
+        return r[b + _KEY], r[b + _ORDER], r[b + _POS], r[b + _N]
+
+    def delete(self, i: int) -> None:
+        if i == self.start:
+            self.start += 1
+            if self.start > _COMPACT_AFTER and self.start * 2 > len(self.rows) // _STRIDE:
+                del self.rows[: self.start * _STRIDE]
+                self.start = 0
+        else:
+            del self.rows[i * _STRIDE : (i + 1) * _STRIDE]
+
+    def live(self) -> range:
+        return range(self.start, len(self.rows) // _STRIDE)
+
+
 class _Group:
-    conversations: dict[str, _Conversation] = field(default_factory=dict)
-    level: int = 0
-    size: int = 0
-    since: int = 0
-    """Queuing order of the message that made the group ready: FIFO among equal levels, the same
-    for every reader whatever order it read the queue's partitions in."""
+    __slots__ = ("conversations", "level", "since", "size")
+
+    def __init__(self, since: int) -> None:
+        self.conversations: dict[str, _Conversation] = {}
+        self.level = 0
+        self.size = 0
+        self.since = since
+        """Queuing order of the message that made the group ready: FIFO among equal levels, the
+        same for every reader whatever order it read the queue's partitions in."""
 
 
 class QueueIndex:
@@ -51,55 +172,102 @@ class QueueIndex:
 
     def __init__(self, queue: str) -> None:
         self.queue = queue
-        self.messages: dict[str, QueueMessage] = {}
         self._groups: dict[str, _Group] = {}
+        self._conversations: dict[str, _Conversation] = {}
         self._levels: dict[int, dict[str, None]] = {}
+        self._odd_ids: dict[str, tuple[str, int]] = {}
+        """Ids that are not ``<handle>:<n>``: id -> (handle, the negative number standing for it)."""
+        self._odd_names: dict[int, str] = {}
+        self._next_odd = -1
+        self._count = 0
         self.positions: dict[int, int] = {}
 
     # ----------------------------------------------------------------- folding the topic
-    def apply(self, key: str, value: QueueMessage | None, partition: int, offset: int) -> None:
+    def apply(
+        self, key: str, value: QueueMessage | None, partition: int, offset: int
+    ) -> Ready | None:
+        """Fold one queue record; returns the message it took out of the queue, if any."""
         self.positions[partition] = offset + 1
         if value is None or value.status != 1:
-            self.remove(key)
-        else:
-            self.add(value)
+            return self.remove(key)
+        self.add(value, partition, offset)
+        return None
 
-    def add(self, m: QueueMessage) -> None:
-        if m.message_id in self.messages:
-            return
-        self.messages[m.message_id] = m
+    def add(self, m: QueueMessage, partition: int = 0, offset: int = -1) -> bool:
+        """Index a ready message (its record at ``partition``/``offset``); False if already in."""
+        handle = m.conversation_handle
+        conv = self._conversations.get(handle)
+        n = _derived_n(m.message_id, handle)
+        if conv is not None and self._holds(conv, m.message_id, n):
+            return False
         g = self._groups.get(m.conversation_group_id)
         if g is None:
             g = self._groups[m.conversation_group_id] = _Group(since=m.queuing_order)
         else:
             g.since = min(g.since, m.queuing_order)
-        c = g.conversations.get(m.conversation_handle)
-        if c is None:
-            c = g.conversations[m.conversation_handle] = _Conversation(m.priority, m.queuing_order)
-        k = order_key(m)
-        i = bisect.bisect(c.keys, k)
-        c.keys.insert(i, k)
-        c.ids.insert(i, m.message_id)
+        if conv is None:
+            conv = _Conversation(m.conversation_group_id, handle, m.priority, m.queuing_order)
+            self._conversations[handle] = g.conversations[handle] = conv
+        if n is None:
+            n = self._name_odd(m.message_id, handle)
+        else:
+            conv.last_n = max(conv.last_n, n)
+        key = _pack_key(_order_class(m.message_type_name), m.message_sequence_number)
+        conv.insert(key, m.queuing_order, pack_position(partition, offset), n)
         g.size += 1
+        self._count += 1
         self._relevel(m.conversation_group_id, g)
+        return True
 
-    def remove(self, message_id: str) -> None:
-        m = self.messages.pop(message_id, None)
-        if m is None:
-            return
-        g = self._groups[m.conversation_group_id]
-        c = g.conversations[m.conversation_handle]
-        i = c.ids.index(message_id)
-        del c.ids[i]
-        del c.keys[i]
+    def _holds(self, conv: _Conversation, message_id: str, n: int | None) -> bool:
+        if n is None:
+            return message_id in self._odd_ids
+        return n <= conv.last_n and conv.find(n) is not None
+
+    def _name_odd(self, message_id: str, handle: str) -> int:
+        n = self._next_odd
+        self._next_odd -= 1
+        self._odd_ids[message_id] = (handle, n)
+        self._odd_names[n] = message_id
+        return n
+
+    def remove(self, message_id: str) -> Ready | None:
+        """A receipt: the message is no longer ready. Returns what it was, if it was ready."""
+        found = self._locate(message_id)
+        if found is None:
+            return None
+        conv, i = found
+        ready = self._ready(conv, i)
+        conv.delete(i)
+        if ready.message_id in self._odd_ids:
+            del self._odd_names[self._odd_ids.pop(ready.message_id)[1]]
+        g = self._groups[conv.group]
         g.size -= 1
-        if not c.ids:
-            del g.conversations[m.conversation_handle]
+        self._count -= 1
+        if not conv:
+            del g.conversations[conv.handle]
+            del self._conversations[conv.handle]
         if g.size == 0:
-            del self._groups[m.conversation_group_id]
-            self._levels[g.level].pop(m.conversation_group_id, None)
-            return
-        self._relevel(m.conversation_group_id, g)
+            del self._groups[conv.group]
+            self._levels[g.level].pop(conv.group, None)
+        else:
+            self._relevel(conv.group, g)
+        return ready
+
+    def _locate(self, message_id: str) -> tuple[_Conversation, int] | None:
+        odd = self._odd_ids.get(message_id)
+        if odd is not None:
+            handle, n = odd
+        else:
+            handle, sep, tail = message_id.rpartition(":")
+            if not sep or not tail.isdigit():
+                return None
+            n = int(tail)
+        conv = self._conversations.get(handle)
+        if conv is None:
+            return None
+        i = conv.find(n)
+        return None if i is None else (conv, i)
 
     def _relevel(self, group_id: str, g: _Group) -> None:
         """A group's priority is the highest among its conversations with ready messages."""
@@ -111,6 +279,23 @@ class QueueIndex:
         g.level = level
         self._levels.setdefault(level, {})[group_id] = None
 
+    def _ready(self, conv: _Conversation, i: int) -> Ready:
+        key, order, pos, n = conv.row(i)
+        order_class = (key + _SEQ_LIMIT + 1) >> _CLASS_SHIFT
+        mid = self._odd_names[n] if n < 0 else f"{conv.handle}:{n}"
+        partition, offset = unpack_position(pos)
+        return Ready(
+            mid,
+            conv.group,
+            conv.handle,
+            conv.priority,
+            order_class,
+            key - (order_class << _CLASS_SHIFT),
+            order,
+            partition,
+            offset,
+        )
+
     # ----------------------------------------------------------------- RECEIVE's questions
     def candidates(self, exclude: Container[str] = ()) -> Iterator[str]:
         """Groups with ready messages, highest priority first, then in the order they became ready."""
@@ -121,28 +306,50 @@ class QueueIndex:
                     yield group_id
 
     def take(
-        self, group_id: str, top: int | None = None, handle: str | None = None
-    ) -> list[QueueMessage]:
-        """A group's ready messages: highest-priority conversation first, each in order."""
+        self,
+        group_id: str,
+        top: int | None = None,
+        handle: str | None = None,
+        skip: Container[str] = (),
+    ) -> list[Ready]:
+        """A group's ready messages: highest-priority conversation first, each in order; those in
+        `skip` (already received in this transaction) left out before `top` counts."""
         g = self._groups.get(group_id)
         if g is None:
             return []
-        convs = sorted(g.conversations.items(), key=lambda kv: (-kv[1].priority, kv[1].first_order))
-        out: list[QueueMessage] = []
-        for h, c in convs:
-            if handle is not None and h != handle:
+        convs = sorted(g.conversations.values(), key=lambda c: (-c.priority, c.first_order))
+        out: list[Ready] = []
+        for c in convs:
+            if handle is not None and c.handle != handle:
                 continue
-            for mid in c.ids:
-                out.append(self.messages[mid])
+            for i in c.live():
+                ready = self._ready(c, i)
+                if ready.message_id in skip:
+                    continue
+                out.append(ready)
                 if top is not None and len(out) >= top:
                     return out
         return out
 
+    def find(self, message_id: str) -> Ready | None:
+        """The message if it is ready."""
+        found = self._locate(message_id)
+        return None if found is None else self._ready(*found)
+
+    def __contains__(self, message_id: object) -> bool:
+        return isinstance(message_id, str) and self._locate(message_id) is not None
+
+    def holds_at(self, message_id: str, partition: int, offset: int) -> bool:
+        """Is this record (by its key and place) a ready message? What a read-ahead may keep."""
+        found = self._locate(message_id)
+        if found is None:
+            return False
+        conv, i = found
+        return conv.rows[i * _STRIDE + _POS] == pack_position(partition, offset)
+
     def group_of(self, handle: str) -> str | None:
-        for group_id, g in self._groups.items():
-            if handle in g.conversations:
-                return group_id
-        return None
+        conv = self._conversations.get(handle)
+        return None if conv is None else conv.group
 
     def has_group(self, group_id: str) -> bool:
         return group_id in self._groups
@@ -153,7 +360,7 @@ class QueueIndex:
 
     @property
     def ready_messages(self) -> int:
-        return len(self.messages)
+        return self._count
 
     @property
     def ready_groups(self) -> int:

@@ -1,7 +1,9 @@
 """The RECEIVE side of the SDK: one queue's index, group locks and commit outcomes.
 
 A background thread folds the queue topic into a `QueueIndex`; RECEIVE asks the index for candidate
-groups (best first) and locks the first free one with a single Lua call. A commit's outcome comes back
+groups (best first) and locks the first free one with a single Lua call. The index holds no bodies:
+the messages RECEIVE returns come from a bounded cache of records or are read back from the topic
+(`ksb.sdk.bodies`), so what a reader holds per waiting message is a few dozen bytes. A commit's outcome comes back
 through the same topic, and only then is the group lock released, with the outcome's position recorded
 so that the next holder waits until its own index has read that far.
 """
@@ -13,7 +15,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Container
 from concurrent.futures import Future
+from typing import Any
 
 import redis
 from confluent_kafka import KafkaError, Message, TopicPartition
@@ -21,8 +25,10 @@ from confluent_kafka import KafkaError, Message, TopicPartition
 from ksb.errors import CommitRefused, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.sdk.bodies import BodyCache, messages_from
+from ksb.sdk.fetch import RecordFetcher
 from ksb.sdk.locks import GroupLocks, Lease
-from ksb.sdk.queue_index import QueueIndex
+from ksb.sdk.queue_index import QueueIndex, Ready, pack_position
 from ksb.settings import ClientSettings
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import CommitOutcome, QueueMessage, parse_queue_record
@@ -31,6 +37,8 @@ __all__ = ["QueueReader"]
 
 log = logging.getLogger("ksb.sdk.reader")
 _CANDIDATES_PER_TRY = 32
+_FOLLOW_PREFETCH_KB = 16384
+_FETCHERS = 4
 
 
 class QueueReader:
@@ -50,6 +58,9 @@ class QueueReader:
         self.names = Names(settings.instance)
         self.topic = self.names.queue(queue)
         self.index = QueueIndex(queue)
+        self.bodies = BodyCache(settings.reader_cache_bytes)
+        self._fetchers: dict[int, RecordFetcher] = {}
+        self._fetchers_lock = threading.Lock()
         self.holder = holder or f"reader-{uuid.uuid4().hex[:12]}"
         self.locks = GroupLocks(
             redis_client, self.names, queue, holder=self.holder, ttl_ms=settings.lock_ttl_ms
@@ -62,7 +73,9 @@ class QueueReader:
         self._pending: dict[str, tuple[Lease, Future[CommitOutcome]]] = {}
         self._eof: dict[int, int] = {}
         self._stop = threading.Event()
-        self._consumer = kafka.consumer(settings)
+        # librdkafka reads ahead 64 MiB by default; a quarter keeps the follower as fast here.
+        prefetch: dict[str, Any] = {"queued.max.messages.kbytes": _FOLLOW_PREFETCH_KB}
+        self._consumer = kafka.consumer(settings, **prefetch)
         # Offsets are queried on a second handle: the follower thread is blocked in consume().
         self._probe = kafka.consumer(settings)
         md = self._consumer.list_topics(self.topic, timeout=30).topics[self.topic]
@@ -121,7 +134,11 @@ class QueueReader:
             return
         if key.startswith("commit/"):
             return
-        self.index.apply(key, value, part, offset)
+        gone = self.index.apply(key, value, part, offset)
+        if gone is not None:
+            self.bodies.discard(gone.position)
+        elif value is not None and value.status == 1 and m.value() is not None:
+            self.bodies.put(pack_position(part, offset), m.value() or b"")
 
     def _renew(self) -> None:
         """Keep held locks alive while their transactions run (a lock lasts until commit or
@@ -236,7 +253,7 @@ class QueueReader:
         """Wait until the index no longer holds these messages (dead-lettered or received)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while any(mid in self.index.messages for mid in message_ids):
+            while any(mid in self.index for mid in message_ids):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -295,13 +312,64 @@ class QueueReader:
     def ready_message(self, message_id: str) -> QueueMessage | None:
         """The message if it is still waiting in the queue."""
         with self._cond:
-            return self.index.messages.get(message_id)
+            ref = self.index.find(message_id)
+        got = [] if ref is None else self._read([ref])
+        return got[0] if got else None
 
     def messages(
-        self, lease: Lease, top: int | None, handle: str | None = None
+        self,
+        lease: Lease,
+        top: int | None,
+        handle: str | None = None,
+        skip: Container[str] = (),
     ) -> list[QueueMessage]:
+        """The locked group's ready messages in RECEIVE order, bodies included (`skip`: those this
+        transaction already received)."""
         with self._cond:
-            return self.index.take(lease.group, top, handle)
+            refs = self.index.take(lease.group, top, handle, skip)
+        return self._read(refs)
+
+    def _read(self, refs: list[Ready]) -> list[QueueMessage]:
+        """Bodies from the cache, the others read back from the topic in one pass."""
+        records: dict[int, bytes] = {}
+        with self._cond:
+            for ref in refs:
+                raw = self.bodies.get(ref.position)
+                if raw is not None:
+                    records[ref.position] = raw
+        missing: dict[int, list[tuple[int, int]]] = {}
+        for r in refs:
+            if r.position not in records:
+                missing.setdefault(r.partition % _FETCHERS, []).append((r.partition, r.offset))
+        for slot, wanted in missing.items():
+            for (p, off), m in self._fetcher(slot).fetch(wanted, self._keep_passed).items():
+                records[pack_position(p, off)] = m.value() or b""
+        return messages_from(refs, records)
+
+    @property
+    def fetchers(self) -> list[RecordFetcher]:
+        """The read-back consumers made so far."""
+        with self._fetchers_lock:
+            return list(self._fetchers.values())
+
+    def _fetcher(self, slot: int) -> RecordFetcher:
+        """A read-back consumer, made on the first cache miss (a reader that keeps up needs none).
+        Partitions share `_FETCHERS` of them, each keeping its place in its own partitions, so
+        RECEIVEs of groups in different partitions do not seek each other's consumer away."""
+        with self._fetchers_lock:
+            f = self._fetchers.get(slot)
+            if f is None:
+                f = self._fetchers[slot] = RecordFetcher(self.settings, self.topic)
+            return f
+
+    def _keep_passed(self, msgs: list[Message]) -> None:
+        """Records a read-back passed over: the ready ones are what the next RECEIVEs want."""
+        with self._cond:
+            for m in msgs:
+                key, raw = m.key(), m.value()
+                part, off = m.partition() or 0, m.offset() or 0
+                if key and raw and self.index.holds_at(key.decode(), part, off):
+                    self.bodies.put(pack_position(part, off), raw)
 
     def release(self, lease: Lease, after: tuple[int, int] | None) -> None:
         """Give a group back without a commit (rollback).
@@ -341,3 +409,5 @@ class QueueReader:
         self._thread.join(5)
         self._consumer.close()
         self._probe.close()
+        for f in self.fetchers:
+            f.close()

@@ -1,0 +1,261 @@
+"""Backlog: N x 1 KB messages queued through a dispatcher, one reader indexing them all, then the
+queue drained; what each process holds per waiting message.
+
+`python -m bench.backlog [--messages 1000000]` starts its own stack; `run_backlog` runs the same
+on a stack that is already up (bench/suite.py). The sender BEGINs ``dialogs`` dialogs and SENDs
+round-robin over them (every conversation spread over its whole partition, the hard case for a
+reader that reads bodies back) through the SDK, back-pressure on, and waits until the dispatchers
+have applied every request. Then a reader in a process of its own (bench/backlog_reader.py)
+follows the queue until its index holds every message, and drains it with RECEIVE + commit,
+checking exactly-once and per-dialog order. Peak RSS is VmHWM; bytes per queued message is the
+peak's growth over the process's resident size before the backlog, divided by N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import TopicPartition
+
+from bench.e2e import CONTRACT, INITIATOR, MESSAGE_TYPE, TARGET, bench_catalog
+from bench.stats import make_body, now_ns, peak_rss_kb, rss_kb
+from devtools.deployment import Deployment
+from devtools.localstack import start_stack
+from devtools.runner import REPO_ROOT, ServiceProcess
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.backpressure import CommittedOffsets
+from ksb.sdk.client import KsbClient
+from ksb.settings import ClientSettings, settings_env
+
+__all__ = ["BacklogOptions", "format_lines", "main", "run_backlog"]
+
+log = logging.getLogger("bench.backlog")
+
+
+@dataclass(frozen=True)
+class BacklogOptions:
+    messages: int = 1_000_000
+    dialogs: int = 1_000
+    body_bytes: int = 1024
+    partitions: int = 4
+    top: int = 100
+    """RECEIVE TOP (n) while draining; 0: whole groups."""
+    window: int = 16
+    """Commits in flight per draining thread."""
+    receivers: int = 1
+    timeout_s: float = 3600.0
+
+
+def run_backlog(settings: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
+    """The backlog on a running stack: its own catalog, dispatcher process and reader process."""
+    load_at_start = round(os.getloadavg()[0], 2)
+    apply_catalog(settings, bench_catalog(opts.partitions))
+    dispatcher = ServiceProcess("dispatcher", settings, workdir / "backlog-dispatcher.log").start()
+    try:
+        dispatcher.wait_ready("dispatcher ready")
+        assert dispatcher.proc is not None
+        pid = dispatcher.proc.pid
+        base_kb = rss_kb(pid) or 0
+        started = time.monotonic()
+        per_dialog = max(1, opts.messages // opts.dialogs)
+        _push(settings, opts.dialogs, per_dialog, opts.body_bytes)
+        sent_s = time.monotonic() - started
+        _wait_applied(settings, opts.timeout_s)
+        applied_s = time.monotonic() - started
+        queued_peak_kb = peak_rss_kb(pid) or 0
+        reader = _read_and_drain(settings, opts, per_dialog * opts.dialogs)
+        dispatcher_peak_kb = peak_rss_kb(pid) or 0
+    finally:
+        dispatcher.stop()
+    n = per_dialog * opts.dialogs
+    indexed = reader.get("indexed", {})
+    drained = reader.get("drained", {})
+    reader_peak = indexed.get("peak_rss_kb", 0)
+    return {
+        "config": {**asdict(opts), "messages": n, "cpus": len(os.sched_getaffinity(0))},
+        "load_average_1m": {"start": load_at_start, "end": round(os.getloadavg()[0], 2)},
+        "push": {
+            "sent_seconds": sent_s,
+            "applied_seconds": applied_s,
+            "applied_per_s": n / applied_s if applied_s else None,
+        },
+        "dispatcher": {
+            "base_rss_kb": base_kb,
+            "peak_rss_kb_queued": queued_peak_kb,
+            "peak_rss_kb": dispatcher_peak_kb,
+            "bytes_per_queued_message": (queued_peak_kb - base_kb) * 1024 / n,
+        },
+        "reader": {
+            "base_rss_kb": indexed.get("base_rss_kb"),
+            "peak_rss_kb_indexed": reader_peak,
+            "peak_rss_kb": drained.get("peak_rss_kb"),
+            "index_seconds": indexed.get("seconds"),
+            "bytes_per_queued_message": (reader_peak - indexed.get("base_rss_kb", 0)) * 1024 / n
+            if indexed
+            else None,
+            "cache_bytes": indexed.get("cache_bytes"),
+        },
+        "drain": {
+            "seconds": drained.get("seconds"),
+            "per_s": n / drained["seconds"] if drained.get("seconds") else None,
+            "commits": drained.get("commits"),
+            "refused": drained.get("refused"),
+            "seeks": drained.get("seeks"),
+            "records_read_back": drained.get("records_read_back"),
+            "problems": drained.get("problems", reader.get("failed", ["reader failed"])),
+        },
+        "verified_exactly_once_in_order": bool(drained) and not drained.get("problems"),
+    }
+
+
+def _push(settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int) -> None:
+    """SEND round-robin over the dialogs through the SDK (back-pressure holds it to the pace the
+    dispatchers apply), then wait until Kafka has stored every request."""
+    with KsbClient(settings) as client:
+        handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
+        step = max(1, per_dialog // 10)
+        for seq in range(per_dialog):
+            for d, h in enumerate(handles):
+                client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
+            if seq % step == 0:
+                log.info("backlog: sent %d of %d", (seq + 1) * dialogs, per_dialog * dialogs)
+        client.flush(120)
+
+
+def _wait_applied(settings: Deployment, timeout_s: float) -> None:
+    """Until the dispatchers' committed offsets reach the end of every requests partition."""
+    names = Names(settings.instance)
+    offsets = CommittedOffsets(settings.narrow(ClientSettings))
+    probe = kafka.consumer(settings)
+    try:
+        parts = sorted(
+            probe.list_topics(names.requests, timeout=30).topics[names.requests].partitions
+        )
+        tps = [(names.requests, p) for p in parts]
+        ends = {tp: kafka.watermarks(probe, TopicPartition(*tp), 30)[1] for tp in tps}
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = offsets(tps, 5.0)
+            if all(got.get(tp, 0) >= end for tp, end in ends.items()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"dispatchers did not apply every request in time: {got}")
+            time.sleep(0.2)
+    finally:
+        probe.close()
+        offsets.close()
+
+
+def _read_and_drain(settings: Deployment, opts: BacklogOptions, expected: int) -> dict[str, Any]:
+    """Run bench/backlog_reader.py; its JSON lines by phase."""
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.backlog_reader",
+        f"--messages={expected}",
+        f"--dialogs={opts.dialogs}",
+        f"--top={opts.top}",
+        f"--window={opts.window}",
+        f"--receivers={opts.receivers}",
+        f"--timeout={opts.timeout_s}",
+    ]
+    env = settings_env(settings.narrow(ClientSettings))
+    proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    phases: dict[str, Any] = {}
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            record = json.loads(line)
+            phases[record.pop("phase")] = record
+            log.info("backlog reader: %s", line.strip())
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    return phases
+
+
+def _mb(kb: float | None) -> str:
+    return "n/a" if kb is None else f"{kb / 1024:,.0f} MB"
+
+
+def format_lines(r: dict[str, Any]) -> list[str]:
+    cfg, d, rd, dr, push = r["config"], r["dispatcher"], r["reader"], r["drain"], r["push"]
+    bpm = rd["bytes_per_queued_message"]
+    return [
+        f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs, "
+        f"{cfg['partitions']} queue partitions, {cfg['cpus']} CPUs, load average "
+        f"{r['load_average_1m']['start']} at start, {r['load_average_1m']['end']} at end",
+        f"  {'':12}{'base RSS':>10}{'peak RSS':>10}{'bytes/queued msg':>18}",
+        f"  {'dispatcher':12}{_mb(d['base_rss_kb']):>10}{_mb(d['peak_rss_kb_queued']):>10}"
+        f"{d['bytes_per_queued_message']:>18,.0f}",
+        f"  {'reader':12}{_mb(rd['base_rss_kb']):>10}{_mb(rd['peak_rss_kb_indexed']):>10}"
+        f"{'n/a' if bpm is None else f'{bpm:,.0f}':>18}",
+        f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s']:,.0f} msg/s); "
+        f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained in "
+        f"{dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} msg/s, TOP {cfg['top'] or 'all'}, "
+        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back)",
+        f"  peak RSS while draining: dispatcher {_mb(d['peak_rss_kb'])}, reader "
+        f"{_mb(rd['peak_rss_kb'])}; exactly once in order: "
+        + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.backlog", description=__doc__)
+    d = BacklogOptions()
+    parser.add_argument("--messages", type=int, default=d.messages)
+    parser.add_argument("--dialogs", type=int, default=d.dialogs)
+    parser.add_argument("--body-bytes", type=int, default=d.body_bytes)
+    parser.add_argument("--partitions", type=int, default=d.partitions)
+    parser.add_argument("--top", type=int, default=d.top, help="RECEIVE TOP while draining; 0: all")
+    parser.add_argument("--window", type=int, default=d.window)
+    parser.add_argument("--receivers", type=int, default=d.receivers)
+    parser.add_argument("--timeout", type=float, default=d.timeout_s)
+    parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
+    a = parser.parse_args(argv)
+    opts = BacklogOptions(
+        messages=a.messages,
+        dialogs=a.dialogs,
+        body_bytes=a.body_bytes,
+        partitions=a.partitions,
+        top=a.top,
+        window=a.window,
+        receivers=a.receivers,
+        timeout_s=a.timeout,
+    )
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    with tempfile.TemporaryDirectory(prefix="ksb-backlog-") as tmp:
+        stack = start_stack(Path(tmp) / "stack")
+        try:
+            settings = Deployment(
+                instance=f"backlog{uuid.uuid4().hex[:8]}",
+                kafka_bootstrap=stack.kafka_bootstrap,
+                redis_url=stack.redis_url,
+            )
+            result = run_backlog(settings, opts, Path(tmp))
+        finally:
+            stack.stop()
+    print("\n".join(format_lines(result)))
+    if a.out is not None:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["verified_exactly_once_in_order"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
