@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from ksb.errors import ConversationError
+from ksb.errors import ConversationError, ProtocolError
 
 __all__ = [
     "Endpoint",
@@ -135,8 +136,45 @@ def encode_endpoint(ep: Endpoint) -> bytes:
 
 
 def decode_endpoint(raw: bytes) -> Endpoint:
-    d = json.loads(raw)
-    d.pop("v", None)
-    d["state"] = State[d["state"]]
-    fields = {f.name for f in dataclasses.fields(Endpoint)}
-    return Endpoint(**{k: v for k, v in d.items() if k in fields})
+    """An endpoint record read back (a rebuild, `ksb endpoints`), or ProtocolError naming what is
+    wrong with it.
+
+    The record comes from a topic anyone can write to, and the engine does arithmetic and look-ups
+    on every field, so each field is checked against its declared type here rather than failing
+    later, far from the record. Fields this version does not know are ignored (a newer writer may
+    add some); a missing field that may be null reads as null, as `encode_endpoint` leaves nulls out.
+    """
+    try:
+        d = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ProtocolError(f"endpoint record is not JSON: {exc}") from None
+    if not isinstance(d, dict):
+        raise ProtocolError("endpoint record is not a JSON object")
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(Endpoint):
+        if f.name in d:
+            values[f.name] = _field_value(f.name, d[f.name])
+        elif f.name in _NULLABLE:
+            values[f.name] = None
+        elif f.default is dataclasses.MISSING:
+            raise ProtocolError(f"endpoint record lacks {f.name!r}")
+    return Endpoint(**values)
+
+
+def _field_value(name: str, value: Any) -> Any:
+    if name == "state":
+        if isinstance(value, str) and value in State.__members__:
+            return State[value]
+        raise ProtocolError(f"endpoint record: state {value!r} is not a state name")
+    allowed = _TYPES[name]
+    if any(value is None if t is type(None) else type(value) is t for t in allowed):
+        return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ProtocolError(f"endpoint record: {name} is {value!r}, not {names}")
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    name: typing.get_args(hint) or (hint,) for name, hint in typing.get_type_hints(Endpoint).items()
+}
+"""Each field's declared types (``int | None`` gives int and NoneType); bool is not an int here."""
+_NULLABLE = frozenset(name for name, types in _TYPES.items() if type(None) in types)
