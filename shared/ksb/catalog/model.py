@@ -107,7 +107,12 @@ class MessageType(_Model):
         if self.validation is Validation.SCHEMA:
             if self.json_schema is None:
                 raise ValueError("validation SCHEMA needs a 'schema'")
-            jsonschema.Draft202012Validator.check_schema(self.json_schema)
+            try:
+                jsonschema.Draft202012Validator.check_schema(self.json_schema)
+            except jsonschema.SchemaError as exc:  # not a ValueError: pydantic would let it out
+                where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+                reason = exc.message if len(exc.message) <= 300 else exc.message[:300] + "..."
+                raise ValueError(f"'schema' is not a JSON schema: at {where}: {reason}") from None
         elif self.json_schema is not None:
             raise ValueError("'schema' is only allowed with validation SCHEMA")
         if (self.validation is Validation.VALID_XML) != (self.xml_schema_collection is not None):
@@ -381,6 +386,8 @@ def parse_catalog(data: Mapping[str, Any]) -> Catalog:
             loc = ".".join(str(p) for p in err["loc"]) or "(catalog)"
             parts.append(f"{loc}: {err['msg']}")
         raise CatalogError("invalid catalog: " + "; ".join(parts)) from exc
+    except RecursionError:  # a JSON schema nested hundreds deep: the schema check recurses
+        raise CatalogError("invalid catalog: nested too deeply") from None
 
 
 def load_catalog_file(path: Path) -> Catalog:
