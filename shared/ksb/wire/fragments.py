@@ -15,7 +15,8 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 
-from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps
+from ksb.errors import ProtocolError
+from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps, parse_inbound
 
 __all__ = ["Reassembler", "wire_records"]
 
@@ -64,14 +65,31 @@ class Reassembler:
         return len(self._partial)
 
     def offer(self, fragment: FragmentRecord, now_ms: int) -> InboundMessage | None:
-        p = self._partial.get(fragment.message_id)
+        """Keep one piece; the whole message once every piece is in. A piece that is not base64,
+        or pieces that do not join into an ``inbound`` record, raise ProtocolError (the partial
+        message is forgotten: the origin sends it again, as nothing of it was acknowledged)."""
+        mid = fragment.message_id
+        p = self._partial.get(mid)
         if p is None or p.count != fragment.count:  # a count that changed: start again
-            p = self._partial[fragment.message_id] = _Partial(fragment.count, now_ms)
-        p.pieces.setdefault(fragment.index, base64.b64decode(fragment.data_b64))
+            p = self._partial[mid] = _Partial(fragment.count, now_ms)
+        try:
+            piece = base64.b64decode(fragment.data_b64)
+        except ValueError as exc:
+            del self._partial[mid]
+            raise ProtocolError(
+                f"fragment {fragment.index} of {mid} is not base64: {exc}"
+            ) from None
+        p.pieces.setdefault(fragment.index, piece)
         if len(p.pieces) < p.count:
             return None
-        del self._partial[fragment.message_id]
-        return InboundMessage.model_validate_json(b"".join(p.pieces[i] for i in range(p.count)))
+        del self._partial[mid]
+        try:
+            whole = parse_inbound(b"".join(p.pieces[i] for i in range(p.count)))
+        except ProtocolError as exc:
+            raise ProtocolError(f"fragments of {mid} do not join: {exc.reason}") from None
+        if not isinstance(whole, InboundMessage):
+            raise ProtocolError(f"fragments of {mid} join into another fragment, not a message")
+        return whole
 
     def purge(self, now_ms: int, stale_ms: int) -> int:
         """Forget partial messages older than `stale_ms`; returns how many."""
