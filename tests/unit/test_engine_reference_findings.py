@@ -19,7 +19,9 @@ from ksb.wire.protocol import (
     CommitRequest,
     EndRequest,
     QueueMessage,
+    Receipt,
     SendRequest,
+    TimerRequest,
 )
 
 CATALOG: dict[str, Any] = {
@@ -74,3 +76,51 @@ def test_an_action_on_an_endpoint_an_earlier_action_of_the_same_commit_closed_is
     assert [e.code for e in out.errors] == ["unknown_conversation"]
     assert engine.endpoints["h"].state.name == "STARTED_OUTBOUND"  # nothing of it happened
     assert not out.endpoints and not _messages(out)
+
+
+def _conversing(engine: Engine, handle: str = "h") -> tuple[str, QueueMessage]:
+    """A dialog whose target has received the first message and replied; returns the target's
+    handle and the reply waiting in the initiator's queue."""
+    _begin(engine, handle)
+    [first] = _messages(engine.handle(SendRequest(kind="send", handles=(handle,), body="q"), 0))
+    target = first.conversation_handle
+    out = engine.handle(
+        CommitRequest(
+            kind="commit",
+            receipt=Receipt(
+                queue="TQ", group=first.conversation_group_id, message_ids=(first.message_id,)
+            ),
+            actions=(SendRequest(kind="send", handles=(target,), body="r"),),
+        ),
+        1,
+    )
+    [reply] = _messages(out)
+    return target, reply
+
+
+def test_ending_a_conversation_removes_its_unreceived_messages_from_this_sides_queue(
+    engine: Engine,
+) -> None:
+    """Service Broker: when a conversation ends, its messages leave the service queue. The
+    initiator ends without receiving the reply: the reply is gone, not left for a reader."""
+    _target, reply = _conversing(engine)
+    out = engine.handle(EndRequest(kind="end", handle="h"), 2)
+    assert (reply.message_id, None) in [(w.key, w.value) for w in out.queue]
+    late = engine.handle(
+        CommitRequest(
+            kind="commit",
+            receipt=Receipt(
+                queue="IQ", group=reply.conversation_group_id, message_ids=(reply.message_id,)
+            ),
+        ),
+        3,
+    )
+    assert [e.code for e in late.errors] == ["already_received"]
+
+
+def test_no_dialog_timer_fires_for_a_side_that_has_ended(engine: Engine) -> None:
+    _conversing(engine)
+    engine.handle(TimerRequest(kind="timer", handle="h", timeout_s=1), 2)
+    assert not engine.handle(EndRequest(kind="end", handle="h"), 3).errors
+    assert engine.endpoints["h"].state.name == "DISCONNECTED_OUTBOUND"
+    assert not _messages(engine.tick(10_000))
