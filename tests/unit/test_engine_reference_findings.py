@@ -124,3 +124,13 @@ def test_no_dialog_timer_fires_for_a_side_that_has_ended(engine: Engine) -> None
     assert not engine.handle(EndRequest(kind="end", handle="h"), 3).errors
     assert engine.endpoints["h"].state.name == "DISCONNECTED_OUTBOUND"
     assert not _messages(engine.tick(10_000))
+
+
+def test_ending_a_conversation_twice_is_refused_and_tells_the_far_side_once(engine: Engine) -> None:
+    target, _reply = _conversing(engine)
+    first = engine.handle(EndRequest(kind="end", handle="h"), 2)
+    assert [m.message_type_name.rsplit("/", 1)[-1] for m in _messages(first)] == ["EndDialog"]
+    again = engine.handle(EndRequest(kind="end", handle="h"), 3)
+    assert [e.code for e in again.errors] == ["conversation_closed"]
+    assert "DISCONNECTED_OUTBOUND" in again.errors[0].reason
+    assert not _messages(again) and engine.endpoints[target].state.name == "DISCONNECTED_INBOUND"
