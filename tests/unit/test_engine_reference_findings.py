@@ -134,3 +134,17 @@ def test_ending_a_conversation_twice_is_refused_and_tells_the_far_side_once(engi
     assert [e.code for e in again.errors] == ["conversation_closed"]
     assert "DISCONNECTED_OUTBOUND" in again.errors[0].reason
     assert not _messages(again) and engine.endpoints[target].state.name == "DISCONNECTED_INBOUND"
+
+
+@pytest.mark.parametrize("error", [None, 42], ids=["end", "end-with-error"])
+def test_when_the_second_side_ends_without_receiving_the_end_both_sides_close(
+    engine: Engine, error: int | None
+) -> None:
+    """Both sides have called END, so the conversation is complete: the side that ended first
+    must not wait forever for a receipt of its EndDialog that the second side dropped."""
+    target, _reply = _conversing(engine)
+    engine.handle(EndRequest(kind="end", handle="h", error_code=error), 2)
+    assert engine.endpoints["h"].state.name == "DISCONNECTED_OUTBOUND"
+    out = engine.handle(EndRequest(kind="end", handle=target), 3)
+    assert {ep.handle: ep.state.name for ep in out.endpoints} == {"h": "CLOSED", target: "CLOSED"}
+    assert "h" not in engine.endpoints and target not in engine.endpoints

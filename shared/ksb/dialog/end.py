@@ -65,6 +65,11 @@ def _end_local(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: in
         ep.send_seq += 1
     elif peer is None and ep.is_initiator:
         new_state = State.CLOSED  # nothing was ever sent: there is no far side to tell
+    elif peer is not None and peer.state is State.DISCONNECTED_OUTBOUND:
+        # The far side ended first and waits for its END to be acknowledged; this END is that,
+        # whether or not its EndDialog was received: both sides have ended, so both close.
+        peer.state = ep_rules.after_peer_received_end(peer)
+        peer.updated_ms = now
     ep.state = new_state
 
 
