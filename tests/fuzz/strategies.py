@@ -8,6 +8,7 @@ are plain random bytes, for the parser itself.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -117,15 +118,15 @@ def mutated_json(draw: st.DrawFn, seeds: Sequence[Any], max_mutations: int = 4) 
         if op == "replace":
             parent[last] = draw(json_values)
         elif op == "tricky":
-            parent[last] = draw(tricky_values)
+            parent[last] = copy.deepcopy(draw(tricky_values))  # never mutate the shared sample
         elif op == "drop":
             del parent[last]
         elif op == "wrap":
             parent[last] = draw(st.sampled_from([[parent[last]], {"x": parent[last]}]))
         elif op == "add" and isinstance(parent, dict):
-            parent[draw(st.sampled_from(names))] = draw(json_values | tricky_values)
+            parent[draw(st.sampled_from(names))] = copy.deepcopy(draw(json_values | tricky_values))
         elif op == "dup" and isinstance(parent, list):
-            parent.append(parent[last])
+            parent.append(copy.deepcopy(parent[last]))
     return value
 
 
