@@ -6,8 +6,9 @@ TARGET is a name in `tests.fuzz.targets.TARGETS`. KSB's modules and the parsers 
 lark, jsonschema) are instrumented, so libFuzzer keeps the inputs that reach new branches of
 them. An input that breaks the contract does not stop the run: it is written to the findings
 directory (``FUZZ_FINDINGS``, default ``var/fuzz/findings/TARGET``) once per distinct failure
-(the exception's type and the innermost frame that raised it), with its traceback, and the run
-goes on, so one run reports every distinct failure it meets. `tests.fuzz.run_atheris` runs each
+(the exception's type and the innermost frame that raised it), with its traceback, once
+`tests.fuzz.replay` has reproduced it uninstrumented, and the run goes on, so one run reports
+every distinct failure it meets. `tests.fuzz.run_atheris` runs each
 target this way and sums up.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import subprocess
 import sys
 import traceback
 import types
@@ -58,6 +60,10 @@ def main() -> None:
                 return
             seen.add(name)
             (findings / f"{name}.input").write_bytes(data)
+            if not _confirmed(target.name, findings / f"{name}.input"):
+                (findings / f"{name}.input").rename(findings / f"{name}.unconfirmed")
+                print(f"UNCONFIRMED {target.name} {signature}", file=sys.stderr, flush=True)
+                return
             (findings / f"{name}.txt").write_text(
                 f"{signature}\n{violation}\n\n"
                 + "".join(traceback.format_exception(violation))
@@ -68,6 +74,16 @@ def main() -> None:
     _instrument()
     atheris.Setup([sys.argv[0], *sys.argv[2:]], one_input)
     atheris.Fuzz()
+
+
+def _confirmed(target: str, path: Path) -> bool:
+    """Whether the input breaks the contract uninstrumented too (`tests.fuzz.replay`)."""
+    replay = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.replay", target, str(path)],
+        capture_output=True,
+        timeout=120,
+    )
+    return replay.returncode != 0
 
 
 _INSTRUMENTED = ("ksb", "yaml", "lark", "jsonschema", "json", "base64", "tests.fuzz")

@@ -25,8 +25,9 @@ from tests.fuzz.targets import TARGETS
 __all__ = ["main"]
 
 
-def _run(name: str, runs: int, out: Path) -> tuple[int, int, float]:
-    """Fuzz one target; returns (inputs run, distinct failures found, seconds)."""
+def _run(name: str, runs: int, out: Path) -> tuple[int, int, int, float]:
+    """Fuzz one target; returns (inputs run, distinct failures found, failures the harness could
+    not reproduce uninstrumented, seconds)."""
     corpus, findings = out / "corpus" / name, out / "findings" / name
     corpus.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(findings, ignore_errors=True)  # this run's findings only; the corpus grows
@@ -61,8 +62,9 @@ def _run(name: str, runs: int, out: Path) -> tuple[int, int, float]:
     ran = re.search(r"Done (\d+) runs", text)
     if done.returncode != 0 or ran is None:
         print(f"{name}: libFuzzer stopped (exit {done.returncode}); see {log}", file=sys.stderr)
-    found = len(list(findings.glob("*.txt")))
-    return (int(ran.group(1)) if ran else 0), found + (done.returncode != 0), took
+    found = len(list(findings.glob("*.txt"))) + (done.returncode != 0)
+    unconfirmed = len(list(findings.glob("*.unconfirmed")))
+    return (int(ran.group(1)) if ran else 0), found, unconfirmed, took
 
 
 def main() -> int:
@@ -76,11 +78,11 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown targets {unknown}; known: {', '.join(TARGETS)}")
     failed = 0
-    print(f"{'target':<14} {'inputs':>8} {'failures':>9} {'seconds':>8}")
+    print(f"{'target':<14} {'inputs':>8} {'failures':>9} {'unconfirmed':>12} {'seconds':>8}")
     for name in names:
-        ran, found, took = _run(name, opts.runs, opts.out)
+        ran, found, unconfirmed, took = _run(name, opts.runs, opts.out)
         failed += found
-        print(f"{name:<14} {ran:>8} {found:>9} {took:>8.0f}", flush=True)
+        print(f"{name:<14} {ran:>8} {found:>9} {unconfirmed:>12} {took:>8.0f}", flush=True)
     if failed:
         print(f"{failed} failure(s): see {opts.out}/findings/*/*.txt", file=sys.stderr)
     return 1 if failed else 0
