@@ -148,3 +148,22 @@ def test_when_the_second_side_ends_without_receiving_the_end_both_sides_close(
     out = engine.handle(EndRequest(kind="end", handle=target), 3)
     assert {ep.handle: ep.state.name for ep in out.endpoints} == {"h": "CLOSED", target: "CLOSED"}
     assert "h" not in engine.endpoints and target not in engine.endpoints
+
+
+@pytest.mark.parametrize("cleaned", ["target", "initiator"])
+def test_after_the_far_side_ends_with_cleanup_sends_go_nowhere_and_end_closes_at_once(
+    engine: Engine, cleaned: str
+) -> None:
+    """WITH CLEANUP tells the far side nothing, so it may still SEND (as in Service Broker):
+    the message has nowhere to go, and no new endpoint may bring the removed side back. Its END
+    closes it at once: nobody is left to acknowledge it."""
+    target, _reply = _conversing(engine)
+    gone, other = (target, "h") if cleaned == "target" else ("h", target)
+    assert not engine.handle(EndRequest(kind="end", handle=gone, cleanup=True), 2).errors
+    out = engine.handle(SendRequest(kind="send", handles=(other,), body="late"), 3)
+    assert not out.errors and not _messages(out)
+    assert gone not in engine.endpoints and gone not in {ep.handle for ep in out.endpoints}
+    out = engine.handle(EndRequest(kind="end", handle=other), 4)
+    assert not out.errors and {ep.handle: ep.state.name for ep in out.endpoints} == {
+        other: "CLOSED"
+    }

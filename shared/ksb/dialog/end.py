@@ -63,8 +63,10 @@ def _end_local(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: in
             enqueue(eng, stage, peer, END_DIALOG, "E", b"", ep.send_seq, now)
             peer.state = ep_rules.after_peer_ended(peer)
         ep.send_seq += 1
-    elif peer is None and ep.is_initiator:
-        new_state = State.CLOSED  # nothing was ever sent: there is no far side to tell
+    elif peer is None:
+        # Nothing was ever sent, or the far side is gone (it ended WITH CLEANUP): there is no far
+        # side to tell, and none would ever acknowledge this END, so waiting for it would leak.
+        new_state = State.CLOSED
     elif peer is not None and peer.state is State.DISCONNECTED_OUTBOUND:
         # The far side ended first and waits for its END to be acknowledged; this END is that,
         # whether or not its EndDialog was received: both sides have ended, so both close.
