@@ -167,3 +167,27 @@ def test_after_the_far_side_ends_with_cleanup_sends_go_nowhere_and_end_closes_at
     assert not out.errors and {ep.handle: ep.state.name for ep in out.endpoints} == {
         other: "CLOSED"
     }
+
+
+def test_a_lifetime_that_passes_closes_a_side_that_has_ended_instead_of_sending_it_an_error(
+    engine: Engine,
+) -> None:
+    engine.handle(
+        BeginRequest(
+            kind="begin",
+            handle="h",
+            from_service="Init",
+            to_service="Tgt",
+            contract="C",
+            lifetime_s=60,
+        ),
+        0,
+    )
+    [first] = _messages(engine.handle(SendRequest(kind="send", handles=("h",), body="q"), 0))
+    target = first.conversation_handle
+    engine.handle(EndRequest(kind="end", handle="h"), 1)
+    out = engine.tick(60_000)
+    assert [
+        (m.conversation_handle, m.message_type_name.rsplit("/", 1)[-1]) for m in _messages(out)
+    ] == [(target, "Error")]
+    assert "h" not in engine.endpoints and engine.endpoints[target].state.name == "ERROR"
