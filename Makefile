@@ -63,7 +63,7 @@ test-integration: setup
 # each decoder and the reference model runs more and longer sequences against the engine; then
 # atheris runs FUZZ_RUNS inputs per decoder. No Kafka: everything here is pure.
 fuzz: $(STAMP_FUZZ)
-	$(PY) -m pytest tests/fuzz --long $(PYTEST_ARGS)
+	$(PY) -m pytest tests/fuzz tests/model --long $(PYTEST_ARGS)
 	$(PY) -m tests.fuzz.run_atheris --runs $(FUZZ_RUNS)
 
 $(STAMP_FUZZ): $(STAMP_PY)
