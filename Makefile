@@ -10,8 +10,10 @@ STAMP_PY := $(VENV)/.installed
 STAMP_KAFKA := $(KAFKA_LIBS)/.fetched
 STAMP_SPARK := $(SPARK_JARS)/.fetched
 STAMP_APT := $(CACHE)/.apt
+STAMP_FUZZ := $(VENV)/.fuzz-installed
+FUZZ_RUNS ?= 10000
 
-.PHONY: setup run test test-unit test-integration bench lint fmt up down report clean
+.PHONY: setup run test test-unit test-integration fuzz bench lint fmt up down report clean
 
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
 
@@ -57,6 +59,17 @@ test-unit: $(STAMP_PY)
 
 test-integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+# Long mode of the reliability checks (README "Reliability"): hypothesis feeds 10,000 inputs to
+# each decoder and the reference model runs more and longer sequences against the engine; then
+# atheris runs FUZZ_RUNS inputs per decoder. No Kafka: everything here is pure.
+fuzz: $(STAMP_FUZZ)
+	$(PY) -m pytest tests/fuzz tests/model --long $(PYTEST_ARGS)
+	$(PY) -m tests.fuzz.run_atheris --runs $(FUZZ_RUNS)
+
+$(STAMP_FUZZ): $(STAMP_PY)
+	$(PIP) install -q -e '.[fuzz]'
+	touch $@
 
 bench: setup
 	$(PY) -m bench

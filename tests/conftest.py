@@ -70,6 +70,21 @@ def _integration_stack(request: pytest.FixtureRequest) -> None:
         request.getfixturevalue("stack")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="long mode (make fuzz): 10,000 inputs per decoder fuzzer, more and longer "
+        "sequences for the reference model of the engine",
+    )
+
+
+@pytest.fixture(scope="session")
+def long_mode(request: pytest.FixtureRequest) -> bool:
+    """Whether the run asked for the long mode of the fuzzers and the reference model."""
+    return bool(request.config.getoption("long"))
+
+
 @pytest.fixture
 def unique() -> str:
     """A short random suffix so topics, groups and txn ids never collide between tests."""

@@ -21,7 +21,7 @@ from ksb.names import Names
 from ksb.runtime.catalog_store import load_catalog
 from ksb.sdk.client import KsbClient
 from tests.integration.conftest import ThreadDispatcher
-from tests.integration.support import errors, receive_all, wait_endpoint, wait_error
+from tests.integration.support import errors, read_topic, receive_all, wait_endpoint, wait_error
 
 pytestmark = pytest.mark.integration
 
@@ -88,6 +88,35 @@ def test_malformed_records_get_a_malformed_record_error(
         assert word in rec["reason"], rec
         assert rec["source_topic"] == Names(settings.instance).requests
         assert rec["raw"] == (value or b"").decode()
+
+
+def test_a_malformed_request_is_refused_under_the_request_id_it_gave(
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """A client that names its request finds the refusal by that id, keyed by it, even when the
+    record is refused before it is a request (here: a misspelt field)."""
+    names = Names(settings.instance)
+    good = client.begin_dialog(INIT, TGT, CON)
+    _good(client, good, "before")
+    client.flush()
+    request_id = f"misspelt-{uuid.uuid4()}"
+    value = json.dumps(
+        {"v": 1, "kind": "send", "request_id": request_id, "handles": [good], "bodi": "x"}
+    ).encode()
+    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True})
+    raw.produce(names.requests, key=good.encode(), value=value)
+    assert raw.flush(10) == 0
+    _good(client, good, "after")
+    _assert_delivered(client, ["before", "after"])
+    rec = _by_request(settings, request_id)
+    assert rec["code"] == "malformed_record" and "bodi" in rec["reason"]
+    assert rec["source_topic"] == names.requests and rec["raw"] == value.decode()
+    keys = [
+        k
+        for k, v in read_topic(settings, names.errors)
+        if v is not None and json.loads(v).get("request_id") == request_id
+    ]
+    assert keys == [request_id.encode()]
 
 
 def test_unknown_service_contract_and_message_type_are_named(

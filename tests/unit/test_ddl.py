@@ -6,6 +6,7 @@ application to a catalog in test_ddl_apply.py.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -255,3 +256,25 @@ def test_syntax_errors_point_at_the_token(text: str, column: int, fragment: str)
 def test_apply_refuses_conflicts_naming_the_priority(script: str, name: str) -> None:
     with pytest.raises(DdlError, match=name):
         apply_priority_statements([], parse(script))
+
+
+@pytest.mark.parametrize(
+    ("clause", "name", "column"),
+    [
+        ("PARTITIONS = 9{n}", "PARTITIONS", 34),
+        ("DEAD_LETTER (ERROR_CODE = -9{n})", "ERROR_CODE", 47),
+        ("ACTIVATION (MAX_QUEUE_READERS = 9{n})", "MAX_QUEUE_READERS", 53),
+    ],
+)
+def test_a_number_with_thousands_of_digits_is_out_of_range_not_a_crash(
+    clause: str, name: str, column: int
+) -> None:
+    """Python refuses to convert more than 4,300 digits (ValueError); the parser never tries."""
+    error = _error("CREATE QUEUE q WITH " + clause.replace("{n}", "9" * 5000))
+    assert (error.line, error.column) == (1, column)
+    assert re.search(f"{name} -?9+\\.\\.\\. is outside", str(error)), str(error)[:200]
+
+
+def test_error_code_is_a_32_bit_number_like_sql_servers() -> None:
+    error = _error("CREATE QUEUE q WITH DEAD_LETTER (ERROR_CODE = 2147483648)")
+    assert "ERROR_CODE 2147483648 is outside -2147483648..2147483647" in str(error)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
+from ksb.errors import ProtocolError
 from ksb.wire.fragments import Reassembler, wire_records
 from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps, parse_inbound
 
@@ -76,9 +79,43 @@ def test_partial_messages_go_stale() -> None:
 
 
 def test_a_fragment_index_outside_its_count_is_malformed() -> None:
-    from ksb.errors import ProtocolError
-
     bad = b'{"kind":"fragment","message_id":"m","conversation_id":"c","from_instance":"A",'
     bad += b'"to_instance":"B","index":3,"count":3,"data_b64":""}'
     with pytest.raises(ProtocolError, match="index"):
         parse_inbound(bad)
+
+
+def _piece(
+    data: bytes, index: int = 0, count: int = 1, *, raw_b64: str | None = None
+) -> FragmentRecord:
+    return FragmentRecord(
+        message_id="m",
+        conversation_id="c",
+        from_instance="A",
+        to_instance="B",
+        index=index,
+        count=count,
+        data_b64=base64.b64encode(data).decode() if raw_b64 is None else raw_b64,
+    )
+
+
+@pytest.mark.parametrize("data_b64", ["a", "é", "YQ=x"], ids=["short", "not-ascii", "bad-padding"])
+def test_a_piece_that_is_not_base64_is_refused_and_its_message_forgotten(data_b64: str) -> None:
+    """Found by the decoder fuzzers: binascii.Error and ValueError escaped the reassembler."""
+    r = Reassembler()
+    assert r.offer(_piece(b"{", 0, 2), T0) is None
+    with pytest.raises(ProtocolError, match="fragment 1 of m is not base64"):
+        r.offer(_piece(b"", 1, 2, raw_b64=data_b64), T0)
+    assert len(r) == 0
+
+
+def test_pieces_that_do_not_join_into_a_message_are_refused() -> None:
+    """Found by the decoder fuzzers: pydantic's ValidationError escaped the reassembler."""
+    r = Reassembler()
+    r.offer(_piece(b'{"v": 1, "kind": ', 0, 2), T0)
+    with pytest.raises(ProtocolError, match="fragments of m do not join"):
+        r.offer(_piece(b'"inbound"', 1, 2), T0)
+    fragment = dumps(_piece(b"{}"))
+    with pytest.raises(ProtocolError, match="fragments of m do not join"):
+        r.offer(_piece(fragment), T0)
+    assert len(r) == 0

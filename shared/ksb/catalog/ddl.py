@@ -91,6 +91,10 @@ def _unquote(token: Token) -> str:
     return raw
 
 
+_MAX_DIGITS: Final = 19
+"""More digits than any bound a DDL number is checked against (a 64-bit integer has 19)."""
+
+
 @dataclass(frozen=True)
 class _Source:
     """One statement's subtree with the script text, so every error can point into it."""
@@ -139,7 +143,12 @@ class _Source:
         return _unquote(_tokens(node)[-1])
 
     def int_in(self, token: Token, low: int, high: int, what: str) -> int:
-        value = int(token)
+        """A number within bounds; one with more digits than any bound is refused unconverted
+        (Python will not convert more than 4,300 digits, and has no need to)."""
+        text = str(token)
+        if len(text.lstrip("-")) > _MAX_DIGITS:
+            raise self.error(token, f"{what} {text[:12]}... is outside {low}..{high}")
+        value = int(text)
         if not low <= value <= high:
             raise self.error(token, f"{what} {value} is outside {low}..{high}")
         return value
@@ -272,7 +281,7 @@ def _dead_letter(src: _Source, items: Tree[Token]) -> dict[str, Any] | None:
         if keyword.type == "MAX_ROLLBACKS":
             fields["max_rollbacks"] = src.int_in(value, 1, 2**31 - 1, "MAX_ROLLBACKS")
         else:
-            fields["error_code"] = int(value)
+            fields["error_code"] = src.int_in(value, -(2**31), 2**31 - 1, "ERROR_CODE")
     return fields
 
 

@@ -107,7 +107,12 @@ class MessageType(_Model):
         if self.validation is Validation.SCHEMA:
             if self.json_schema is None:
                 raise ValueError("validation SCHEMA needs a 'schema'")
-            jsonschema.Draft202012Validator.check_schema(self.json_schema)
+            try:
+                jsonschema.Draft202012Validator.check_schema(self.json_schema)
+            except jsonschema.SchemaError as exc:  # not a ValueError: pydantic would let it out
+                where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+                reason = exc.message if len(exc.message) <= 300 else exc.message[:300] + "..."
+                raise ValueError(f"'schema' is not a JSON schema: at {where}: {reason}") from None
         elif self.json_schema is not None:
             raise ValueError("'schema' is only allowed with validation SCHEMA")
         if (self.validation is Validation.VALID_XML) != (self.xml_schema_collection is not None):
@@ -381,16 +386,67 @@ def parse_catalog(data: Mapping[str, Any]) -> Catalog:
             loc = ".".join(str(p) for p in err["loc"]) or "(catalog)"
             parts.append(f"{loc}: {err['msg']}")
         raise CatalogError("invalid catalog: " + "; ".join(parts)) from exc
+    except RecursionError:  # a JSON schema nested hundreds deep: the schema check recurses
+        raise CatalogError("invalid catalog: nested too deeply") from None
+
+
+MAX_YAML_VALUES = 100_000
+"""Values a catalog file may hold once its aliases are expanded; real catalogs hold hundreds."""
 
 
 def load_catalog_file(path: Path) -> Catalog:
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_bytes().decode()
+    except UnicodeDecodeError as exc:
+        raise CatalogError(f"{path}: not UTF-8 text: {exc}") from None
+    try:
+        data = _yaml_document(text, path)
     except yaml.YAMLError as exc:
         raise CatalogError(f"{path}: not valid YAML: {exc}") from exc
+    except RecursionError:
+        raise CatalogError(f"{path}: not valid YAML: nested too deeply") from None
     if not isinstance(data, dict):
         raise CatalogError(f"{path}: the catalog must be a mapping at the top level")
     return parse_catalog(data)
+
+
+def _yaml_document(text: str, path: Path) -> Any:
+    """The file's one YAML document, refused when its aliases expand it past `MAX_YAML_VALUES`.
+
+    An alias repeats a node without copying it, so ten aliases of ten aliases of ... make a file
+    of a few hundred bytes that everything after the parser (pydantic, the JSON-schema check)
+    walks as millions of values, for minutes (a "billion laughs"). The expanded size is counted
+    on the composed nodes, in time linear in the file, before anything is built from them.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size = _expanded_size(node, {})
+        if size > MAX_YAML_VALUES:
+            raise CatalogError(
+                f"{path}: its aliases expand it to {size} values, over the limit of "
+                f"{MAX_YAML_VALUES}: write the catalog out instead"
+            )
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values `node` stands for once every alias in it is expanded (memoised by node)."""
+    known = sizes.get(id(node))
+    if known is not None:
+        return known
+    sizes[id(node)] = 1  # a node that contains itself counts once
+    total = 1
+    if isinstance(node, yaml.SequenceNode):
+        total += sum(_expanded_size(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        total += sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    sizes[id(node)] = total
+    return total
 
 
 _BUILTIN_TYPE = MessageType(name=DEFAULT_MESSAGE_TYPE)

@@ -1,8 +1,9 @@
 """END CONVERSATION: this side is done; the far side is told with an EndDialog or an Error.
 
 A side that ends first waits (DISCONNECTED_OUTBOUND) until the far side has received its EndDialog;
-a side that ends after the far side did closes at once. WITH CLEANUP closes this side at once and
-drops its queued messages without telling the far side. A local END behind messages held in the
+a side that ends after the far side did closes at once. Either way its unreceived messages leave
+its queue and its timer is cancelled: an ended side receives nothing more. WITH CLEANUP closes
+this side at once and drops its queued messages without telling the far side. A local END behind messages held in the
 transmission queue (a disabled target queue) waits in line with them, so it never overtakes them.
 """
 
@@ -34,7 +35,15 @@ def end(eng: Engine, stage: Stage, req: EndRequest, now: int) -> None:
         return
     if ep.far_instance is not None:
         _end_remote(eng, stage, ep, req, now)
-        return
+    else:
+        _end_local(eng, stage, ep, req, now)
+    # Ending a conversation removes its messages from this side's queue, and its timer fires no
+    # more: an ended side receives nothing (Service Broker's END CONVERSATION).
+    ep.timer_deadline_ms = None
+    drop_queued(eng, stage, ep)
+
+
+def _end_local(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
     peer = _local_peer(stage, ep)
     new_state = ep_rules.after_end(ep)
     told = ep.state not in (State.DISCONNECTED_INBOUND, State.ERROR)
@@ -54,11 +63,16 @@ def end(eng: Engine, stage: Stage, req: EndRequest, now: int) -> None:
             enqueue(eng, stage, peer, END_DIALOG, "E", b"", ep.send_seq, now)
             peer.state = ep_rules.after_peer_ended(peer)
         ep.send_seq += 1
-    elif peer is None and ep.is_initiator:
-        new_state = State.CLOSED  # nothing was ever sent: there is no far side to tell
+    elif peer is None:
+        # Nothing was ever sent, or the far side is gone (it ended WITH CLEANUP): there is no far
+        # side to tell, and none would ever acknowledge this END, so waiting for it would leak.
+        new_state = State.CLOSED
+    elif peer is not None and peer.state is State.DISCONNECTED_OUTBOUND:
+        # The far side ended first and waits for its END to be acknowledged; this END is that,
+        # whether or not its EndDialog was received: both sides have ended, so both close.
+        peer.state = ep_rules.after_peer_received_end(peer)
+        peer.updated_ms = now
     ep.state = new_state
-    if ep.state is State.CLOSED:
-        drop_queued(eng, stage, ep)
 
 
 def _local_peer(stage: Stage, ep: Endpoint) -> Endpoint | None:
@@ -95,5 +109,3 @@ def _end_remote(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: i
         else:
             transmit(eng, stage, ep, END_DIALOG, b"", now)
     ep.state = new_state
-    if ep.state is State.CLOSED:
-        drop_queued(eng, stage, ep)

@@ -106,10 +106,13 @@ def after_receive(ep: Endpoint) -> State:
 
 
 def after_end(ep: Endpoint) -> State:
-    """END CONVERSATION: closed if the far side already ended or failed, else waiting for it."""
-    if ep.state is State.CLOSED:
+    """END CONVERSATION: closed if the far side already ended or failed, else waiting for it.
+
+    Ending twice is refused: a second END would tell the far side a second time."""
+    if ep.state in (State.CLOSED, State.DISCONNECTED_OUTBOUND):
         raise ConversationError(
-            f"conversation {ep.handle} is already CLOSED", code="conversation_closed"
+            f"conversation {ep.handle} has already ended: it is {ep.state.name}",
+            code="conversation_closed",
         )
     if ep.state in (State.DISCONNECTED_INBOUND, State.ERROR):
         return State.CLOSED

@@ -13,6 +13,7 @@ no trace. The rules themselves live in one module each: `begin`, `send`, `end`, 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 from ksb.catalog.model import CatalogView
@@ -278,11 +279,16 @@ class Engine:
     def malformed(
         exc: ProtocolError, *, topic: str, partition: int, offset: int, raw: bytes | None
     ) -> Outputs:
-        """The error record for a record that is not a request at all."""
+        """The error record for a record that is not a valid request.
+
+        It carries the `request_id` the record gave, when the record is a JSON object with a
+        string one, so a client waiting for the outcome of its own request finds the refusal by
+        id (the error topic is keyed by it); otherwise the source position says which record it was.
+        """
         out = Outputs()
         out.errors.append(
             ErrorRecord(
-                request_id=None,
+                request_id=_claimed_request_id(raw),
                 code=exc.code,
                 reason=exc.reason,
                 source_topic=topic,
@@ -325,3 +331,13 @@ def _request_handle(request: AnyRequest) -> str | None:
                 return h
         return None
     return request.handle
+
+
+def _claimed_request_id(raw: bytes | None) -> str | None:
+    """The string `request_id` of a record that is a JSON object, however wrong the rest is."""
+    try:
+        value = json.loads(raw or b"")
+    except (ValueError, RecursionError):
+        return None
+    request_id = value.get("request_id") if isinstance(value, dict) else None
+    return request_id if isinstance(request_id, str) else None

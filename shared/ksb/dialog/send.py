@@ -69,13 +69,14 @@ def _deliver(
     if sender.far_instance is not None:
         _deliver_remote(eng, stage, sender, mtype, body, now)
         return
-    receiver = (
-        ensure_target(eng, stage, sender, now)
-        if sender.is_initiator
-        else stage.endpoint(sender.far_handle or "")
-    )
+    receiver = _receiver(eng, stage, sender, now)
     sender.state = ep_rules.after_send(sender)
     sender.updated_ms = now
+    if receiver is None:
+        # The far side ended WITH CLEANUP, which tells nobody: as in Service Broker this side
+        # still sends, and the message has nowhere to go. Making a new endpoint for it would
+        # bring back a conversation the far side removed, under a new group.
+        return
     try:
         mtype.validate_body(body)
     except ValidationFailed as exc:
@@ -89,6 +90,17 @@ def _deliver(
     code = VALIDATION_CODE[mtype.validation.value]
     enqueue(eng, stage, receiver, mtype.name, code, body, sender.send_seq, now)
     sender.send_seq += 1
+
+
+def _receiver(eng: Engine, stage: Stage, sender: Endpoint, now: int) -> Endpoint | None:
+    """The far endpoint of a local dialog, or None when it is gone (it ended WITH CLEANUP).
+
+    The target comes into being with the initiator's first message; after that it exists until
+    it closes, and a local target closes while its initiator can still send only by CLEANUP.
+    """
+    if sender.is_initiator and sender.send_seq == 0:
+        return ensure_target(eng, stage, sender, now)
+    return stage.maybe_endpoint(sender.far_handle)
 
 
 def _deliver_remote(

@@ -36,9 +36,12 @@ class Stage:
         """The request record's timestamp, stamped on what it enqueues (end-to-end latency)."""
 
     def endpoint(self, handle: str) -> Endpoint:
-        if handle in self.endpoints:
-            return self.endpoints[handle]
-        base = self.engine.endpoints.get(handle)
+        """The open endpoint `handle`, as this request has left it so far: one that an earlier
+        action of the same request closed is as unknown as one closed long ago."""
+        staged = self.endpoints.get(handle)
+        if staged is not None and staged.state is not State.CLOSED:
+            return staged
+        base = self.engine.endpoints.get(handle) if staged is None else None
         if base is None or base.state is State.CLOSED:
             hint = ""
             if len(self.engine.ownership.owned) < self.engine.ownership.shards:

@@ -2,8 +2,9 @@
 
 BEGIN CONVERSATION TIMER puts a DialogTimer message into the endpoint's own queue when it fires
 (a new timer replaces the old one); a dialog lifetime that passes fails both sides with an Error
-message (-8489). Deadlines live in the endpoint records, so the heap is rebuilt from them; stale
-heap entries (a replaced timer, an ended dialog) are skipped when they come up. Time is whatever
+message (-8489), but closes a side that has already ended. Deadlines live in the endpoint
+records, so the heap is rebuilt from them; stale heap entries (a replaced timer, an ended dialog)
+are skipped when they come up. Time is whatever
 the caller passes in, so the rules are tested in milliseconds.
 """
 
@@ -13,7 +14,7 @@ import heapq
 from typing import TYPE_CHECKING
 
 from ksb.catalog.model import DIALOG_TIMER, ERROR
-from ksb.dialog.delivery import enqueue
+from ksb.dialog.delivery import drop_queued, enqueue
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.outputs import Outputs
 from ksb.dialog.stage import Stage
@@ -89,6 +90,13 @@ def _expire(eng: Engine, stage: Stage, ep: Endpoint, now: int) -> None:
         sides.append(peer)
     for side in sides:
         side.lifetime_deadline_ms = None
+        if side.state is State.DISCONNECTED_OUTBOUND:
+            # This side has ended and receives nothing more; with the dialog's time up, the far
+            # side's acknowledgement it waits for will never come: it closes.
+            side.state = State.CLOSED
+            side.updated_ms = now
+            drop_queued(eng, stage, side)
+            continue
         if side.state in (State.ERROR, State.CLOSED):
             continue
         enqueue(eng, stage, side, ERROR, "X", error_body(LIFETIME_EXPIRED, reason), -1, now)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 
+from ksb.errors import ProtocolError
 from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps, parse_record
 
 __all__ = ["Reassembler", "wire_records"]
@@ -64,15 +65,29 @@ class Reassembler:
         return len(self._partial)
 
     def offer(self, fragment: FragmentRecord, now_ms: int) -> InboundMessage | None:
-        p = self._partial.get(fragment.message_id)
+        """Keep one piece; the whole message once every piece is in. A piece that is not base64,
+        or pieces that do not join into an ``inbound`` record, raise ProtocolError (the partial
+        message is forgotten: the origin sends it again, as nothing of it was acknowledged)."""
+        mid = fragment.message_id
+        p = self._partial.get(mid)
         if p is None or p.count != fragment.count:  # a count that changed: start again
-            p = self._partial[fragment.message_id] = _Partial(fragment.count, now_ms)
-        p.pieces.setdefault(fragment.index, base64.b64decode(fragment.data_b64))
+            p = self._partial[mid] = _Partial(fragment.count, now_ms)
+        try:
+            piece = base64.b64decode(fragment.data_b64)
+        except ValueError as exc:
+            del self._partial[mid]
+            raise ProtocolError(
+                f"fragment {fragment.index} of {mid} is not base64: {exc}"
+            ) from None
+        p.pieces.setdefault(fragment.index, piece)
         if len(p.pieces) < p.count:
             return None
-        del self._partial[fragment.message_id]
-        joined = b"".join(p.pieces[i] for i in range(p.count))
-        return parse_record(InboundMessage, joined, "inbound record")
+        del self._partial[mid]
+        try:
+            joined = b"".join(p.pieces[i] for i in range(p.count))
+            return parse_record(InboundMessage, joined, "inbound record")
+        except ProtocolError as exc:
+            raise ProtocolError(f"fragments of {mid} do not join: {exc.reason}") from None
 
     def purge(self, now_ms: int, stale_ms: int) -> int:
         """Forget partial messages older than `stale_ms`; returns how many."""
