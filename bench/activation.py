@@ -44,6 +44,7 @@ from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import ActivatedTaskSettings, ActivationSettings, settings_env
 from ksb.wire.protocol import QueueMessage
@@ -135,7 +136,7 @@ def _now_ms() -> int:
 @functools.cache
 def _task_redis() -> tuple[redis.Redis, _Keys]:
     settings = ActivatedTaskSettings.from_env()
-    return redis.Redis.from_url(settings.redis_url), _Keys(settings.instance)
+    return redis_client(settings), _Keys(settings.instance)
 
 
 def work(tx: Transaction, messages: list[QueueMessage]) -> None:
@@ -388,7 +389,7 @@ def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> 
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
     settings = base.model_copy(update={"instance": f"{base.instance}act"})
     keys = _Keys(settings.instance)
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     apply_catalog(settings, activation_catalog(opts.partitions))
     procs: list[ServiceProcess] = []
     try:

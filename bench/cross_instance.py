@@ -59,6 +59,7 @@ from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.client import KsbClient
 from ksb.settings import TransmitterSettings, TransportSettings
@@ -206,7 +207,7 @@ def _drain(sa: Deployment, sb: Deployment, o: CrossOptions) -> dict[str, Any]:
     stop = threading.Event()
     errors: list[BaseException] = []
     names = Names(sa.instance)
-    r = redis.Redis.from_url(sa.redis_url)
+    r = redis_client(sa)
     try:
         with KsbClient(sa) as sender, KsbClient(sb) as receiver:
             receiver.reader(TARGET_QUEUE)

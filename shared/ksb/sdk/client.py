@@ -21,6 +21,7 @@ from ksb.audit import Audit, AuditEvent, KafkaAudit
 from ksb.errors import KsbError, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.locks import Lease
 from ksb.sdk.reader import QueueReader
 from ksb.settings import ClientSettings
@@ -70,7 +71,7 @@ class KsbClient:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = redis.Redis.from_url(self.settings.redis_url)
+            self._redis = redis_client(self.settings)
         return self._redis
 
     def reader(self, queue: str) -> QueueReader:
