@@ -37,7 +37,7 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
 from ksb.catalog.model import Catalog, parse_catalog
@@ -387,7 +387,7 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
 
 def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
-    settings = base.model_copy(update={"instance": f"{base.instance}act"})
+    settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}act"}))
     keys = _Keys(settings.instance)
     r = redis_client(settings)
     apply_catalog(settings, activation_catalog(opts.partitions))

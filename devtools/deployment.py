@@ -16,6 +16,7 @@ tools' own clients use.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Self
 
@@ -23,7 +24,7 @@ from devtools.processes import REPO_ROOT
 from devtools.stack_security import StackSecurity
 from ksb.catalog.model import Catalog
 from ksb.security.apply import apply_plan
-from ksb.security.credentials import CredentialStore
+from ksb.security.credentials import CredentialStore, write_private
 from ksb.security.plan import SecurityPlan, plan_instance
 from ksb.security.principals import ADMIN, Role, service_principal
 from ksb.settings import (
@@ -43,6 +44,7 @@ __all__ = [
     "MODULE_ROLES",
     "SERVICE_SETTINGS",
     "Deployment",
+    "connect_clusters",
     "owner_of",
     "process_settings",
     "secure_instance",
@@ -80,11 +82,13 @@ class Deployment(
         if not self.secured:
             return self
         password = str(CredentialStore(_path(self.credentials_dir)).path(name))
+        remote = _remote_file(self, name)
         return self.model_copy(
             update={
                 "kafka_username": name,
                 "kafka_password": "",
                 "kafka_password_file": password,
+                "kafka_remote_credentials": str(remote) if remote.exists() else "",
                 "redis_username": name,
                 "redis_password": "",
                 "redis_password_file": password,
@@ -148,6 +152,30 @@ def stack_fields(security: StackSecurity) -> dict[str, str]:
         "kafka_ssl_ca": str(security.ca or ""),
         "credentials_dir": str(security.store.root),
     }
+
+
+def _remote_file(deployment: Deployment, principal: str) -> Path:
+    return _path(deployment.credentials_dir) / "remote" / f"{principal}.json"
+
+
+def connect_clusters(local: Deployment, role: Role, far: Deployment) -> Path:
+    """Let `local`'s `role` service log in to `far`'s cluster (a route that leaves its own).
+
+    The far cluster's plan (its routes back to us) made our principal there, with a password in
+    the far stack's store; this writes the entry of our principal's remote credentials file
+    (``KSB_KAFKA_REMOTE_CREDENTIALS``) that names it, as the far operator would hand it over.
+    """
+    principal = service_principal(local.instance, role)
+    path = _remote_file(local, principal)
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    entries[far.kafka_bootstrap] = {
+        "security_protocol": far.kafka_security_protocol,
+        "username": principal,
+        "password_file": str(CredentialStore(_path(far.credentials_dir)).path(principal)),
+        "ssl_ca": far.kafka_ssl_ca,
+    }
+    write_private(path, json.dumps(entries, indent=2) + "\n")
+    return path
 
 
 def owner_of(instance: str) -> str:

@@ -150,7 +150,7 @@ def _stop_all_at_exit() -> None:
 def start_stack(
     workdir: Path,
     *,
-    timeout_s: float = 60.0,
+    timeout_s: float = 120.0,
     stop_at_exit: bool = True,
     security: SecurityMode | None = None,
 ) -> LocalStack:

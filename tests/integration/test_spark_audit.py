@@ -25,7 +25,9 @@ from ksb.audit import AuditEvent
 from ksb.catalog.model import Catalog
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.runtime.kafka import client_security
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import Role
 from ksb.spark.report import load_outputs
 from tests.conftest import Stack
 
@@ -60,7 +62,7 @@ def _job(
         output_dir=tmp / "out",
         window_s=WINDOW_MS // 1000,
         **kw,
-    )
+    ).logged_in(settings.as_service(Role.SPARK))
     return AuditJob(spark, config, exporter=SlaExporter(registry))
 
 
@@ -72,7 +74,10 @@ def _topics(settings: Deployment) -> None:
 
 
 def _produce(settings: Deployment, events: list[AuditEvent]) -> None:
-    p = Producer({"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True})
+    login = client_security(settings, settings.kafka_bootstrap)
+    p = Producer(
+        {"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True, **login}
+    )
     topic = Names(settings.instance).audit
     for e in events:
         p.produce(topic, key=e.queue.encode(), value=e.to_json())

@@ -39,7 +39,10 @@ ACTIVATION = (
 )  # fmt: skip
 VIEW = ("set", "del", "multi", "exec", "discard")
 TRANSPORT = (*VIEW, "zadd", "zrange")
-READER = ("get", "mget", "hget", "hgetall", "zrange", "zrangebyscore", "smembers", "scan", "type")
+READER = (
+    "get", "mget", "exists", "type", "ttl", "pttl", "scan", "hget", "hmget", "hgetall", "hlen",
+    "smembers", "scard", "sismember", "zrange", "zrangebyscore", "zcount", "zcard", "zscore",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

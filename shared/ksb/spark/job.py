@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ from pyspark.sql.types import (
 )
 
 from ksb.names import Names
+from ksb.runtime.kafka import client_security
+from ksb.security.credentials import kafka_login
+from ksb.settings import KsbSettings
 from ksb.spark.exporter import SlaExporter
 from ksb.spark.ordering import ROW_COLUMNS, OrderingEvent, QueueOrdering
 
@@ -123,10 +126,22 @@ class JobConfig:
     trigger_s: int = 5
     sla_targets_ms: Mapping[int, int] = field(default_factory=dict)
     write_kafka: bool = True
+    kafka_login: Mapping[str, str] = field(default_factory=dict)
+    """The job's Kafka login as librdkafka properties (its ``sla`` producer)."""
+    java_login: Mapping[str, str] = field(default_factory=dict)
+    """The same login as Java client properties (Spark's Kafka source)."""
 
     @property
     def names(self) -> Names:
         return Names(self.instance)
+
+    def logged_in(self, settings: KsbSettings) -> JobConfig:
+        """This configuration with the login of the process `settings` belong to."""
+        return replace(
+            self,
+            kafka_login=client_security(settings, settings.kafka_bootstrap),
+            java_login=kafka_login(settings, settings.kafka_bootstrap).java(),
+        )
 
 
 class AuditJob:
@@ -144,9 +159,13 @@ class AuditJob:
     # ----------------------------------------------------------------- the source
     def events(self) -> DataFrame:
         """Audit events from the topic's beginning (on a first run), committed records only."""
+        reader = self.spark.readStream.format("kafka")
+        for key, value in self.config.java_login.items():
+            reader = reader.option(f"kafka.{key}", value)
         raw = (
-            self.spark.readStream.format("kafka")
-            .option("kafka.bootstrap.servers", self.config.bootstrap)
+            reader.option("kafka.bootstrap.servers", self.config.bootstrap)
+            # The consumer group's name, so an ACL can name it (`ksb.security.kafka_acls`).
+            .option("groupIdPrefix", f"{self.config.names.prefix}.spark")
             .option("subscribe", self.config.names.audit)
             .option("startingOffsets", "earliest")
             # The dispatcher writes its events in transactions: never count an aborted one.
@@ -327,7 +346,12 @@ class AuditJob:
     def start(self, *, available_now: bool = False) -> list[StreamingQuery]:
         if self.config.write_kafka and self._producer is None:
             self._producer = Producer(
-                {"bootstrap.servers": self.config.bootstrap, "linger.ms": 20, "acks": "all"}
+                {
+                    "bootstrap.servers": self.config.bootstrap,
+                    "linger.ms": 20,
+                    "acks": "all",
+                    **self.config.kafka_login,
+                }
             )
         events = self.events()
         ckpt = self.config.checkpoint_dir
