@@ -296,7 +296,7 @@ def test_a_lua_script_cannot_reach_keys_outside_a_principals_own(
             touch(keys=[other])
         # ... and one the script names itself is refused when it is touched.
         sneak = r.register_script(f"return redis.call('HSET', '{other}', 'holder', 'me')")
-        with pytest.raises(redis.exceptions.ResponseError, match="can't run this command"):
+        with pytest.raises(redis.exceptions.ResponseError, match="script can't access"):
             sneak(keys=[own])
     finally:
         r.close()
@@ -347,3 +347,102 @@ def test_a_revoked_grant_stops_a_running_client_without_a_restart(
         reader.close()
         client.close()
     flow.check()  # the rolled-back messages are all still there for the owner
+
+
+# ----------------------------------------------------------------- rotation, the CLI
+def test_a_rotated_password_refuses_new_logins_with_the_old_one_only(
+    stack: Stack, settings: Deployment, alice: Deployment, flow: Flow
+) -> None:
+    from ksb.security.apply import rotate_password
+    from ksb.security.credentials import CredentialStore
+
+    old = kafka.client_security(alice, alice.kafka_bootstrap)
+    live = Producer({"bootstrap.servers": alice.kafka_bootstrap, **old})
+    live.produce(Names(alice.instance).requests_of("alice"), value=b"{}")
+    assert live.flush(15) == 0
+    rotate_password(stack.admin(), CredentialStore(stack.security.store.root), "alice")
+    # A connection that is open keeps working (no re-authentication) ...
+    live.produce(Names(alice.instance).requests_of("alice"), value=b"{}")
+    assert live.flush(15) == 0
+    # ... a new one needs the new password, which the password file now holds.
+    _, seen = _login_errors({"bootstrap.servers": alice.kafka_bootstrap, **old})
+    assert any("Authentication failed" in e.str() for e in seen), seen
+    fresh = Producer(_conf(alice))
+    assert fresh.list_topics(timeout=10) is not None
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(
+            alice.redis_url, username="alice", password=old["sasl.password"]
+        ).ping()
+    assert redis_client(alice).ping()
+    flow.check()
+
+
+def test_ksb_acl_and_principal_commands(stack: Stack, settings: Deployment, flow: Flow) -> None:
+    from typer.testing import CliRunner
+
+    from ksb.cli import app
+    from ksb.settings import CliSettings, settings_env
+
+    admin = stack.admin(instance=settings.instance).narrow(CliSettings)
+    env = {k: v for k, v in settings_env(admin).items() if k.startswith("KSB_")}
+
+    def ksb(*args: str) -> str:
+        result = CliRunner().invoke(app, list(args), env=env)
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    added = ksb("principal", "add", "dave")
+    assert "dave: created" in added and "dave.password" in added
+    plan = ksb("acl", "plan", "--owner", settings.acting_principal)
+    assert (
+        f"User:ksb-{settings.instance}-dispatcher READ topic:ksb.{settings.instance}.requests.*"
+        in plan
+    )
+    assert "dave" not in plan  # no grant yet: no rights
+    applied = ksb("acl", "apply", "--owner", settings.acting_principal)
+    assert "applied in" in applied
+    again = ksb("acl", "apply", "--owner", settings.acting_principal)
+    assert "acl added" not in again and "acl removed" not in again  # idempotent
+    assert "dave: new password" in ksb("principal", "rotate", "dave")
+    refused = CliRunner().invoke(app, ["principal", "add", "bad.name"], env=env)
+    assert refused.exit_code == 2 and "1-64 letters" in refused.output
+    flow.check()
+
+
+# ----------------------------------------------------------------- TLS
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack of its own with SASL_SSL listeners and a CA made for it."""
+    from devtools.localstack import start_stack
+
+    running = start_stack(tmp_path_factory.mktemp("tls"), security="tls")
+    try:
+        yield Stack(running.kafka_bootstrap, running.redis_url, running.security)
+    finally:
+        running.stop()
+
+
+def test_a_tls_stack_carries_dialogs_and_refuses_a_client_that_does_not_trust_its_ca(
+    tls_stack: Stack, unique: str
+) -> None:
+    from devtools.deployment import secure_instance
+    from ksb.catalog.model import parse_catalog
+    from ksb.runtime.catalog_store import apply_catalog
+    from tests.integration.conftest import BASIC_CATALOG
+
+    base = tls_stack.deployment(instance=f"t{unique}tls", lock_ttl_ms=15_000)
+    assert base.kafka_security_protocol == "SASL_SSL" and base.kafka_ssl_ca.endswith("ca.crt")
+    settings = secure_instance(base)
+    apply_catalog(settings, parse_catalog(BASIC_CATALOG))
+    dispatcher = ThreadDispatcher(settings)
+    try:
+        with KsbClient(settings) as client:
+            tls_flow = Flow(client, client.begin_dialog(I, T, C))
+            tls_flow.send(3)
+            tls_flow.check()
+    finally:
+        dispatcher.stop()
+    untrusting = _conf(settings)
+    untrusting.pop("ssl.ca.location")
+    _, seen = _login_errors(untrusting)
+    assert any("certificate verify failed" in e.str() for e in seen), seen

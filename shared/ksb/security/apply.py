@@ -71,6 +71,7 @@ _RESOURCES = {
     Resource.TOPIC: ResourceType.TOPIC,
     Resource.GROUP: ResourceType.GROUP,
     Resource.TRANSACTIONAL_ID: ResourceType.TRANSACTIONAL_ID,
+    Resource.CLUSTER: ResourceType.BROKER,  # librdkafka's name for the cluster resource
 }
 _PATTERNS = {
     Pattern.LITERAL: ResourcePatternType.LITERAL,
@@ -81,6 +82,7 @@ _OPERATIONS = {
     Operation.WRITE: AclOperation.WRITE,
     Operation.DESCRIBE: AclOperation.DESCRIBE,
     Operation.CREATE: AclOperation.CREATE,
+    Operation.IDEMPOTENT_WRITE: AclOperation.IDEMPOTENT_WRITE,
 }
 
 

@@ -19,7 +19,8 @@ Every principal of the instance may DESCRIBE the group ``ksb.<i>.unused`` (librd
 the coordinator of a consumer that only assigns partitions); services and the operator may
 DESCRIBE every topic of the instance (they check the topics they need exist). No principal may
 create core topics, users or ACLs: `ksb acl apply` does, as ``admin``. Kafka 4.2 needs no
-IDEMPOTENT_WRITE for idempotent or transactional producers (WRITE on a topic is enough).
+IDEMPOTENT_WRITE for idempotent or transactional producers that may WRITE some topic; the forwarder,
+which may have none before its routes, has IDEMPOTENT_WRITE on the cluster (no topic right).
 
 Until the dispatcher reads the per-principal requests topics, everyone who sends may also write
 the instance's shared ``requests`` topic and the dispatcher may read it (`shared_requests`).
@@ -42,6 +43,11 @@ class Resource(str, Enum):
     TOPIC = "topic"
     GROUP = "group"
     TRANSACTIONAL_ID = "transactional_id"
+    CLUSTER = "cluster"
+
+
+CLUSTER_NAME = "kafka-cluster"
+"""The one name of the cluster resource."""
 
 
 class Pattern(str, Enum):
@@ -54,6 +60,7 @@ class Operation(str, Enum):
     WRITE = "WRITE"
     DESCRIBE = "DESCRIBE"
     CREATE = "CREATE"
+    IDEMPOTENT_WRITE = "IDEMPOTENT_WRITE"
 
 
 @dataclass(frozen=True, order=True)
@@ -147,6 +154,10 @@ def _role_acls(names: Names, p: str, role: Role, shared_requests: bool) -> Itera
         yield _acl(p, R, n.transport_group, kind=Resource.GROUP)
     elif role is Role.FORWARDER:
         yield from (_acl(p, R, t) for t in (n.inbound, n.catalog))
+        # Its idempotent producer starts before it has a route to write to, and Kafka then asks
+        # for IDEMPOTENT_WRITE (WRITE on any topic would do instead): the right to obtain a
+        # producer id, no right to write anything.
+        yield _acl(p, Operation.IDEMPOTENT_WRITE, CLUSTER_NAME, kind=Resource.CLUSTER)
     elif role is Role.ACTIVATION:
         yield from (_acl(p, W, t) for t in (n.catalog, n.activation))
         yield _acl(p, R, n.catalog)

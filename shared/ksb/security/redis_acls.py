@@ -101,6 +101,9 @@ def rules_of(instance: str, a: Access) -> RedisRules:
     if a.role is Role.ACTIVATION:
         keys = {f"{prefix}{k}" for k in ("tasks:*", "monitors", "dlpolicy")}
         rules |= RedisRules(frozenset(keys), commands=frozenset((*CONNECT, *ACTIVATION)))
+    elif a.role is Role.EXTERNAL_ACTIVATOR:  # its readers are activated tasks: heartbeats
+        keys = {f"{prefix}tasks:{q}" for q in a.receives}
+        rules |= RedisRules(frozenset(keys), commands=frozenset(CONNECT))
     elif a.role is Role.TRANSMITTER:
         rules |= _view(prefix, ["transmission"], VIEW)
     elif a.role is Role.TRANSPORT:
