@@ -99,7 +99,7 @@ def _refused_read(settings: Deployment, topic: str) -> KafkaError:
     try:
         # A topic the principal may not even see answers its metadata request with the refusal
         # (and so does one that does not exist: existence does not leak).
-        error = c.list_topics(topic, timeout=15).topics[topic].error
+        error: KafkaError | None = c.list_topics(topic, timeout=15).topics[topic].error
         if error is not None:
             return error
         c.assign([TopicPartition(topic, 0, -2)])
@@ -338,8 +338,9 @@ def test_a_revoked_grant_stops_a_running_client_without_a_restart(
         codes: set[int] = set()
         while time.monotonic() < deadline and KafkaError.TOPIC_AUTHORIZATION_FAILED not in codes:
             m = reader.poll(0.5)
-            if m is not None and m.error() is not None:
-                codes.add(m.error().code())
+            err = None if m is None else m.error()
+            if err is not None:
+                codes.add(err.code())
         assert KafkaError.TOPIC_AUTHORIZATION_FAILED in codes
         with pytest.raises(redis.exceptions.NoPermissionError), client.transaction() as tx:
             tx.receive(TARGET_QUEUE, waitfor_ms=2_000)
