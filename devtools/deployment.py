@@ -45,6 +45,7 @@ __all__ = [
     "SERVICE_SETTINGS",
     "Deployment",
     "connect_clusters",
+    "instance_plan",
     "owner_of",
     "process_settings",
     "secure_instance",
@@ -200,6 +201,7 @@ def secure_instance(
 def instance_plan(
     deployment: Deployment, catalog: Catalog | None = None, *, owners: tuple[str, ...] = ()
 ) -> SecurityPlan:
+    """The instance's plan as `secure_instance` applies it (the tests remove it afterwards)."""
     return plan_instance(deployment, catalog or Catalog(), owners=owners)
 
 
@@ -208,6 +210,4 @@ def _admin(deployment: Deployment) -> tuple[Deployment, CredentialStore]:
 
 
 def _path(value: str) -> Path:
-    from pathlib import Path
-
     return Path(value)
