@@ -33,10 +33,11 @@ $(STAMP_SPARK): infra/spark/pom.xml
 	    -DincludeScope=runtime -DoutputDirectory=$(abspath $(SPARK_JARS))
 	touch $@
 
-# Debian packages the local stack runs: redis-server (locks, timers), prometheus (panel checks), kcat (protocol example).
+# Debian packages the local stack runs: redis-server (locks, timers), prometheus (panel checks), kcat (protocol example),
+# chromium (the report's headless-browser test).
 $(STAMP_APT):
 	mkdir -p $(CACHE)
-	@missing=""; for b in redis-server:redis-server prometheus:prometheus kcat:kcat; do \
+	@missing=""; for b in redis-server:redis-server prometheus:prometheus kcat:kcat chromium:chromium; do \
 	    command -v $${b%%:*} >/dev/null || missing="$$missing $${b##*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

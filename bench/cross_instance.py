@@ -46,8 +46,8 @@ from bench.e2e import (
     TARGET,
     TARGET_QUEUE,
     KsbResult,
+    Tally,
     _send_all,
-    _Tally,
     bench_catalog,
     check_run,
     run_ksb,
@@ -160,7 +160,7 @@ def _deliver(
 
 
 # ----------------------------------------------------------------------------- backlog drain
-class _DrainTally(_Tally):
+class _DrainTally(Tally):
     """The tally, plus when the first message of the backlog was received."""
 
     first_ns: int = 0
@@ -229,7 +229,7 @@ def _drain(sa: Deployment, sb: Deployment, o: CrossOptions) -> dict[str, Any]:
             )
             marks: list[int] = []
             try:
-                _send_all(sender, o.backlog_dialogs, per_dialog, o.body_bytes, marks)
+                _send_all(sender, o.backlog_dialogs, per_dialog, o.body_bytes, marks, tally.handles)
                 view = _wait_view(
                     r,
                     names,

@@ -29,6 +29,7 @@ __all__ = [
     "TARGET",
     "TARGET_QUEUE",
     "KsbResult",
+    "Tally",
     "bench_catalog",
     "check_run",
     "run_ksb",
@@ -102,8 +103,11 @@ class KsbResult:
 
 
 @dataclass
-class _Tally:
-    """What the commit outcomes said; fed from the reader thread that resolves the futures."""
+class Tally:
+    """What the commit outcomes said; fed from the reader thread that resolves the futures.
+
+    A caller that passes its own to `run_ksb` can watch ``delivered`` while the run goes on (to
+    inject a fault part way), and with ``keep_times`` gets each delivery's time and dialog."""
 
     expected: int
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,6 +120,11 @@ class _Tally:
     lock_lost: int = 0
     last_ns: int = 0
     problems: list[str] = field(default_factory=list)
+    keep_times: bool = False
+    times: list[tuple[int, int]] = field(default_factory=list)
+    """(delivery ns, dialog) per message, with ``keep_times``."""
+    handles: list[str] = field(default_factory=list)
+    """The dialogs' handles, by dialog number, once they are all begun."""
 
     def outcome(self, fut: Future[Any], batch: list[tuple[int, int, int]]) -> None:
         now = now_ns()
@@ -131,6 +140,8 @@ class _Tally:
                     self._problem(f"dialog {dialog}: got message {seq}, expected {want} ({kind})")
                 self.next_seq[dialog] = max(want, seq + 1)
                 self.latencies_ns.append(now - sent)
+                if self.keep_times:
+                    self.times.append((now, dialog))
             self.delivered += len(batch)
             self.last_ns = now
             if self.delivered >= self.expected:
@@ -155,7 +166,7 @@ def _settle(client: KsbClient, fut: Future[Any], timeout_s: float) -> None:
 
 def _receive_loop(
     client: KsbClient,
-    tally: _Tally,
+    tally: Tally,
     stop: threading.Event,
     *,
     window: int,
@@ -192,10 +203,15 @@ def _receive_loop(
 
 
 def _send_all(
-    client: KsbClient, dialogs: int, per_dialog: int, body_bytes: int, started: list[int]
-) -> list[str]:
+    client: KsbClient,
+    dialogs: int,
+    per_dialog: int,
+    body_bytes: int,
+    started: list[int],
+    handles: list[str],
+) -> None:
     started.append(now_ns())
-    handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
+    handles += [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
     for seq in range(per_dialog):
         for d, h in enumerate(handles):
             while True:
@@ -207,7 +223,6 @@ def _send_all(
                         client.flush(0.05)
     client.flush(60)
     started.append(now_ns())
-    return handles
 
 
 def _probe(sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int) -> list[int]:
@@ -239,6 +254,7 @@ def run_ksb(
     probes: int,
     timeout_s: float,
     receiver_settings: Deployment | None = None,
+    tally: Tally | None = None,
 ) -> KsbResult:
     """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run.
 
@@ -246,7 +262,8 @@ def run_ksb(
     route); by default sender and receiver are on ``settings``' instance."""
     per_dialog = max(1, messages // dialogs)
     expected = per_dialog * dialogs
-    tally = _Tally(expected=expected)
+    tally = tally or Tally(expected=expected)
+    tally.expected = expected
     stop = threading.Event()
     errors: list[BaseException] = []
     with (
@@ -261,7 +278,7 @@ def run_ksb(
         )
         marks: list[int] = []
         try:
-            _send_all(sender, dialogs, per_dialog, body_bytes, marks)
+            _send_all(sender, dialogs, per_dialog, body_bytes, marks, tally.handles)
             if not tally.done.wait(timeout_s):
                 raise TimeoutError(
                     f"only {tally.delivered} of {expected} messages received in {timeout_s:.0f}s"
@@ -301,7 +318,7 @@ def run_ksb(
 
 def start_receivers(
     receiver: KsbClient,
-    tally: _Tally,
+    tally: Tally,
     stop: threading.Event,
     errors: list[BaseException],
     *,
@@ -325,7 +342,7 @@ def start_receivers(
     return threads
 
 
-def check_run(tally: _Tally, receiver: KsbClient, dialogs: int, per_dialog: int) -> list[str]:
+def check_run(tally: Tally, receiver: KsbClient, dialogs: int, per_dialog: int) -> list[str]:
     """What is wrong with a finished run: order and duplicates (from the tally), completeness,
     and anything still receivable (a leftover would be a duplicate or a lost receipt)."""
     problems = list(tally.problems)

@@ -5,16 +5,18 @@
   is one ``commit`` audit event (`ksb.audit.AuditEvent`) on a queue name of its own, produced with
   ``event_ms`` = now; the lag is from that event time to the first instant query that returns its
   ``ksb_sla_messages`` series (polled every ``poll_ms``). So it spans the wait for the next trigger,
-  the micro-batch (both queries), the wait for the next scrape and up to one poll.
+  the micro-batch, the wait for the next scrape and up to one poll.
 * **Throughput**: ``events`` crafted audit events (enqueue, receive, commit per message over a few
   queues and many groups) in one instance's audit topic, read by one ``trigger(availableNow=True)``
-  run of both queries (`ksb.spark.job.AuditJob`, in this process; the SparkSession's start and a
+  run of the job's query (`ksb.spark.job.AuditJob`, in this process; the SparkSession's start and a
   first availableNow run over a small topic of its own, which pays the cold JVM's class loading,
   code generation and Python worker start, overlap the lag phase's cold start and are timed
   apart), beside a plain confluent-kafka read_committed consume of the same topic, done first,
   before either Spark JVM starts.
-  Events/s are given from the wall time of the run (query start to both queries finished) and from
-  the streams' own progress reports (rows over the micro-batches' trigger execution time).
+  Events/s are given from the wall time of the run (query start to the query finished) and from
+  the stream's own progress reports (rows over the micro-batches' trigger execution time), with
+  the progress report's phase durations (addBatch, queryPlanning, walCommit, ...) summed over the
+  run's micro-batches: where a micro-batch spends its time.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def _lag(
         update={
             "instance": f"{base.instance}spark",
             "metrics_port": free_port(),
-            "spark_trigger_s": 1,
+            "spark_trigger_ms": 250,
             "spark_window_s": 1,
             "spark_watermark_s": 5,
             "spark_checkpoint_dir": str(tmp / "lag" / "checkpoints"),
@@ -174,7 +176,7 @@ def _lag(
         job.stop(grace_s=30)
     return {
         "instance": settings.instance,
-        "trigger_s": settings.spark_trigger_s,
+        "trigger_ms": settings.spark_trigger_ms,
         "window_s": settings.spark_window_s,
         "scrape_s": prom.scrape_s,
         "poll_ms": opts.poll_ms,
@@ -212,7 +214,12 @@ def _craft(settings: Deployment, events: int, opts: SparkOptions) -> int:
         group = f"g{(msg // opts.queues) % opts.groups_per_queue}"
         level = 10 if msg % 3 == 0 else 1
         enq = base + n
-        common = {"instance": inst, "queue": queue, "group": group, "priority": level}
+        common: dict[str, Any] = {
+            "instance": inst,
+            "queue": queue,
+            "group": group,
+            "priority": level,
+        }
         mid = f"m{msg}"
         batch = [
             AuditEvent(kind="enqueue", event_ms=enq, service=_SERVICE, message_id=mid, **common),
@@ -270,7 +277,7 @@ def _raw_consume(settings: Deployment, expected: int, timeout_s: float) -> dict[
 
 
 def _available_now(spark: Any, settings: Deployment, tmp: Path, timeout_s: float) -> dict[str, Any]:
-    """One availableNow run of both queries over the instance's whole audit topic."""
+    """One availableNow run of the job over the instance's whole audit topic."""
     from ksb.spark.exporter import SlaExporter
     from ksb.spark.job import AuditJob, JobConfig
 
@@ -296,11 +303,16 @@ def _available_now(spark: Any, settings: Deployment, tmp: Path, timeout_s: float
             progress = [p for p in q.recentProgress if p["numInputRows"]]
             rows = sum(int(p["numInputRows"]) for p in progress)
             busy_ms = sum(int(p["durationMs"].get("triggerExecution", 0)) for p in progress)
+            phases: dict[str, int] = {}
+            for p in progress:
+                for phase, ms in p["durationMs"].items():
+                    phases[phase] = phases.get(phase, 0) + int(ms)
             per_query[str(q.name).rsplit("_", 1)[-1]] = {
                 "rows": rows,
                 "batches": len(progress),
                 "trigger_execution_s": busy_ms / 1000,
                 "per_s": rows / (busy_ms / 1000) if busy_ms else None,
+                "duration_ms": phases,
             }
     finally:
         job.stop()
@@ -422,13 +434,18 @@ def format_lines(j: dict[str, Any]) -> list[str]:
     )
     return [
         f"spark audit: lag from event time to the metric in Prometheus ({lag['probes']} probes, "
-        f"trigger {lag['trigger_s']} s, scrape {lag['scrape_s']:g} s, poll {lag['poll_ms']} ms): "
+        f"trigger {lag['trigger_ms']} ms, scrape {lag['scrape_s']:g} s, poll {lag['poll_ms']} ms): "
         f"p50 {ms(lag['p50_ms'])}, p95 {ms(lag['p95_ms'])}, max {ms(lag['max_ms'])}; "
         f"job ready in {lag['job_start_seconds']:.1f} s",
-        f"  throughput over {tp['events']:,} audit events (one availableNow run, both queries): "
+        f"  throughput over {tp['events']:,} audit events (one availableNow run): "
         f"{spark['per_s_wall']:,.0f} events/s wall ({spark['wall_seconds']:.1f} s; per query from "
         f"progress: {qs}) vs raw confluent-kafka consume {raw['per_s']:,.0f} events/s "
         f"({tp['ratio_spark_over_raw']:.3f}x)",
         f"  (SparkSession start {spark['session_start_seconds']:.1f} s, then a warm-up run over "
         f"{spark['warmup_events']:,} events {spark['warmup_seconds']:.1f} s, not counted)",
+        *(
+            f"  {name} micro-batch phases (ms, summed): "
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(q.get("duration_ms", {}).items()) if v)
+            for name, q in spark["queries"].items()
+        ),
     ]

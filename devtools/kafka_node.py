@@ -58,6 +58,12 @@ KAFKA_BROKER_SETTINGS: dict[str, str] = {
     "auto.create.topics.enable": "false",
     "message.max.bytes": "8388608",
     "transaction.abort.timed.out.transaction.cleanup.interval.ms": "2000",
+    # The dispatchers' consumer group (KIP-848 protocol): a member that stops heartbeating loses
+    # its shards after 6 s, not the broker default of 45 s.
+    "group.consumer.session.timeout.ms": "6000",
+    "group.consumer.min.session.timeout.ms": "1000",
+    "group.consumer.heartbeat.interval.ms": "500",
+    "group.consumer.min.heartbeat.interval.ms": "100",
 }
 KAFKA_JVM_OPTS: tuple[str, ...] = ("-Xms256m", "-Xmx768m", "-Djava.awt.headless=true")
 

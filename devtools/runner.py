@@ -60,14 +60,12 @@ class ServiceProcess:
     def wait_ready(self, marker: str = "ready", timeout_s: float = 60) -> None:
         """Wait for the service to log ``marker`` (each service logs it when it takes work)."""
         deadline = time.monotonic() + timeout_s
-        start = self._log_start
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(
                     f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}"
                 )
-            text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-            if marker in text[start:]:
+            if marker in self.log_text():
                 return
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} not ready in {timeout_s}s:\n{self.tail()}")
@@ -81,6 +79,26 @@ class ServiceProcess:
             assert self.proc is not None
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+    def pause(self) -> None:
+        """SIGSTOP: a process that stops answering without dying (a GC pause, a frozen VM)."""
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        if self.alive():
+            assert self.proc is not None
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
+    def log_text(self) -> str:
+        """What this run of the process has logged (not an earlier run's lines in the same file)."""
+        if not self.log_path.exists():
+            return ""
+        with self.log_path.open("rb") as f:
+            f.seek(self._log_start)
+            return f.read().decode(errors="replace")
 
     def stop(self, grace_s: float = 10) -> None:
         """SIGTERM, then SIGKILL if it does not drain in time."""

@@ -395,9 +395,7 @@ class ActivationService(Service):
             if msg is None:
                 gone.append(mid)  # received since, or already dead-lettered
             elif mid in due:
-                req = DeadLetterRequest(
-                    kind="dead_letter", message=msg, reason=f"rolled back {n} times"
-                )
+                req = DeadLetterRequest(message=msg, reason=f"rolled back {n} times")
                 self._producer.produce(
                     self.names.requests, key=msg.conversation_group_id.encode(), value=dumps(req)
                 )

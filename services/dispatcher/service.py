@@ -24,33 +24,26 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable, Iterable
 
-from confluent_kafka import (
-    TIMESTAMP_NOT_AVAILABLE,
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from ksb.audit import Audit, KafkaAudit, dispatcher_events
+from ksb.audit import Audit, KafkaAudit
 from ksb.catalog.model import Catalog, CatalogView
 from ksb.clock import Clock
 from ksb.dialog.broker_start import (
     BrokerNotStarted,
     BrokerStart,
+    StartFailure,
     failure_from_exception,
     start_problem,
 )
-from ksb.dialog.endpoint import encode_endpoint
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
+from ksb.dialog.shards import Ownership
 from ksb.errors import ProtocolError
-from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import (
     BROKER_START_FAILURES,
@@ -58,6 +51,7 @@ from ksb.runtime.metrics import (
     COMMITS,
     ERRORS,
     HEALTHY,
+    RELAYED,
     REQUESTS,
     TXN_SECONDS,
 )
@@ -70,12 +64,13 @@ from ksb.wire.protocol import (
     CommitRequest,
     FragmentRecord,
     dumps,
-    parse_inbound,
-    parse_request,
 )
+from ksb.wire.relay import RelayRequest
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
-from services.dispatcher.rebuild import rebuild_engine
+from services.dispatcher.rebalance import ShardKeeper
+from services.dispatcher.routing import Router
+from services.dispatcher.writer import OutputWriter
 
 __all__ = ["START_TIMEOUT_S", "Dispatcher"]
 
@@ -108,12 +103,20 @@ class Dispatcher(Service):
         self._kafka_probe = KafkaProbe(
             self.handlers, kafka_probe or (lambda: kafka_answers(settings))
         )
+        self.member = settings.member or uuid.uuid4().hex[:12]
+        """This dispatcher's name in the group and in its transactional id."""
         self._catalog_probe: Consumer | None = None
         self._catalog_end: int | None = None
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
+        self._loader: Consumer | None = None
+        self._writer: OutputWriter | None = None
+        self._router: Router | None = None
+        self.shards: ShardKeeper | None = None
         self.engine: Engine | None = None
         self.audit = Audit()
+        self.applied = 0
+        """Requests and relayed records applied by this dispatcher (the bench compares members)."""
         self._queue_metrics = QueueMetrics()
         self._pieces = Reassembler()
         """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
@@ -154,6 +157,7 @@ class Dispatcher(Service):
 
     def close(self) -> None:
         HEALTHY.labels("dispatcher").set(0)
+        log.info("dispatcher %s: %d applied", self.member, self.applied)
         self._close_consumer()
         if self._producer is not None:
             self._producer.flush(5)
@@ -168,20 +172,53 @@ class Dispatcher(Service):
         admin = kafka.admin(s)
         kafka.ensure_topics(admin, kafka.core_topics(self.names, s), timeout_s=START_TIMEOUT_S)
         view = self.shell.read_catalog()
+        shards = self._shard_count(admin)
         problem = start_problem(s.instance, view.version, self._missing_topics(admin, view.catalog))
         if problem is not None:
             raise BrokerNotStarted(problem)
         self._producer = kafka.producer(
             s,
-            transactional_id=self.names.dispatcher_txn_id,
+            transactional_id=f"{self.names.dispatcher_txn_id}.{self.member}",
             txn_timeout_ms=s.txn_timeout_ms,
             extra={"linger.ms": 1},
         )
         self._producer.init_transactions(60)
         # Audit events go through the transactional producer: they commit with what they describe.
         self.audit = Audit(KafkaAudit(self._producer, self.names))
-        self._rebuild(view)
+        self.engine = Engine(
+            view,
+            instance=s.instance,
+            max_body_bytes=s.max_body_bytes,
+            ownership=Ownership(shards, owned=()),
+        )
+        self._writer = OutputWriter(self._producer, self.names, shards, self.audit)
+        self._router = Router(self.names, shards)
+        self._loader = kafka.consumer(s)
+        self.shards = ShardKeeper(self.names, self.engine, self._loader, self._view)
+        self._pieces = Reassembler()
+        self._queue_metrics.declare(view)
         self._subscribe()
+
+    def _view(self) -> CatalogView:
+        assert self.engine is not None
+        return self.engine.catalog
+
+    def _shard_count(self, admin: AdminClient) -> int:
+        """The instance's shard count: the relay topic's partitions (the requests topics and
+        ``inbound`` must have as many; a mismatch is a broker that cannot start)."""
+        topics = admin.list_topics(timeout=START_TIMEOUT_S).topics
+        shards = len(topics[self.names.relay].partitions)
+        for name in (self.names.requests, self.names.inbound, self.names.endpoints):
+            if name in topics and len(topics[name].partitions) != shards:
+                raise BrokerNotStarted(
+                    StartFailure(
+                        "shards_mismatch",
+                        f"topic {name} has {len(topics[name].partitions)} partitions, the relay "
+                        f"{shards}: every sharded topic of instance {self.settings.instance} needs "
+                        "the same count (KSB_REQUEST_PARTITIONS when they are created)",
+                    )
+                )
+        return shards
 
     def _missing_topics(self, admin: AdminClient, catalog: Catalog) -> list[str]:
         """The catalog's queue and dead-letter topics that Kafka does not have (yet)."""
@@ -271,13 +308,26 @@ class Dispatcher(Service):
             self._bcn.publish(bcn)
 
     def _subscribe(self) -> None:
-        self._consumer = kafka.consumer(self.settings, group=self.names.dispatcher_group)
-        self._consumer.subscribe([self.names.requests, self.names.inbound])
+        assert self.shards is not None
+        self._consumer = kafka.group_consumer(
+            self.settings,
+            group=self.names.dispatcher_group,
+            **{"client.id": f"dispatcher-{self.member}"},
+        )
+        self._consumer.subscribe(
+            [self.names.requests_pattern, self.names.relay, self.names.inbound],
+            on_assign=self.shards.on_assign,
+            on_revoke=self.shards.on_revoke,
+            on_lost=self.shards.on_lost,
+        )
 
     def _close_consumer(self) -> None:
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
+        if self._loader is not None:
+            self._loader.close()
+            self._loader = None
 
     def _discard_clients(self) -> None:
         """Drop what a failed start attempt built, so the next attempt starts clean."""
@@ -286,26 +336,14 @@ class Dispatcher(Service):
         self.engine = None
         self.audit = Audit()
 
-    def _rebuild(self, view: CatalogView) -> None:
-        engine = rebuild_engine(self.settings, view)
-        self.engine = engine
-        self._pieces = Reassembler()
-        self._queue_metrics.declare(view)
-        self._queue_metrics.export_depth(engine)
-        log.info(
-            "rebuilt: catalog v%d, %d endpoints, %d messages in queues",
-            view.version,
-            len(engine.endpoints),
-            len(engine.inflight),
-        )
-
     # ----------------------------------------------------------------- the loop
     def apply_batch(self) -> int:
-        """Handle one batch of requests and due timers in one transaction; returns requests seen."""
-        assert self._consumer and self._producer and self.engine
+        """Handle one batch of records and due timers in one transaction; returns records seen."""
+        assert self._consumer and self._producer and self.engine and self._writer
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
         wait_s = 0.1 if deadline is None else min(0.1, max(0.0, (deadline - now) / 1000))
+        # Polling (and so any rebalance) happens here, never inside a transaction.
         msgs = kafka.consume_batch(self._consumer, self.settings.batch_max, wait_s)
         records = [m for m in msgs if _is_record(m)]
         now = self.clock.now_ms()
@@ -318,27 +356,44 @@ class Dispatcher(Service):
         p = self._producer
         p.begin_transaction()
         for m in records:
-            self._emit(self._handle(m, now))
-        self._emit(self.engine.tick(now))
+            self._write(self._handle(m, now), now)
+        self._write(self.engine.tick(now), now)
+        self._writer.flush()
         if records:
-            positions = self._consumer.position(self._consumer.assignment())
+            positions = [
+                tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0
+            ]
             p.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata())
         p.commit_transaction(30)
+        self.applied += len(records)
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)
         return len(records)
 
+    def _write(self, out: Outputs, now: int) -> None:
+        assert self._writer is not None
+        if out.received or out.purged or out.dead_letters:
+            self._queue_metrics.observe(out, now)
+        self._writer.write(out, now, self.settings.instance)
+
     def _handle(self, m: Message, now: int) -> Outputs:
-        assert self.engine is not None
-        raw = m.value()
+        assert self.engine is not None and self._router is not None
         try:
-            request: AnyRequest | None
-            if m.topic() == self.names.inbound:
-                request = self._inbound(raw, now)
-                if request is None:
+            incoming = self._router.read(m)
+            if incoming.elsewhere is not None:
+                return _handed_over(incoming.elsewhere)
+            if incoming.relayed is not None:
+                RELAYED.labels(incoming.relayed.action.kind).inc()
+                return self.engine.handle_relayed(incoming.relayed, now)
+            request = incoming.request
+            assert request is not None  # Incoming always holds one of the three
+            if isinstance(request, FragmentRecord):
+                joined = self._joined(request, m, now)
+                if joined is None:
                     return Outputs()
-            else:
-                request = parse_request(raw)
+                if isinstance(joined, RelayRequest):
+                    return _handed_over(joined)
+                request = joined
         except ProtocolError as exc:
             ERRORS.labels(exc.code).inc()
             return Engine.malformed(
@@ -346,85 +401,96 @@ class Dispatcher(Service):
                 topic=m.topic() or "",
                 partition=m.partition() or 0,
                 offset=m.offset() or 0,
-                raw=raw,
+                raw=m.value(),
             )
         REQUESTS.labels(request.kind).inc()
-        out = self.engine.handle(request, now, sent_ms=_sent_ms(m))
+        out = self.engine.handle(request, now, sent_ms=incoming.sent_ms)
         for e in out.errors:
             ERRORS.labels(e.code).inc()
         if isinstance(request, CommitRequest) and request.receipt is not None:
             COMMITS.labels("refused" if out.errors else "applied").inc()
         return out
 
-    def _inbound(self, raw: bytes | None, now: int) -> AnyRequest | None:
-        """An ``inbound`` record: a whole message, or a fragment (None until the last arrives)."""
-        got = parse_inbound(raw)
-        if not isinstance(got, FragmentRecord):
-            return got
-        if got.to_instance != self.settings.instance:
+    def _joined(
+        self, piece: FragmentRecord, m: Message, now: int
+    ) -> AnyRequest | RelayRequest | None:
+        """A fragment of a large inbound message: the whole message once its last piece is in
+        (or, when it belongs to another shard, the relay to its owner), None until then."""
+        assert self._router is not None
+        if piece.to_instance != self.settings.instance:
             return None  # passing through: the forwarder's
         try:
-            return self._pieces.offer(got, now)
+            whole = self._pieces.offer(piece, now)
         except ValueError as exc:
-            raise ProtocolError(f"fragments of {got.message_id} do not join: {exc}") from exc
-
-    def _emit(self, out: Outputs) -> None:
-        p = self._producer
-        assert p is not None
-        if out.received or out.purged or out.dead_letters:
-            self._queue_metrics.observe(out, self.clock.now_ms())
-        for w in out.queue:
-            value = None if w.value is None else dumps(w.value)
-            p.produce(
-                self.names.queue(w.queue), key=w.key.encode(), value=value, partition=w.partition
-            )
-        # The endpoints topic is compacted: only each handle's last state in a batch matters.
-        for ep in {e.handle: e for e in out.endpoints}.values():
-            p.produce(self.names.endpoints, key=ep.handle.encode(), value=encode_endpoint(ep))
-        for e in out.errors:
-            p.produce(self.names.errors, key=(e.request_id or "").encode(), value=dumps(e))
-        for d in out.dead_letters:
-            topic = self.names.dead_letters(d.message.queue)
-            p.produce(topic, key=d.message.message_id.encode(), value=dumps(d))
-        if len(p) > 50_000:
-            p.poll(0)
-        self._emit_remote(out)
-        if self.audit.enabled:
-            self.audit.emit(dispatcher_events(out, self.clock.now_ms(), self.settings.instance))
-
-    def _emit_remote(self, out: Outputs) -> None:
-        """Cross-instance records, in the same transaction as the queue writes they belong with.
-
-        A transmission record is durable the moment the SEND is, and an acknowledgement is written
-        only together with the queue write of what it acknowledges, so neither can get ahead.
-        """
-        p = self._producer
-        assert p is not None
-        for t in out.transmissions:
-            p.produce(self.names.transmission, key=t.conversation_id.encode(), value=dumps(t))
-        for a in out.acks:
-            p.produce(Names(a.to_instance).acks, key=a.conversation_id.encode(), value=dumps(a))
+            raise ProtocolError(f"fragments of {piece.message_id} do not join: {exc}") from exc
+        if whole is not None and self._router.elsewhere(whole.key, m.partition() or 0):
+            return self._router.to_owner(whole.key, dumps(whole), "inbound", None, None)
+        return whole
 
     def _recover(self, exc: KafkaException) -> None:
-        """A failed transaction: abort it, rebuild state from Kafka, and rewind to committed offsets."""
+        """A failed transaction: abort it, then rebuild the owned shards from Kafka and go back to
+        their committed offsets (the aborted batch changed the engine's state); a dispatcher the
+        group left behind rejoins instead. A producer Kafka fenced (its transaction timed out, or
+        a newer one took its id) means starting over."""
         err = exc.args[0]
-        log.warning("transaction failed (%s); rebuilding from Kafka", err)
-        assert self._producer is not None
+        log.warning("transaction failed (%s); its work is dropped and redone from Kafka", err)
+        assert self._producer is not None and self._writer is not None
+        self._writer.discard()
         if err.fatal():
-            raise exc
+            self._discard_clients()
+            self.try_start(self.ticker.tick)
+            return
         if err.txn_requires_abort():
             self._producer.abort_transaction(30)
-        self._close_consumer()
-        self._rebuild(self.shell.read_catalog())
-        assert self.engine is not None
-        self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
+        if err.code() in _NOT_A_MEMBER:
+            self._rejoin()
+        else:
+            self._reset()
+
+    def _rejoin(self) -> None:
+        """The group no longer counts this dispatcher in (it was paused past its session): its
+        shards are someone else's now. Forget them and join afresh; the assignment it gets is
+        rebuilt then, from what their new owners committed."""
+        assert self._consumer is not None and self.engine is not None
+        for shard in sorted(self.engine.ownership.owned):
+            self.engine.drop_shard(shard)
+        self._consumer.close()
+        self._pieces = Reassembler()
         self._subscribe()
 
+    def _reset(self) -> None:
+        """Owned shards rebuilt, consumer back at their committed offsets."""
+        assert self._consumer is not None and self.engine is not None and self.shards is not None
+        assignment = self._consumer.assignment()
+        owned = sorted(self.engine.ownership.owned)
+        for shard in owned:
+            self.engine.drop_shard(shard)
+        relay = [tp for tp in assignment if tp.topic == self.names.relay]
+        self.shards.on_assign(self._consumer, relay)
+        for tp in self._consumer.committed(assignment, timeout=60):
+            if tp.offset >= 0:
+                self._consumer.seek(tp)
+        self._pieces = Reassembler()
+        assert self.engine is not None
+        self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
 
-def _sent_ms(m: Message) -> int | None:
-    """The request record's timestamp (the producer's create time): when the client sent it."""
-    kind, ts = m.timestamp()
-    return ts if kind != TIMESTAMP_NOT_AVAILABLE and ts > 0 else None
+
+_NOT_A_MEMBER = frozenset(
+    {
+        KafkaError.UNKNOWN_MEMBER_ID,
+        KafkaError.FENCED_MEMBER_EPOCH,
+        KafkaError.STALE_MEMBER_EPOCH,
+        KafkaError.ILLEGAL_GENERATION,
+    }
+)
+"""Errors that say the consumer group has moved on without this member."""
+
+
+def _handed_over(relay: RelayRequest) -> Outputs:
+    """The outputs of a record that belongs to another shard: only its relay to the owner."""
+    out = Outputs()
+    out.relays.append(relay)
+    return out
 
 
 def _is_record(m: Message) -> bool:

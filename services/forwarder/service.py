@@ -150,7 +150,7 @@ class Forwarder(Service):
             for value in values:
                 self._producer(address).produce(
                     Names(hop.next_hop).inbound,
-                    key=record.conversation_id.encode(),
+                    key=record.key.encode(),
                     value=value,
                     on_delivery=report,
                 )

@@ -27,6 +27,7 @@ from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog.model import CatalogView, Route
 from ksb.clock import Clock
 from ksb.dialog.sequencing import Backoff
+from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import TRANSMISSION_DEPTH
@@ -36,7 +37,7 @@ from ksb.runtime.service import Service, TickTask
 from ksb.settings import TransmitterSettings
 from ksb.transmission.links import LinkEvent, Packet, Peers, delivery_problem, route_for
 from ksb.transmission.queue import TransmissionQueue
-from ksb.wire.protocol import AckRecord, InboundMessage, dumps
+from ksb.wire.protocol import AckRecord, InboundMessage, dumps, parse_record
 
 __all__ = ["Transmitter"]
 
@@ -135,8 +136,8 @@ class Transmitter(Service):
                 kafka.log_consumer_error(m, log)
                 continue
             try:
-                record = InboundMessage.model_validate_json(m.value() or b"")
-            except ValueError as exc:
+                record = parse_record(InboundMessage, m.value(), "transmission record")
+            except ProtocolError as exc:
                 log.warning("unreadable transmission record at %s: %s", m.offset(), exc)
                 continue
             offset = m.offset() or 0
@@ -173,8 +174,8 @@ class Transmitter(Service):
                 kafka.log_consumer_error(m, log)
                 continue
             try:
-                ack = AckRecord.model_validate_json(m.value() or b"")
-            except ValueError:
+                ack = parse_record(AckRecord, m.value(), "ack record")
+            except ProtocolError:
                 continue
             if self.queue.ack(ack):
                 self._audit(
@@ -242,7 +243,7 @@ class Transmitter(Service):
                 continue
             p.produce(
                 self.names.outbound,
-                key=record.conversation_id.encode(),
+                key=record.key.encode(),  # the receiving group: its shard at the other end
                 value=dumps(record),
                 headers=packet.headers(),
             )
@@ -299,6 +300,6 @@ def _records_until(
 
 def _parse(raw: bytes) -> InboundMessage | None:
     try:
-        return InboundMessage.model_validate_json(raw)
-    except ValueError:
+        return parse_record(InboundMessage, raw, "transmission record")
+    except ProtocolError:
         return None

@@ -36,6 +36,7 @@ from confluent_kafka import (
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog.model import CatalogView
 from ksb.clock import Clock
+from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import CONNECTIONS, SUPPRESSED_DESTINATIONS
@@ -46,7 +47,7 @@ from ksb.settings import TransportSettings
 from ksb.transmission.ack_relay import AckRelay
 from ksb.transmission.links import LinkEvent, Links, Packet, bootstrap_of, route_for
 from ksb.wire.fragments import wire_records
-from ksb.wire.protocol import InboundMessage
+from ksb.wire.protocol import InboundMessage, parse_record
 
 __all__ = ["Transport"]
 
@@ -174,8 +175,8 @@ class Transport(Service):
     def _send(self, conn: _Connection, packet: Packet, m: Message, now: int) -> None:
         raw = m.value() or b""
         try:
-            record = InboundMessage.model_validate_json(raw)
-        except ValueError as exc:
+            record = parse_record(InboundMessage, raw, "outbound record")
+        except ProtocolError as exc:
             log.warning("unreadable outbound record at %s: %s", m.offset(), exc)
             return
         for value in wire_records(record, self.settings.fragment_bytes, whole=raw):

@@ -175,6 +175,10 @@ class DispatcherSettings(ServiceSettings):
     """A large inbound message still missing fragments this long after its first is forgotten."""
     broker_retry_every: int = Field(5, ge=1)
     """A broker that failed to start is retried every this many ticks."""
+    member: str | None = None
+    """This dispatcher's name among the instance's dispatchers (its transactional id's suffix);
+    unset means a fresh random one per process. A fixed name lets a restarted dispatcher fence
+    its own previous incarnation at once instead of waiting out its transaction timeout."""
 
 
 class TransmitterSettings(ServiceSettings):
@@ -243,7 +247,8 @@ class SparkSettings(KsbSettings):
     spark_output_dir: str = "var/spark"
     spark_window_s: int = Field(10, ge=1)
     spark_watermark_s: int = Field(30, ge=0)
-    spark_trigger_s: int = Field(5, ge=1)
+    spark_trigger_ms: int = Field(1_000, ge=100)
+    """How often a micro-batch starts: part of an event's delay before its metric shows."""
     spark_jars: str = ".cache/spark/jars"
     """The Spark Kafka connector's jars (`make .cache/spark/jars/.fetched` puts them there)."""
 

@@ -197,12 +197,9 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
     # m2 is still waiting; the old holder's commit names it and carries a SEND.
     [m2_id] = [k for k, (_m, r) in queue_receipts(settings, Q).items() if r == 0]
     stale = CommitRequest(
-        kind="commit",
         reader="stale-holder",
         receipt=Receipt(queue=Q, group=group, token=stale_token, message_ids=(m2_id,)),
-        actions=(
-            SendRequest(kind="send", handles=(h,), message_type="//t/Request", body='{"stale":1}'),
-        ),
+        actions=(SendRequest(handles=(h,), message_type="//t/Request", body='{"stale":1}'),),
     )
     p = kafka.producer(settings)
     p.produce(Names(settings.instance).requests, key=group.encode(), value=dumps(stale))
@@ -211,9 +208,10 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
     assert err["code"] == "stale_token"
     assert str(stale_token) in err["reason"]
     outcomes = [
-        json.loads(v)
+        o
         for k, v in read_topic(settings, Names(settings.instance).queue(Q))
-        if k == f"commit/{stale.request_id}".encode() and v is not None
+        if k == f"commit/{group}".encode() and v is not None
+        if (o := json.loads(v))["request_id"] == stale.request_id
     ]
     assert [(o["applied"], o["reason"].split(":")[0]) for o in outcomes] == [(False, "stale_token")]
     # Nothing of the stale commit happened: m2 is delivered to a proper holder, the SEND was dropped

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
 from devtools.deployment import Deployment
-from ksb.audit import AuditEvent
+from ksb.audit import AuditEvent, AuditKind
 from ksb.catalog.model import Catalog
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -99,7 +99,7 @@ class Events:
         self.instance = instance
         self.t = base_ms
 
-    def __call__(self, kind: str, queue: str, **fields: Any) -> AuditEvent:
+    def __call__(self, kind: AuditKind, queue: str, **fields: Any) -> AuditEvent:
         self.t += 1
         return AuditEvent(kind=kind, event_ms=self.t, instance=self.instance, queue=queue, **fields)
 

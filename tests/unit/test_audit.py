@@ -127,7 +127,9 @@ def _message(mid: str, priority: int) -> QueueMessage:
     return QueueMessage(
         message_id=mid,
         queue="Q",
+        status=1,
         priority=priority,
+        queuing_order=0,
         conversation_group_id="g",
         conversation_handle="h",
         conversation_id="c",
@@ -135,6 +137,7 @@ def _message(mid: str, priority: int) -> QueueMessage:
         service_name="//s",
         service_contract_name="//c",
         message_type_name="//m",
+        validation="N",
         enqueued_ms=100,
     )
 

@@ -19,7 +19,7 @@ from ksb.dialog.broker_start import (
 )
 from ksb.errors import CatalogError, ProtocolError
 from ksb.runtime.ticker import Ticker, TickSchedule
-from ksb.wire.protocol import BrokerNotification, dumps, parse_bcn
+from ksb.wire.protocol import BrokerNotification, dumps, parse_bcn, to_dict
 
 NO_CATALOG = StartFailure("no_catalog", "no catalog applied")
 
@@ -138,7 +138,7 @@ def test_bcns_carry_the_reason_then_the_version() -> None:
     state = BrokerStart("i1")
     state.attempt(0)
     failed = state.on_failed(NO_CATALOG, 1_000)
-    assert failed.model_dump(exclude_none=True) == {
+    assert to_dict(failed) == {
         "v": 1,
         "kind": "bcn",
         "event": "start_failed",

@@ -62,17 +62,13 @@ def engine() -> Engine:
 
 def begin(engine: Engine, now: int, handle: str = "h1", **kw: Any) -> Outputs:
     return engine.handle(
-        BeginRequest(
-            kind="begin", handle=handle, from_service="Init", to_service="Tgt", contract="C", **kw
-        ),
+        BeginRequest(handle=handle, from_service="Init", to_service="Tgt", contract="C", **kw),
         now,
     )
 
 
 def send(engine: Engine, now: int, *handles: str, mtype: str = "Req", body: str = "{}") -> Outputs:
-    return engine.handle(
-        SendRequest(kind="send", handles=handles, message_type=mtype, body=body), now
-    )
+    return engine.handle(SendRequest(handles=handles, message_type=mtype, body=body), now)
 
 
 def messages(out: Outputs) -> list[QueueMessage]:
@@ -83,7 +79,6 @@ def receive(engine: Engine, now: int, msgs: list[QueueMessage], token: int = 1) 
     g = msgs[0].conversation_group_id
     return engine.handle(
         CommitRequest(
-            kind="commit",
             receipt=Receipt(
                 queue=msgs[0].queue,
                 group=g,
@@ -147,14 +142,13 @@ def test_commit_with_a_bad_action_leaves_the_receipt_unapplied(engine: Engine) -
     msgs = messages(send(engine, 0, "h1"))
     t = target_handle("h1")
     bad = CommitRequest(
-        kind="commit",
         receipt=Receipt(
             queue="TQ",
             group=msgs[0].conversation_group_id,
             token=1,
             message_ids=(msgs[0].message_id,),
         ),
-        actions=(SendRequest(kind="send", handles=(t,), message_type="Req", body="{}"),),
+        actions=(SendRequest(handles=(t,), message_type="Req", body="{}"),),
     )
     out = engine.handle(bad, 1)
     assert [e.code for e in out.errors] == ["message_type_not_allowed"]
@@ -191,14 +185,14 @@ def test_end_dialog_states_through_to_closed(engine: Engine) -> None:
     begin(engine, 0)
     receive(engine, 0, messages(send(engine, 0, "h1")))
     t = target_handle("h1")
-    out = engine.handle(EndRequest(kind="end", handle=t), 1)
+    out = engine.handle(EndRequest(handle=t), 1)
     [end] = messages(out)
     assert end.message_type_name == END_DIALOG and end.queue == "IQ"
     assert engine.endpoints[t].state is State.DISCONNECTED_OUTBOUND
     assert engine.endpoints["h1"].state is State.DISCONNECTED_INBOUND
     receive(engine, 2, [end])  # the initiator received the EndDialog: the target is acknowledged
     assert t not in engine.endpoints  # CLOSED endpoints leave memory
-    out = engine.handle(EndRequest(kind="end", handle="h1"), 3)
+    out = engine.handle(EndRequest(handle="h1"), 3)
     assert [ep.state for ep in out.endpoints] == [State.CLOSED]
     assert "h1" not in engine.endpoints
 
@@ -206,9 +200,7 @@ def test_end_dialog_states_through_to_closed(engine: Engine) -> None:
 def test_end_with_error_sends_error_to_peer(engine: Engine) -> None:
     begin(engine, 0)
     send(engine, 0, "h1")
-    out = engine.handle(
-        EndRequest(kind="end", handle="h1", error_code=42, error_description="boom"), 1
-    )
+    out = engine.handle(EndRequest(handle="h1", error_code=42, error_description="boom"), 1)
     [err] = messages(out)
     assert err.message_type_name == ERROR and json.loads(err.message_body) == {
         "code": 42,
@@ -220,7 +212,7 @@ def test_end_with_error_sends_error_to_peer(engine: Engine) -> None:
 def test_end_with_cleanup_removes_queued_messages_silently(engine: Engine) -> None:
     begin(engine, 0)
     msgs = messages(send(engine, 0, "h1"))
-    out = engine.handle(EndRequest(kind="end", handle=target_handle("h1"), cleanup=True), 1)
+    out = engine.handle(EndRequest(handle=target_handle("h1"), cleanup=True), 1)
     assert [(w.key, w.value) for w in out.queue] == [(msgs[0].message_id, None)]
     assert msgs[0].message_id not in engine.inflight
     assert engine.endpoints["h1"].state is State.CONVERSING  # the far side is not told
@@ -228,7 +220,7 @@ def test_end_with_cleanup_removes_queued_messages_silently(engine: Engine) -> No
 
 def test_conversation_timer_fires_dialog_timer(engine: Engine, clock: ManualClock) -> None:
     begin(engine, clock.now_ms())
-    engine.handle(TimerRequest(kind="timer", handle="h1", timeout_s=10), clock.now_ms())
+    engine.handle(TimerRequest(handle="h1", timeout_s=10), clock.now_ms())
     clock.advance(9.999)
     assert not engine.tick(clock.now_ms()).queue
     clock.advance(0.001)
@@ -267,16 +259,10 @@ def test_retried_begin_is_idempotent(engine: Engine) -> None:
 
 def test_begin_refusals(engine: Engine) -> None:
     bad = [
-        BeginRequest(
-            kind="begin", handle="x", from_service="Nobody", to_service="Tgt", contract="C"
-        ),
-        BeginRequest(
-            kind="begin", handle="x", from_service="Init", to_service="Tgt", contract="Nope"
-        ),
-        BeginRequest(kind="begin", handle="x", from_service="Init", to_service="tgt", contract="C"),
-        BeginRequest(
-            kind="begin", handle="x", from_service="Init", to_service="Init", contract="C"
-        ),
+        BeginRequest(handle="x", from_service="Nobody", to_service="Tgt", contract="C"),
+        BeginRequest(handle="x", from_service="Init", to_service="Tgt", contract="Nope"),
+        BeginRequest(handle="x", from_service="Init", to_service="tgt", contract="C"),
+        BeginRequest(handle="x", from_service="Init", to_service="Init", contract="C"),
     ]
     codes = [engine.handle(r, 0).errors[0].code for r in bad]
     assert codes == [
@@ -301,9 +287,7 @@ def test_rebuild_from_records_restores_inflight(engine: Engine) -> None:
 
 def test_retention_keeps_received_messages_until_the_conversation_ends(engine: Engine) -> None:
     engine.handle(
-        BeginRequest(
-            kind="begin", handle="k", from_service="Init", to_service="Keeper", contract="C"
-        ),
+        BeginRequest(handle="k", from_service="Init", to_service="Keeper", contract="C"),
         0,
     )
     msgs = messages(send(engine, 0, "k"))
@@ -312,8 +296,8 @@ def test_retention_keeps_received_messages_until_the_conversation_ends(engine: E
     assert kept.message_id == msgs[0].message_id and kept.status == 0
     assert [e.code for e in receive(engine, 2, msgs, token=2).errors] == ["already_received"]
     t = target_handle("k")
-    engine.handle(EndRequest(kind="end", handle="k"), 3)
-    out = engine.handle(EndRequest(kind="end", handle=t), 4)
+    engine.handle(EndRequest(handle="k"), 3)
+    out = engine.handle(EndRequest(handle=t), 4)
     assert (msgs[0].message_id, None) in [(w.key, w.value) for w in out.queue]
 
 
@@ -338,7 +322,7 @@ def test_depth_follows_inflight_through_send_receive_cleanup_and_rebuild(engine:
     assert _depth(engine) == _recount(engine) == {"TQ": 2}
     receive(engine, 2, first, token=2)  # refused: nothing changes
     assert _depth(engine) == {"TQ": 2}
-    engine.handle(EndRequest(kind="end", handle=target_handle("h2"), cleanup=True), 3)
+    engine.handle(EndRequest(handle=target_handle("h2"), cleanup=True), 3)
     assert _depth(engine) == _recount(engine) == {"TQ": 1}
     fresh = Engine(engine.catalog, instance="u", max_body_bytes=100)
     msgs = messages(send(engine, 4, "h1"))
@@ -364,7 +348,7 @@ def test_cleanup_reports_unreceived_messages_as_purged(engine: Engine) -> None:
     msgs = messages(send(engine, 0, "h1"))
     messages(send(engine, 0, "h1"))
     receive(engine, 1, msgs)
-    out = engine.handle(EndRequest(kind="end", handle=target_handle("h1"), cleanup=True), 2)
+    out = engine.handle(EndRequest(handle=target_handle("h1"), cleanup=True), 2)
     assert [(i.queue, i.priority) for i in out.purged] == [("TQ", 9)]
 
 
@@ -372,16 +356,14 @@ def test_retained_received_messages_are_not_purged_when_the_conversation_ends(
     engine: Engine,
 ) -> None:
     engine.handle(
-        BeginRequest(
-            kind="begin", handle="k", from_service="Init", to_service="Keeper", contract="C"
-        ),
+        BeginRequest(handle="k", from_service="Init", to_service="Keeper", contract="C"),
         0,
     )
     msgs = messages(send(engine, 0, "k"))
     receive(engine, 1, msgs)
     assert _depth(engine) == {}
-    engine.handle(EndRequest(kind="end", handle="k"), 3)
-    out = engine.handle(EndRequest(kind="end", handle=target_handle("k"), cleanup=True), 4)
+    engine.handle(EndRequest(handle="k"), 3)
+    out = engine.handle(EndRequest(handle=target_handle("k"), cleanup=True), 4)
     # The received (retained) message leaves too, but only the unreceived EndDialog is a purge.
     assert (msgs[0].message_id, None) in [(w.key, w.value) for w in out.queue]
     assert [i.message_type for i in out.purged] == [END_DIALOG]

@@ -92,7 +92,7 @@ def test_end_behind_held_messages_waits_in_line_and_changes_the_peer_on_arrival(
     e = _engine("OFF")
     begin(e, 0)
     held = send(e, 1, "h1").transmissions
-    out = e.handle(EndRequest(kind="end", handle="h1"), 2)
+    out = e.handle(EndRequest(handle="h1"), 2)
     assert messages(out) == []
     held += out.transmissions
     assert [t.message_type for t in held] == ["Req", END_DIALOG]

@@ -17,8 +17,10 @@ from ksb.wire.protocol import (
     CommitRequest,
     EndRequest,
     InboundMessage,
+    QueueMessage,
     Receipt,
     SendRequest,
+    dumps,
     parse_request,
 )
 
@@ -62,19 +64,17 @@ def b() -> Engine:
 
 def begin(e: Engine, handle: str = "c1", to: str = "Tgt") -> Outputs:
     return e.handle(
-        BeginRequest(kind="begin", handle=handle, from_service="Init", to_service=to, contract="C"),
+        BeginRequest(handle=handle, from_service="Init", to_service=to, contract="C"),
         NOW,
     )
 
 
 def send(e: Engine, handle: str, mtype: str, body: str) -> Outputs:
-    return e.handle(SendRequest(kind="send", handles=(handle,), message_type=mtype, body=body), NOW)
+    return e.handle(SendRequest(handles=(handle,), message_type=mtype, body=body), NOW)
 
 
 def bodies(out: Outputs) -> list[str]:
-    return [
-        w.value.body or "" for w in out.queue if w.value is not None and w.value.kind == "message"
-    ]
+    return [w.value.body or "" for w in out.queue if isinstance(w.value, QueueMessage)]
 
 
 def test_remote_begin_and_send_produce_transmission_records(a: Engine) -> None:
@@ -98,7 +98,7 @@ def test_remote_begin_and_send_produce_transmission_records(a: Engine) -> None:
     )
     assert t0.message_id != t1.message_id and t0.enqueued_ms == NOW
     # the record is a valid request for the receiving dispatcher (round trip through JSON)
-    assert parse_request(t0.model_dump_json().encode()) == t0
+    assert parse_request(dumps(t0)) == t0
 
 
 def test_unknown_route_is_a_clear_error(a: Engine) -> None:
@@ -107,7 +107,6 @@ def test_unknown_route_is_a_clear_error(a: Engine) -> None:
     assert "no route" in out.errors[0].reason
     out = a.handle(
         BeginRequest(
-            kind="begin",
             handle="x",
             from_service="Init",
             to_service="Tgt",
@@ -163,11 +162,10 @@ def test_window_survives_restart_from_endpoint_records(a: Engine, b: Engine) -> 
 def _receive_all(e: Engine, out: Outputs) -> None:
     """Commit a receipt for every message `out` put in a queue (the application's RECEIVE)."""
     for w in out.queue:
-        if w.value is not None and w.value.kind == "message":
+        if isinstance(w.value, QueueMessage):
             m = w.value
             e.handle(
                 CommitRequest(
-                    kind="commit",
                     receipt=Receipt(
                         queue=m.queue, group=m.conversation_group_id, message_ids=(m.message_id,)
                     ),
@@ -182,7 +180,7 @@ def test_request_reply_and_end_both_sides(a: Engine, b: Engine) -> None:
     out = b.handle(req, NOW)
     _receive_all(b, out)
     th = target_handle("c1")
-    reply = b.handle(SendRequest(kind="send", handles=(th,), message_type="Rep", body="ok"), NOW)
+    reply = b.handle(SendRequest(handles=(th,), message_type="Rep", body="ok"), NOW)
     assert not reply.queue
     rep = reply.transmissions[0]
     assert (rep.seq, rep.from_initiator, rep.to_instance, rep.to_service, rep.priority) == (
@@ -192,7 +190,7 @@ def test_request_reply_and_end_both_sides(a: Engine, b: Engine) -> None:
         "Init",
         8,
     )
-    end_b = b.handle(EndRequest(kind="end", handle=th), NOW).transmissions[0]
+    end_b = b.handle(EndRequest(handle=th), NOW).transmissions[0]
     assert end_b.message_type == END_DIALOG and end_b.seq == 1
     assert b.endpoints[th].state is State.DISCONNECTED_OUTBOUND
     got = a.handle(rep, NOW)
@@ -201,7 +199,7 @@ def test_request_reply_and_end_both_sides(a: Engine, b: Engine) -> None:
     assert a.endpoints["c1"].state is State.DISCONNECTED_INBOUND
     _receive_all(a, got)
     _receive_all(a, got2)
-    fin = a.handle(EndRequest(kind="end", handle="c1"), NOW)
+    fin = a.handle(EndRequest(handle="c1"), NOW)
     assert "c1" not in a.endpoints
     last = fin.transmissions[0]
     assert last.message_type == END_DIALOG and last.seq == 1
@@ -248,7 +246,6 @@ def test_purge_windows_drops_old_early_arrivals(a: Engine, b: Engine) -> None:
 
 def test_inbound_for_another_instance_is_left_to_the_forwarder(b: Engine) -> None:
     msg = InboundMessage(
-        kind="inbound",
         message_id="m",
         conversation_id="c",
         from_instance="a",
@@ -259,7 +256,32 @@ def test_inbound_for_another_instance_is_left_to_the_forwarder(b: Engine) -> Non
         message_type="Req",
         from_initiator=True,
         seq=0,
+        priority=5,
         enqueued_ms=NOW,
     )
     out = b.handle(msg, NOW)
     assert out.errors == [] and out.acks == [] and out.transmissions == [] and not bodies(out)
+
+
+def test_records_between_instances_are_keyed_by_the_receiving_group(a: Engine, b: Engine) -> None:
+    """An initiator in a named group: the target's replies are keyed by that group, so with
+    several dispatchers at the initiator's end they reach the one that owns it."""
+    out = a.handle(
+        BeginRequest(
+            handle="c9",
+            from_service="Init",
+            to_service="Tgt",
+            contract="C",
+            conversation_group_id="orders-7",
+        ),
+        NOW,
+    )
+    assert not out.errors
+    [first] = send(a, "c9", "Req", "{}").transmissions
+    assert (first.from_group, first.key) == ("orders-7", target_handle("c9"))
+    got = b.handle(first, NOW)
+    [m] = [w.value for w in got.queue if isinstance(w.value, QueueMessage)]
+    assert m.conversation_group_id == target_handle("c9")  # a new group: the target's handle
+    assert b.endpoints[target_handle("c9")].far_group == "orders-7"
+    [reply] = send(b, target_handle("c9"), "Rep", "r").transmissions
+    assert (reply.to_group, reply.key, reply.from_group) == ("orders-7", "orders-7", None)

@@ -12,7 +12,6 @@ T0 = 1_700_000_000_000
 
 def _msg(seq: int, level: int = 5, conv: str = "c", to: str = "C") -> InboundMessage:
     return InboundMessage(
-        kind="inbound",
         message_id=f"{conv}-{seq}",
         conversation_id=conv,
         from_instance="A",

@@ -12,7 +12,6 @@ T0 = 1_700_000_000_000
 
 def _msg(body: str, mid: str = "m") -> InboundMessage:
     return InboundMessage(
-        kind="inbound",
         message_id=mid,
         conversation_id="c",
         from_instance="A",
@@ -23,6 +22,7 @@ def _msg(body: str, mid: str = "m") -> InboundMessage:
         message_type="M",
         from_initiator=True,
         seq=0,
+        priority=5,
         enqueued_ms=T0,
         body=body,
     )

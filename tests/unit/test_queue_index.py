@@ -18,6 +18,7 @@ def msg(group: str, conv: str, seq: int, priority: int = 5, mtype: str = "M") ->
     return QueueMessage(
         message_id=f"{conv}-{seq}-{mtype}",
         queue="Q",
+        status=1,
         priority=priority,
         queuing_order=next(_order),
         conversation_group_id=group,
@@ -27,6 +28,7 @@ def msg(group: str, conv: str, seq: int, priority: int = 5, mtype: str = "M") ->
         service_name="S",
         service_contract_name="C",
         message_type_name=mtype,
+        validation="N",
         enqueued_ms=0,
     )
 

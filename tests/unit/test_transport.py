@@ -124,7 +124,6 @@ def test_peers_forget_errors_of_destinations_with_nothing_left() -> None:
 
 def _msg(seq: int, conv: str = "c", level: int = 5, dest: str = "B", t: int = T0) -> InboundMessage:
     return InboundMessage(
-        kind="inbound",
         message_id=f"{conv}-{seq}",
         conversation_id=conv,
         from_instance="A",
@@ -142,7 +141,11 @@ def _msg(seq: int, conv: str = "c", level: int = 5, dest: str = "B", t: int = T0
 
 def _ack(seq: int, conv: str = "c") -> AckRecord:
     return AckRecord(
-        conversation_id=conv, from_initiator=True, ack_seq=seq, from_instance="B", to_instance="A"
+        conversation_id=conv,
+        from_initiator=True,
+        ack_seq=seq,
+        from_instance="B",
+        to_instance="A",
     )
 
 

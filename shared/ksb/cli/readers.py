@@ -25,7 +25,13 @@ from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.queue_index import QueueIndex
 from ksb.settings import KsbSettings
-from ksb.wire.protocol import CommitOutcome, DeadLetterRecord, QueueMessage, parse_queue_record
+from ksb.wire.protocol import (
+    CommitOutcome,
+    DeadLetterRecord,
+    QueueMessage,
+    parse_queue_record,
+    parse_record,
+)
 
 __all__ = [
     "read_dead_letters",
@@ -154,7 +160,7 @@ def read_dead_letters(settings: KsbSettings, queue: str) -> list[DeadLetterRecor
     def keep(m: Message) -> None:
         value = m.value()
         if value is not None:
-            record = DeadLetterRecord.model_validate_json(value)
+            record = parse_record(DeadLetterRecord, value, "dead-letter record")
             out[record.message.message_id] = record
 
     read_topic(settings, Names(settings.instance).dead_letters(queue), keep)

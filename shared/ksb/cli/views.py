@@ -29,7 +29,7 @@ from ksb.dialog.views import endpoint_row, leaked
 from ksb.errors import KsbError
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.wire.protocol import QueueMessage, ReplayRequest, dumps
+from ksb.wire.protocol import QueueMessage, ReplayRequest, dumps, to_dict
 
 __all__: list[str] = []
 
@@ -115,7 +115,7 @@ def queue_peek(
     messages = ready_messages(cli_settings(), queue)
     shown = messages[:limit]
     if as_json:
-        echo_json([m.model_dump(mode="json", exclude_none=True) for m in shown])
+        echo_json([to_dict(m) for m in shown])
         return
     rows = [
         {
@@ -201,7 +201,7 @@ def dlq_list(
     """Messages a queue's dead-letter policy moved aside, with the reason."""
     records = read_dead_letters(cli_settings(), queue)
     if as_json:
-        echo_json([r.model_dump(mode="json", exclude_none=True) for r in records])
+        echo_json([to_dict(r) for r in records])
         return
     rows = [
         {
@@ -231,7 +231,7 @@ def dlq_replay(
     p = kafka.producer(settings)
     topic = Names(settings.instance).requests
     for r in chosen:
-        req = ReplayRequest(kind="replay", message=r.message)
+        req = ReplayRequest(message=r.message)
         p.produce(topic, key=r.message.conversation_group_id.encode(), value=dumps(req))
     if p.flush(30) != 0:
         raise KsbError("replay requests were not acknowledged by Kafka")

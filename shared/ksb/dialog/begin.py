@@ -9,10 +9,10 @@ when it is created and never changes.
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
 from ksb.dialog.endpoint import Endpoint, State
+from ksb.dialog.shards import colocated_group
 from ksb.dialog.stage import Stage
 from ksb.errors import CatalogError, ConversationError
 from ksb.wire.partitioning import target_handle
@@ -43,6 +43,11 @@ def begin(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> None:
             code="contract_not_accepted",
         )
     _put_initiator(eng, stage, req, now, remote_service=target.name, far_instance=None)
+    initiator = stage.endpoints[req.handle]
+    if eng.ownership.shards > 1:
+        shard = eng.ownership.shard(initiator.group)
+        far_group = colocated_group(req.handle, shard, eng.ownership.shards)
+        initiator.far_group = None if far_group == initiator.far_handle else far_group
 
 
 def _begin_remote(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> None:
@@ -83,12 +88,13 @@ def _put_initiator(
     remote_service: str,
     far_instance: str | None,
 ) -> None:
-    """The initiator endpoint, in the related conversation's group (or the named or a new one),
-    with the level its own catalog assigns; the conversation id is the initiator's handle."""
+    """The initiator endpoint, in the related conversation's group (or the named one, or a new
+    group whose id is the handle), with the level its own catalog assigns; the conversation id is
+    the initiator's handle."""
     cat = eng.catalog
     local = cat.service(req.from_service)
     contract = cat.contract(req.contract)
-    group = req.conversation_group_id or str(uuid.uuid4())
+    group = req.conversation_group_id or req.handle
     if req.related_conversation is not None:
         group = stage.endpoint(req.related_conversation).group
     stage.put(
@@ -113,7 +119,9 @@ def _put_initiator(
 
 
 def ensure_target(eng: Engine, stage: Stage, initiator: Endpoint, now: int) -> Endpoint:
-    """The target endpoint comes into being with the first message sent to it."""
+    """The target endpoint comes into being with the first message sent to it, in a new group
+    (as Service Broker gives a new target a new group): its handle, or with several shards the
+    initiator's choice of an id in its own shard (`ksb.dialog.shards.colocated_group`)."""
     assert initiator.far_handle is not None
     existing = stage.endpoints.get(initiator.far_handle) or eng.endpoints.get(initiator.far_handle)
     if existing is not None:
@@ -129,9 +137,10 @@ def ensure_target(eng: Engine, stage: Stage, initiator: Endpoint, now: int) -> E
         remote_service=initiator.local_service,
         contract=initiator.contract,
         queue=service.queue,
-        group=str(uuid.uuid4()),
+        group=initiator.far_group or initiator.far_handle,
         priority=level,
         far_handle=initiator.handle,
+        far_group=initiator.group if initiator.group != initiator.handle else None,
         created_ms=now,
         updated_ms=now,
         lifetime_deadline_ms=initiator.lifetime_deadline_ms,

@@ -16,7 +16,13 @@ from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.errors import ConversationError
 from ksb.wire.partitioning import partition_for
-from ksb.wire.protocol import DeadLetterRecord, DeadLetterRequest, EndRequest, ReplayRequest
+from ksb.wire.protocol import (
+    DeadLetterRecord,
+    DeadLetterRequest,
+    EndRequest,
+    ReplayRequest,
+    replace,
+)
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
@@ -45,7 +51,6 @@ def dead_letter(eng: Engine, stage: Stage, req: DeadLetterRequest, now: int) -> 
     code = queue.dead_letter.error_code if queue and queue.dead_letter else -1
     if receiver.state not in (State.DISCONNECTED_OUTBOUND, State.CLOSED):
         request = EndRequest(
-            kind="end",
             handle=receiver.handle,
             error_code=code,
             error_description=f"message dead-lettered: {req.reason}",
@@ -61,7 +66,7 @@ def replay(eng: Engine, stage: Stage, req: ReplayRequest) -> None:
         )
     queue = eng.catalog.queue(m.queue)
     part = partition_for(m.conversation_group_id, queue.partitions)
-    again = m.model_copy(update={"status": 1, "queuing_order": eng.next_order()})
+    again = replace(m, status=1, queuing_order=eng.next_order())
     stage.out.queue.append(QueueWrite(m.queue, part, m.message_id, again))
     stage.new_inflight[m.message_id] = Inflight(
         m.queue,

@@ -1,26 +1,32 @@
-"""Placing messages: into a local queue, into the transmission queue, and out of a queue again.
+"""Placing messages: into a local queue, to another instance, and out of a queue again.
 
-These are the three ways a message moves, shared by every rule that sends one (SEND, END, a timer,
-a lifetime, a message from another instance): `enqueue` makes it a queue record and remembers it
-as waiting, `transmit` numbers it in its conversation direction for another instance, and
-`drop_queued` removes a closed endpoint's messages from its queue.
+The ways a message moves, shared by every rule that sends one (SEND, END, a timer, a lifetime, a
+message from another instance): `enqueue` makes it a queue record and remembers it as waiting,
+`transmit` numbers it in its conversation direction for another instance (keyed by the receiving
+group when it is known, so it reaches that group's dispatcher there), `accept` takes an in-order
+message from another instance with the state change it implies, and `drop_queued` removes a closed
+endpoint's messages from its queue. A local dialog's two ends are always in one shard
+(`ksb.dialog.shards.colocated_group`), so no message between them crosses dispatchers.
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
-from ksb.dialog.endpoint import Endpoint
+from ksb.catalog.model import END_DIALOG, ERROR
+from ksb.dialog import endpoint as ep_rules
+from ksb.dialog import membership
+from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
+from ksb.dialog.system_messages import VALIDATION_CODE, parse_error_body
 from ksb.wire.partitioning import partition_for
-from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body
+from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body, new_id
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
 
-__all__ = ["drop_queued", "enqueue", "transmit"]
+__all__ = ["accept", "drop_queued", "enqueue", "transmit"]
 
 
 def enqueue(
@@ -35,11 +41,14 @@ def enqueue(
 ) -> None:
     """A message into `receiver`'s queue, in its group's partition, remembered as waiting."""
     queue = eng.catalog.queue(receiver.queue)
-    message_id = str(uuid.uuid4())
+    message_id = membership.message_id(receiver.handle, receiver.enqueued)
+    receiver.enqueued += 1
     part = partition_for(receiver.group, queue.partitions)
+    text, b64 = encode_body(body)
     msg = QueueMessage(
         message_id=message_id,
         queue=queue.name,
+        status=1,
         priority=receiver.priority,
         queuing_order=eng.next_order(),
         conversation_group_id=receiver.group,
@@ -52,7 +61,8 @@ def enqueue(
         validation=validation,
         enqueued_ms=now,
         sent_ms=stage.sent_ms,
-        **encode_body(body),
+        body=text,
+        body_b64=b64,
     )
     stage.out.queue.append(QueueWrite(queue.name, part, message_id, msg))
     stage.new_inflight[message_id] = Inflight(
@@ -88,10 +98,10 @@ def transmit(
     """
     destination = to_instance or sender.far_instance
     assert destination is not None
+    text, b64 = encode_body(body)
     stage.out.transmissions.append(
         InboundMessage(
-            kind="inbound",
-            message_id=str(uuid.uuid4()),
+            message_id=new_id(),
             conversation_id=sender.conversation_id,
             from_instance=eng.instance,
             to_instance=destination,
@@ -103,7 +113,10 @@ def transmit(
             seq=sender.send_seq,
             priority=sender.priority,
             enqueued_ms=now,
-            **encode_body(body),
+            from_group=None if sender.group == sender.handle else sender.group,
+            to_group=sender.far_group,
+            body=text,
+            body_b64=b64,
         )
     )
     sender.send_seq += 1
@@ -130,3 +143,35 @@ def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:
         stage.new_retained.pop(mid, None)
         stage.out.queue.append(QueueWrite(info.queue, info.partition, mid, None))
     ep.outstanding = 0
+
+
+def accept(
+    eng: Engine,
+    stage: Stage,
+    receiver: Endpoint,
+    message_type: str,
+    body: bytes,
+    seq: int,
+    now: int,
+) -> None:
+    """One in-order message from another instance: into the queue, and the state change it
+    implies. The caller has checked the order."""
+    if message_type == END_DIALOG:
+        if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR):
+            # We ended first (or failed): the far side's EndDialog closes us; nobody reads it.
+            receiver.state = State.CLOSED
+            drop_queued(eng, stage, receiver)
+            return
+        enqueue(eng, stage, receiver, END_DIALOG, "E", b"", seq, now)
+        receiver.state = ep_rules.after_peer_ended(receiver)
+        return
+    if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR, State.CLOSED):
+        return  # Service Broker drops messages for a conversation this side has given up
+    if message_type == ERROR:
+        enqueue(eng, stage, receiver, ERROR, "X", body, seq, now)
+        receiver.state = ep_rules.after_peer_error(receiver)
+        receiver.error_code, receiver.error_description = parse_error_body(body)
+        return
+    mtype = eng.catalog.message_types.get(message_type)
+    validation = VALIDATION_CODE[mtype.validation.value] if mtype is not None else "N"
+    enqueue(eng, stage, receiver, message_type, validation, body, seq, now)

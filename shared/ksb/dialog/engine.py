@@ -21,13 +21,16 @@ from ksb.dialog.dead_letters import dead_letter, replay
 from ksb.dialog.end import end
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.fences import Fences
-from ksb.dialog.outputs import Inflight, Outputs
-from ksb.dialog.receipts import commit, refused_outcome
+from ksb.dialog.membership import Membership
+from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
+from ksb.dialog.receipts import commit, outcome_key, refused_outcome
 from ksb.dialog.remote import RemoteWindows, inbound
 from ksb.dialog.send import send
+from ksb.dialog.shards import Ownership
 from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, fire_due, set_timer
 from ksb.errors import KsbError, ProtocolError
+from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
     AnyRequest,
     BeginRequest,
@@ -41,6 +44,7 @@ from ksb.wire.protocol import (
     SendRequest,
     TimerRequest,
 )
+from ksb.wire.relay import RelayAction
 
 __all__ = ["Engine"]
 
@@ -48,56 +52,69 @@ __all__ = ["Engine"]
 class Engine:
     """Endpoint state, queue membership, fences and timers for one broker instance."""
 
-    def __init__(self, catalog: CatalogView, *, instance: str, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        catalog: CatalogView,
+        *,
+        instance: str,
+        max_body_bytes: int,
+        ownership: Ownership | None = None,
+    ) -> None:
+        """`ownership` says which shards this engine owns (all of them when not given)."""
         self.catalog = catalog
         self.instance = instance
         self.max_body_bytes = max_body_bytes
+        self.ownership = ownership or Ownership(1)
         self.endpoints: dict[str, Endpoint] = {}
-        self.inflight: dict[str, Inflight] = {}
-        self.depth: dict[str, int] = {}
-        """Unreceived messages per queue: `inflight` counted by queue, kept in step with it."""
-        self.retained: dict[str, Inflight] = {}
+        self.inflight = Membership(self.endpoints, self._partitions)
+        """Every message waiting in a queue, by id: what a receipt needs (`ksb.dialog.membership`)."""
         self.fences = Fences()
         self.timers = Timers()
         self.remote = RemoteWindows()
-        self._by_handle: dict[str, set[str]] = {}
         self._order = 0
+        self._group_sizes: dict[tuple[str, str], int] = {}
+        """Open endpoints per (queue, group): when a group empties, its fence is forgotten."""
+
+    @property
+    def depth(self) -> dict[str, int]:
+        """Unreceived messages per queue."""
+        return self.inflight.depth
+
+    @property
+    def retained(self) -> dict[str, Inflight]:
+        """Received messages RETENTION queues keep until their conversation ends."""
+        return self.inflight.retained
 
     # ------------------------------------------------------------------ rebuild from Kafka
     def load_endpoint(self, ep: Endpoint) -> None:
         if ep.state is State.CLOSED:
-            self.endpoints.pop(ep.handle, None)
+            if self.endpoints.pop(ep.handle, None) is not None:
+                self._left_group(ep)
             self.remote.closed_endpoint(ep)
             return
+        if ep.handle not in self.endpoints:
+            key = (ep.queue, ep.group)
+            self._group_sizes[key] = self._group_sizes.get(key, 0) + 1
         self.endpoints[ep.handle] = ep
         self.timers.arm(ep)
 
     def load_queue_record(self, key: str, value: QueueMessage | None, partition: int) -> None:
-        if value is None:
-            old = self._pop_inflight(key) or self.retained.pop(key, None)
-            if old is not None:
-                self._unindex(key, old)
-            return
-        info = Inflight(
-            value.queue,
-            partition,
-            value.conversation_group_id,
-            value.conversation_handle,
-            value.message_type_name,
-            value if self._retains(value.queue) else None,
-            priority=value.priority,
-            enqueued_ms=value.enqueued_ms,
-            message_id=key,
-            service=value.service_name,
-            sent_ms=value.sent_ms,
-        )
-        self._by_handle.setdefault(info.handle, set()).add(key)
-        if value.status != 1:
-            self._pop_inflight(key)
-            self.retained[key] = info
-            return
-        self._add_inflight(key, info)
-        self._order = max(self._order, value.queuing_order + 1)
+        retains = value is not None and self._retains(value.queue)
+        self.inflight.load(key, value, partition, retains)
+        if value is not None and value.status == 1:
+            self._order = max(self._order, value.queuing_order + 1)
+
+    def drop_shard(self, shard: int) -> None:
+        """Forget everything of a shard this engine no longer owns (another dispatcher rebuilds
+        it from Kafka); the shard's timers are skipped when they come up."""
+        self.ownership.owned.discard(shard)
+        gone = [ep for ep in self.endpoints.values() if self.ownership.shard(ep.group) == shard]
+        for ep in gone:
+            self.endpoints.pop(ep.handle, None)
+            self.remote.windows.pop(ep.handle, None)
+            self._group_sizes.pop((ep.queue, ep.group), None)
+        self.inflight.drop(lambda group: self.ownership.shard(group) == shard)
+        self.fences.drop(lambda group: self.ownership.shard(group) == shard)
 
     # ------------------------------------------------------------------ requests
     def handle(self, request: AnyRequest, now_ms: int, *, sent_ms: int | None = None) -> Outputs:
@@ -117,6 +134,26 @@ class Engine:
                 self.apply_action(stage, request, now_ms)
         except KsbError as exc:
             return self._refused(request, exc)
+        self.merge(stage)
+        return stage.out
+
+    def handle_relayed(self, record: RelayAction, now_ms: int) -> Outputs:
+        """Apply a commit's action that another dispatcher relayed to the owner of its group; a
+        refusal is reported under the commit's request id."""
+        stage = Stage(self)
+        try:
+            self.apply_action(stage, record.action, now_ms)
+        except KsbError as exc:
+            out = Outputs()
+            out.errors.append(
+                ErrorRecord(
+                    request_id=record.request_id,
+                    code=exc.code,
+                    reason=exc.reason,
+                    handle=_request_handle(record.action),
+                )
+            )
+            return out
         self.merge(stage)
         return stage.out
 
@@ -151,23 +188,47 @@ class Engine:
         return out
 
     def merge(self, stage: Stage) -> None:
-        """Make a stage's changes the engine's own, and report every endpoint it touched."""
-        for mid in stage.gone_inflight:
-            info = self._pop_inflight(mid) or self.retained.pop(mid, None)
-            if info is not None and mid not in stage.new_retained:
-                self._unindex(mid, info)
-        for mid, info in stage.new_inflight.items():
-            self._add_inflight(mid, info)
-            self._by_handle.setdefault(info.handle, set()).add(mid)
-        self.retained.update(stage.new_retained)
+        """Make a stage's changes the engine's own, and report every endpoint it touched.
+
+        Endpoints that live on come first (a message's facts are its endpoint's), then the
+        messages, then the endpoints that closed (their messages are gone by then).
+        """
         for ep in stage.endpoints.values():
-            if ep.state is State.CLOSED:
-                self.endpoints.pop(ep.handle, None)
-                self.remote.closed_endpoint(ep)
-            else:
+            if ep.state is not State.CLOSED:
+                if ep.handle not in self.endpoints:
+                    key = (ep.queue, ep.group)
+                    self._group_sizes[key] = self._group_sizes.get(key, 0) + 1
                 self.endpoints[ep.handle] = ep
                 self.timers.arm(ep)
+        for mid in stage.gone_inflight:
+            if self.inflight.remove(mid) is None:
+                self.inflight.retained.pop(mid, None)
+        for mid, info in stage.new_inflight.items():
+            self.inflight.add(mid, info)
+        for mid, info in stage.new_retained.items():
+            self.inflight.retain(mid, info)
+        for ep in stage.endpoints.values():
+            if ep.state is State.CLOSED:
+                if self.endpoints.pop(ep.handle, None) is not None and self._left_group(ep):
+                    stage.out.queue.append(self._forget_group(ep))
+                self.remote.closed_endpoint(ep)
             stage.out.endpoints.append(ep)
+
+    def _left_group(self, ep: Endpoint) -> bool:
+        """An endpoint closed: True when it was its group's last and the group has a commit
+        outcome record to remove."""
+        key = (ep.queue, ep.group)
+        left = self._group_sizes.get(key, 1) - 1
+        if left > 0:
+            self._group_sizes[key] = left
+            return False
+        self._group_sizes.pop(key, None)
+        return self.fences.forget(ep.queue, ep.group)
+
+    def _forget_group(self, ep: Endpoint) -> QueueWrite:
+        """The tombstone of an emptied group's newest commit outcome (and fence)."""
+        partition = partition_for(ep.group, self._partitions(ep.queue))
+        return QueueWrite(ep.queue, partition, outcome_key(ep.group), None)
 
     # ------------------------------------------------------------------ what the rules ask
     def next_order(self) -> int:
@@ -175,13 +236,17 @@ class Engine:
         self._order += 1
         return self._order
 
+    def owns(self, group: str) -> bool:
+        """Whether this engine owns the shard of `group` (else work for it is relayed)."""
+        return self.ownership.owns(group)
+
     def queue_disabled(self, name: str) -> bool:
         queue = self.catalog.queues.get(name)
         return queue is not None and queue.disabled
 
-    def queued_for(self, handle: str) -> set[str]:
+    def queued_for(self, handle: str) -> list[str]:
         """Ids of the messages (waiting or retained) queued for the endpoint `handle`."""
-        return self._by_handle.get(handle, set())
+        return self.inflight.queued_for(handle)
 
     # ------------------------------------------------------------------ timers and housekeeping
     def next_deadline_ms(self) -> int | None:
@@ -222,30 +287,14 @@ class Engine:
             ):
                 yield ep
 
-    # ------------------------------------------------------------------ queue membership
-    def _add_inflight(self, mid: str, info: Inflight) -> None:
-        old = self.inflight.get(mid)
-        if old is not None:
-            self.depth[old.queue] -= 1
-        self.inflight[mid] = info
-        self.depth[info.queue] = self.depth.get(info.queue, 0) + 1
-
-    def _pop_inflight(self, mid: str) -> Inflight | None:
-        info = self.inflight.pop(mid, None)
-        if info is not None:
-            self.depth[info.queue] -= 1
-        return info
-
-    def _unindex(self, mid: str, info: Inflight) -> None:
-        mids = self._by_handle.get(info.handle)
-        if mids is not None:
-            mids.discard(mid)
-            if not mids:
-                del self._by_handle[info.handle]
-
     def _retains(self, queue: str) -> bool:
         q = self.catalog.queues.get(queue)
         return q is not None and q.retention == "ON"
+
+    def _partitions(self, queue: str) -> int:
+        """A queue's partition count (its messages' partition follows from their group)."""
+        q = self.catalog.queues.get(queue)
+        return q.partitions if q is not None else 1
 
 
 def _request_handle(request: AnyRequest) -> str | None:

@@ -13,6 +13,8 @@ Token 0 means "no KSB lock" (a reader in another language that takes none) and i
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ksb.errors import ConversationError
 
 __all__ = ["Fences"]
@@ -34,10 +36,20 @@ class Fences:
             )
 
     def applied(self, queue: str, group: str, token: int) -> None:
-        """A commit with `token` was applied: older tokens are stale from now on."""
-        if token:
-            key = (queue, group)
-            self._applied[key] = max(self._applied.get(key, 0), token)
+        """A commit with `token` was applied (its outcome written): older tokens are stale from
+        now on. A group is remembered even at token 0, so its outcome is cleaned up at its end."""
+        key = (queue, group)
+        self._applied[key] = max(self._applied.get(key, 0), token)
+
+    def forget(self, queue: str, group: str) -> bool:
+        """The group has no conversation left: nothing it could still receive is fenced. True
+        when the group had a commit outcome (whose record can now go)."""
+        return self._applied.pop((queue, group), None) is not None
+
+    def drop(self, in_shard: Callable[[str], bool]) -> None:
+        """Forget the fences of the groups `in_shard` says (a shard another dispatcher owns now)."""
+        for key in [k for k in self._applied if in_shard(k[1])]:
+            del self._applied[key]
 
     def get(self, queue: str, group: str) -> int:
         """The newest applied token for the group (0: none)."""

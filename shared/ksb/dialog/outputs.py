@@ -17,8 +17,9 @@ from ksb.wire.protocol import (
     InboundMessage,
     QueueMessage,
 )
+from ksb.wire.relay import RelayRecord
 
-__all__ = ["Inflight", "Outputs", "QueueWrite", "forget_outcome"]
+__all__ = ["Inflight", "Outputs", "QueueWrite"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,8 @@ class Outputs:
     """Messages for another broker instance: written to this instance's transmission topic."""
     acks: list[AckRecord] = field(default_factory=list)
     """Acknowledgements of inbound messages: written to ``ksb.<to_instance>.acks``."""
+    relays: list[RelayRecord] = field(default_factory=list)
+    """Work for the owners of other shards: written to the relay topic, keyed by group."""
 
     def extend(self, other: Outputs) -> None:
         self.queue.extend(other.queue)
@@ -75,8 +78,4 @@ class Outputs:
         self.purged.extend(other.purged)
         self.transmissions.extend(other.transmissions)
         self.acks.extend(other.acks)
-
-
-def forget_outcome(outcome: QueueWrite) -> QueueWrite:
-    """An outcome is read once, right after it is written; its tombstone lets compaction drop it."""
-    return QueueWrite(outcome.queue, outcome.partition, outcome.key, None)
+        self.relays.extend(other.relays)

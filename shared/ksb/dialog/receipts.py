@@ -4,7 +4,8 @@ The dispatcher is the single authority that a message is received at most once: 
 message that is not waiting (received before, never there) or that belongs to another group is
 refused whole, and so is one under a stale lock token (`ksb.dialog.fences`). Refused or applied,
 every commit with a receipt gets an outcome record in its group's partition of the queue topic,
-which is how the committing reader learns the result and releases its lock.
+which is how the committing reader learns the result and releases its lock; keyed by the group,
+the newest one also keeps the group's fence through compaction and restarts.
 """
 
 from __future__ import annotations
@@ -13,35 +14,47 @@ from typing import TYPE_CHECKING
 
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
-from ksb.dialog.outputs import Outputs, QueueWrite, forget_outcome
+from ksb.dialog.endpoint import Endpoint
+from ksb.dialog.outputs import Outputs, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.errors import ConversationError, KsbError
 from ksb.wire.partitioning import partition_for
-from ksb.wire.protocol import CommitOutcome, CommitRequest, Receipt
+from ksb.wire.protocol import (
+    Action,
+    BeginRequest,
+    CommitOutcome,
+    CommitRequest,
+    Receipt,
+    SendRequest,
+    replace,
+)
+from ksb.wire.relay import RelayAction
 
 if TYPE_CHECKING:
     from ksb.dialog.engine import Engine
 
-__all__ = ["apply_receipt", "commit", "refused_outcome"]
+__all__ = ["apply_receipt", "commit", "outcome_key", "refused_outcome"]
 
 
 def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
     if req.receipt is not None:
         apply_receipt(eng, stage, req.receipt, now)
+    begun: dict[str, str] = {}
     for action in req.actions:
-        eng.apply_action(stage, action, now)
+        group = _group_of(stage, action, begun)
+        if group is None or eng.owns(group):
+            eng.apply_action(stage, action, now)
+        else:
+            # A conversation of a group another dispatcher owns: carried out there, after this
+            # commit, exactly once; a refusal is reported under this commit's request id.
+            stage.out.relays.append(
+                RelayAction(action=action, group=group, request_id=req.request_id)
+            )
     if req.receipt is None:
         return
     r = req.receipt
-    queue = eng.catalog.queue(r.queue)
-    outcome = QueueWrite(
-        r.queue,
-        partition_for(r.group, queue.partitions),
-        f"commit/{req.request_id}",
-        CommitOutcome(request_id=req.request_id, group=r.group, token=r.token, applied=True),
-    )
-    stage.out.queue.extend((outcome, forget_outcome(outcome)))
     eng.fences.applied(r.queue, r.group, r.token)
+    stage.out.queue.append(_outcome(eng, req, r, applied=True, reason=""))
 
 
 def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
@@ -63,7 +76,7 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
         stage.out.received.append(info)
         if info.retained is not None:
             # RETENTION ON: the message stays, marked received, until its conversation ends.
-            kept = info.retained.model_copy(update={"status": 0})
+            kept = replace(info.retained, status=0)
             stage.out.queue.append(QueueWrite(r.queue, info.partition, mid, kept))
             stage.new_retained[mid] = info
         else:
@@ -75,29 +88,65 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
         receiver.state = ep_rules.after_receive(receiver)
         receiver.updated_ms = now
         if info.message_type in (END_DIALOG, ERROR):
-            peer = stage.maybe_endpoint(receiver.far_handle)
-            if peer is not None:
-                peer.state = ep_rules.after_peer_received_end(peer)
-                peer.updated_ms = now
+            _far_received_end(eng, stage, receiver, now)
+
+
+def _group_of(stage: Stage, action: Action, begun: dict[str, str]) -> str | None:
+    """The group an action changes, None when it is an endpoint this engine has. A BEGIN's is
+    its related conversation's, the group it names, or its own handle; another handle's is the
+    group a BEGIN earlier in the commit gave it, else the group the action names, else (as for
+    any conversation not begun in a named or related group) its own handle."""
+    if isinstance(action, BeginRequest):
+        group = action.conversation_group_id or action.handle
+        related = action.related_conversation
+        if related is not None:
+            if stage.knows(related):
+                return None
+            # A related conversation of another shard: the group the BEGIN also names (the SDK
+            # names it when it knows it) finds its owner when it is not the related handle.
+            group = begun.get(related) or action.conversation_group_id or related
+        begun[action.handle] = group
+        return group
+    handle = action.handles[0] if isinstance(action, SendRequest) else action.handle
+    if stage.knows(handle):
+        return None
+    return begun.get(handle) or action.group or handle
+
+
+def _far_received_end(eng: Engine, stage: Stage, receiver: Endpoint, now: int) -> None:
+    """Our application received the far side's EndDialog or Error: the far side, if it ended
+    first, is closed by that (a local dialog's two ends always have the same owner)."""
+    if receiver.far_instance is not None:
+        return  # another instance learns it from our own EndDialog (`ksb.dialog.end`)
+    peer = stage.maybe_endpoint(receiver.far_handle)
+    if peer is not None:
+        peer.state = ep_rules.after_peer_received_end(peer)
+        peer.updated_ms = now
 
 
 def refused_outcome(eng: Engine, req: CommitRequest, exc: KsbError, out: Outputs) -> None:
     """A refused commit still gets its outcome record, so its reader learns and lets go."""
-    if req.receipt is None:
-        return
-    r = req.receipt
+    if req.receipt is not None:
+        reason = f"{exc.code}: {exc.reason}"
+        out.queue.append(_outcome(eng, req, req.receipt, applied=False, reason=reason))
+
+
+def outcome_key(group: str) -> str:
+    """The queue-topic key of a group's commit outcomes: compaction keeps the newest."""
+    return f"commit/{group}"
+
+
+def _outcome(
+    eng: Engine, req: CommitRequest, r: Receipt, *, applied: bool, reason: str
+) -> QueueWrite:
     queue = eng.catalog.queues.get(r.queue)
     partitions = queue.partitions if queue else 1
-    outcome = QueueWrite(
-        r.queue,
-        partition_for(r.group, partitions),
-        f"commit/{req.request_id}",
-        CommitOutcome(
-            request_id=req.request_id,
-            group=r.group,
-            token=r.token,
-            applied=False,
-            reason=f"{exc.code}: {exc.reason}",
-        ),
+    record = CommitOutcome(
+        request_id=req.request_id,
+        group=r.group,
+        token=r.token,
+        applied=applied,
+        reason=reason,
+        fence=eng.fences.get(r.queue, r.group),
     )
-    out.queue.extend((outcome, forget_outcome(outcome)))
+    return QueueWrite(r.queue, partition_for(r.group, partitions), outcome_key(r.group), record)

@@ -13,20 +13,16 @@ picked up within the stale age (10 s by default, `DispatcherSettings.inbound_sta
 
 from __future__ import annotations
 
-import uuid
 from typing import TYPE_CHECKING
 
-from ksb.catalog.model import END_DIALOG, ERROR
-from ksb.dialog import endpoint as ep_rules
-from ksb.dialog.delivery import drop_queued, enqueue, transmit
+from ksb.catalog.model import ERROR
+from ksb.dialog.delivery import accept, transmit
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.stage import Stage
 from ksb.dialog.system_messages import (
     CONTRACT_REFUSED,
-    VALIDATION_CODE,
     error_body,
-    parse_error_body,
 )
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import AckRecord, ErrorRecord, InboundMessage
@@ -106,7 +102,7 @@ def inbound(eng: Engine, stage: Stage, msg: InboundMessage, now: int) -> None:
         return
     window = eng.remote.window(receiver, now)
     for item in window.offer(msg.seq, msg):
-        _accept(eng, stage, receiver, item, now)
+        accept(eng, stage, receiver, item.message_type, item.body_bytes(), item.seq, now)
     receiver.recv_seq = window.next_seq
     receiver.updated_ms = now
     stage.out.acks.append(_ack(msg, window.ack_seq, eng.instance))
@@ -133,9 +129,10 @@ def _inbound_endpoint(
         remote_service=msg.from_service,
         contract=msg.contract,
         queue=service.queue if service is not None else "",
-        group=str(uuid.uuid4()),
+        group=handle,
         priority=cat.priorities.level(msg.contract, msg.to_service, msg.from_service),
         far_handle=msg.conversation_id,
+        far_group=msg.from_group,
         created_ms=now,
         updated_ms=now,
         far_instance=msg.from_instance,
@@ -156,30 +153,6 @@ def _inbound_endpoint(
     ep.recv_seq = msg.seq + 1 if msg.seq == 0 else 0
     ep.state = State.CLOSED
     return None
-
-
-def _accept(eng: Engine, stage: Stage, receiver: Endpoint, msg: InboundMessage, now: int) -> None:
-    """One in-order inbound message: into the queue, and the state change it implies."""
-    if msg.message_type == END_DIALOG:
-        if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR):
-            # We ended first (or failed): the far side's EndDialog closes us; nobody reads it.
-            receiver.state = State.CLOSED
-            drop_queued(eng, stage, receiver)
-            return
-        enqueue(eng, stage, receiver, END_DIALOG, "E", b"", msg.seq, now)
-        receiver.state = ep_rules.after_peer_ended(receiver)
-        return
-    if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR, State.CLOSED):
-        return  # Service Broker drops messages for a conversation this side has given up
-    if msg.message_type == ERROR:
-        body = msg.body_bytes()
-        enqueue(eng, stage, receiver, ERROR, "X", body, msg.seq, now)
-        receiver.state = ep_rules.after_peer_error(receiver)
-        receiver.error_code, receiver.error_description = parse_error_body(body)
-        return
-    mtype = eng.catalog.message_types.get(msg.message_type)
-    validation = VALIDATION_CODE[mtype.validation.value] if mtype is not None else "N"
-    enqueue(eng, stage, receiver, msg.message_type, validation, msg.body_bytes(), msg.seq, now)
 
 
 def _ack(msg: InboundMessage, ack_seq: int, instance: str) -> AckRecord:

@@ -38,8 +38,15 @@ class Stage:
             return self.endpoints[handle]
         base = self.engine.endpoints.get(handle)
         if base is None or base.state is State.CLOSED:
+            hint = ""
+            if len(self.engine.ownership.owned) < self.engine.ownership.shards:
+                hint = (
+                    " on this dispatcher (a conversation's requests are keyed by its conversation"
+                    " group: its handle, unless it was begun in a related group)"
+                )
             raise ConversationError(
-                f"unknown or closed conversation handle {handle!r}", code="unknown_conversation"
+                f"unknown or closed conversation handle {handle!r}{hint}",
+                code="unknown_conversation",
             )
         ep = base.copy()
         self.endpoints[handle] = ep

@@ -33,6 +33,7 @@ __all__ = [
     "core_topics",
     "dead_letter_topic",
     "ensure_topics",
+    "group_consumer",
     "log_consumer_error",
     "producer",
     "queue_topic",
@@ -104,6 +105,28 @@ def consumer(
     return Consumer(conf)
 
 
+def group_consumer(settings: KsbSettings, *, group: str, **extra: Any) -> Consumer:
+    """A member of a consumer group under Kafka's consumer protocol (KIP-848) with the broker's
+    co-partitioning ``range`` assignor: every member gets the same partition numbers of every
+    topic it subscribes to, which is what lets the partition number be a shard. Its session and
+    heartbeat are the broker's (``group.consumer.*``); a client may not set them."""
+    conf: dict[str, Any] = {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        "group.id": group,
+        "group.protocol": "consumer",
+        "group.remote.assignor": "range",
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": "read_committed",
+        "fetch.wait.max.ms": settings.fetch_wait_max_ms,
+        "fetch.error.backoff.ms": 50,
+        "enable.partition.eof": False,
+    }
+    conf.update(extra)
+    conf.update(client_security(settings, conf["bootstrap.servers"]))
+    return Consumer(conf)
+
+
 def admin(settings: KsbSettings) -> AdminClient:
     conf = {"bootstrap.servers": settings.kafka_bootstrap}
     return AdminClient({**conf, **client_security(settings, settings.kafka_bootstrap)})
@@ -137,12 +160,13 @@ _COMPACT = (
 def core_topics(names: Names, settings: KsbSettings) -> list[TopicSpec]:
     return [
         TopicSpec(names.requests, settings.request_partitions),
-        TopicSpec(names.endpoints, 1, _COMPACT),
+        TopicSpec(names.relay, settings.request_partitions),
+        TopicSpec(names.endpoints, settings.request_partitions, _COMPACT),
         TopicSpec(names.catalog, 1, _COMPACT),
         TopicSpec(names.errors, 1),
         TopicSpec(names.audit, 1),
         TopicSpec(names.transmission, 1),
-        TopicSpec(names.inbound, settings.request_partitions),  # co-partitioned with requests
+        TopicSpec(names.inbound, settings.request_partitions),
         TopicSpec(names.acks, 1),
         TopicSpec(names.outbound, 1),
         TopicSpec(names.links, 1),

@@ -34,6 +34,7 @@ __all__ = [
     "PURGES",
     "PURGE_REASONS",
     "QUEUE_DEPTH",
+    "RELAYED",
     "REQUESTS",
     "RUNNABLE_GROUPS",
     "SUPPRESSED_DESTINATIONS",
@@ -59,6 +60,11 @@ log = logging.getLogger("ksb.runtime.metrics")
 
 REQUESTS = Counter("ksb_requests_total", "Requests handled by the dispatcher", ["kind"])
 ERRORS = Counter("ksb_errors_total", "Requests refused, with the reason code", ["code"])
+RELAYED = Counter(
+    "ksb_relayed_total",
+    "Work another dispatcher handed over, applied by the owner of its shard",
+    ["kind"],
+)
 COMMITS = Counter("ksb_commits_total", "Reader commits by outcome", ["outcome"])
 TXN_SECONDS = Histogram(
     "ksb_dispatcher_txn_seconds",

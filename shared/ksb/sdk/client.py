@@ -22,6 +22,7 @@ from ksb.errors import KsbError, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.redis_client import redis_client
+from ksb.sdk.groups import GroupDirectory
 from ksb.sdk.locks import Lease
 from ksb.sdk.reader import QueueReader
 from ksb.settings import ClientSettings
@@ -38,6 +39,7 @@ from ksb.wire.protocol import (
     TimerRequest,
     dumps,
     encode_body,
+    replace,
 )
 
 __all__ = ["KsbClient", "Transaction"]
@@ -57,6 +59,8 @@ class KsbClient:
         self.audit = Audit(KafkaAudit(self._producer, self.names))
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
+        self.groups = GroupDirectory()
+        """The groups of the handles this client began or received on: a request's key."""
         self._lock = threading.Lock()
         # Delivery reports resolve request futures; one thread serves them so waiters just block.
         self._closing = threading.Event()
@@ -130,7 +134,7 @@ class KsbClient:
         conversation_group_id: str | None = None,
     ) -> str:
         """Returns the new conversation handle; errors arrive on the error topic."""
-        req = begin_request(
+        req = self._begin(
             from_service,
             to_service,
             contract,
@@ -138,14 +142,14 @@ class KsbClient:
             related_conversation,
             conversation_group_id,
         )
-        self._produce(req, req.handle)
+        self._produce(req, self.groups.begun(req))
         return req.handle
 
     def send(
         self, handles: str | Sequence[str], message_type: str = "DEFAULT", body: bytes | str = b""
     ) -> str:
         req = send_request(handles, message_type, body)
-        self._produce(req, req.handles[0])
+        self._produce(req, self.groups.of(req.handles[0]))
         return req.request_id
 
     def end_conversation(
@@ -157,19 +161,40 @@ class KsbClient:
         cleanup: bool = False,
     ) -> str:
         req = EndRequest(
-            kind="end",
             handle=handle,
             error_code=error_code,
             error_description=error_description,
             cleanup=cleanup,
         )
-        self._produce(req, handle)
+        self._produce(req, self.groups.of(handle))
         return req.request_id
 
     def begin_conversation_timer(self, handle: str, timeout_s: float) -> str:
-        req = TimerRequest(kind="timer", handle=handle, timeout_s=timeout_s)
-        self._produce(req, handle)
+        req = TimerRequest(handle=handle, timeout_s=timeout_s)
+        self._produce(req, self.groups.of(handle))
         return req.request_id
+
+    def _begin(
+        self,
+        from_service: str,
+        to_service: str,
+        contract: str,
+        lifetime_s: int | None,
+        related_conversation: str | None,
+        conversation_group_id: str | None,
+    ) -> BeginRequest:
+        """A BEGIN; one related to a conversation whose group this client knows also names that
+        group, so a commit's BEGIN reaches the group's owner (`ksb.dialog.receipts`)."""
+        if related_conversation is not None and conversation_group_id is None:
+            conversation_group_id = self.groups.hint(related_conversation)
+        return begin_request(
+            from_service,
+            to_service,
+            contract,
+            lifetime_s,
+            related_conversation,
+            conversation_group_id,
+        )
 
     def transaction(self) -> Transaction:
         return Transaction(self)
@@ -184,7 +209,6 @@ def begin_request(
     conversation_group_id: str | None,
 ) -> BeginRequest:
     return BeginRequest(
-        kind="begin",
         handle=str(uuid.uuid4()),
         from_service=from_service,
         to_service=to_service,
@@ -197,9 +221,8 @@ def begin_request(
 
 def send_request(handles: str | Sequence[str], message_type: str, body: bytes | str) -> SendRequest:
     hs = (handles,) if isinstance(handles, str) else tuple(handles)
-    return SendRequest(
-        kind="send", handles=hs, message_type=message_type, **encode_body(_as_bytes(body))
-    )
+    text, b64 = encode_body(_as_bytes(body))
+    return SendRequest(handles=hs, message_type=message_type, body=text, body_b64=b64)
 
 
 class Transaction:
@@ -258,6 +281,7 @@ class Transaction:
             fresh = fresh[:top]
         for m in fresh:
             self._received[m.message_id] = m
+        self._client.groups.learn_received(fresh)
         if fresh and self._client.audit.enabled:
             targeted = conversation_group_id is not None or conversation_handle is not None
             self._audit_receive(reader, self._lease.group, fresh, targeted)
@@ -301,7 +325,7 @@ class Transaction:
         related_conversation: str | None = None,
         conversation_group_id: str | None = None,
     ) -> str:
-        req = begin_request(
+        req = self._client._begin(
             from_service,
             to_service,
             contract,
@@ -309,13 +333,15 @@ class Transaction:
             related_conversation,
             conversation_group_id,
         )
+        self._client.groups.begun(req)
         self._actions.append(req)
         return req.handle
 
     def send(
         self, handles: str | Sequence[str], message_type: str = "DEFAULT", body: bytes | str = b""
     ) -> None:
-        self._actions.append(send_request(handles, message_type, body))
+        req = send_request(handles, message_type, body)
+        self._actions.append(replace(req, group=self._client.groups.hint(req.handles[0])))
 
     def end_conversation(
         self,
@@ -327,16 +353,17 @@ class Transaction:
     ) -> None:
         self._actions.append(
             EndRequest(
-                kind="end",
                 handle=handle,
                 error_code=error_code,
                 error_description=error_description,
                 cleanup=cleanup,
+                group=self._client.groups.hint(handle),
             )
         )
 
     def begin_conversation_timer(self, handle: str, timeout_s: float) -> None:
-        self._actions.append(TimerRequest(kind="timer", handle=handle, timeout_s=timeout_s))
+        hint = self._client.groups.hint(handle)
+        self._actions.append(TimerRequest(handle=handle, timeout_s=timeout_s, group=hint))
 
     def commit_async(self) -> Future[Any]:
         """Send the commit record; the future resolves with the dispatcher's outcome."""
@@ -357,12 +384,11 @@ class Transaction:
             done.set_result(None)
             return done
         req = CommitRequest(
-            kind="commit",
             reader=self._reader.holder if self._reader else "",
             receipt=receipt,
             actions=tuple(self._actions),
         )
-        key = receipt.group if receipt else _action_key(self._actions[0])
+        key = receipt.group if receipt else self._client.groups.of(_action_key(self._actions[0]))
         if receipt is None or self._reader is None or self._lease is None:
             return self._client._produce(req, key)
         outcome: Future[CommitOutcome] = self._reader.expect_outcome(req.request_id, self._lease)
@@ -417,7 +443,6 @@ class Transaction:
         assert self._reader is not None
         for mid in message_ids:
             req = DeadLetterRequest(
-                kind="dead_letter",
                 message=self._received[mid],
                 reason=f"rolled back {self._reader.queue} message the maximum number of times",
             )

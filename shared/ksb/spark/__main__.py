@@ -54,7 +54,7 @@ def main() -> int:
         output_dir=_path(s.spark_output_dir) / s.instance,
         window_s=s.spark_window_s,
         watermark_s=s.spark_watermark_s,
-        trigger_s=s.spark_trigger_s,
+        trigger_ms=s.spark_trigger_ms,
         sla_targets_ms=_targets(s),
     ).logged_in(s)
     port = serve_metrics(s.metrics_port, host=s.metrics_host)

@@ -10,7 +10,8 @@ deliberate. `transmit`/`acknowledge` on a transmission queue follow the same rul
 `receive`/`commit`.
 
 It also measures activation reaction time: from a QUEUE_ACTIVATION event or an activated task's
-start to the next RECEIVE on the queue.
+start to the next RECEIVE on the queue, and keeps the backlog: ready messages and groups, locked
+groups, and the enqueue time of the oldest ready message (`ksb.spark.backlog_age`).
 
 State is per group and level (message counts), not per message, so it stays small for deep queues.
 """
@@ -21,6 +22,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ksb.spark.backlog_age import BacklogAge
 
 __all__ = ["ROW_COLUMNS", "OrderingEvent", "QueueOrdering"]
 
@@ -39,6 +42,8 @@ ROW_COLUMNS = (
     "ready_messages",
     "ready_groups",
     "locked_groups",
+    "oldest_enqueued_ms",
+    "oldest_age_ms",
 )
 
 _TAKE = frozenset({"receive", "transmit"})
@@ -58,6 +63,7 @@ class OrderingEvent:
     count: int | None = None
     targeted: bool = False
     starvation_exception: bool = False
+    enqueued_ms: int | None = None
 
 
 @dataclass
@@ -76,6 +82,8 @@ class QueueOrdering:
     windows: dict[int, dict[tuple[str, int, int], list[int]]] = field(default_factory=dict)
     totals: dict[tuple[str, int, int], list[int]] = field(default_factory=dict)
     max_event_ms: int = 0
+    age: BacklogAge = field(default_factory=BacklogAge)
+    """Enqueue times of the ready messages, for the age of the oldest."""
     _touched_windows: set[tuple[int, str, int, int]] = field(default_factory=set)
     _reactions: list[tuple[int, int]] = field(default_factory=list)
 
@@ -98,44 +106,86 @@ class QueueOrdering:
         return since is not None and self.max_event_ms - since < self.lock_ttl_ms
 
     def apply(self, e: OrderingEvent) -> None:
-        self.max_event_ms = max(self.max_event_ms, e.event_ms)
-        if e.kind == "enqueue" and e.group is not None and e.priority is not None:
-            levels = self.ready.setdefault(e.group, {})
-            levels[e.priority] = levels.get(e.priority, 0) + (e.count or 1)
-        elif e.kind in _TAKE and e.group is not None:
-            self._take(e, e.group)
-        if e.kind in _REMOVE and e.group is not None:
-            self._remove(e.group, e.priority, e.count or 1)
-        if e.kind in _UNLOCK and e.group is not None:
-            self.locked.pop(e.group, None)
-        if e.kind in _ACTIVATE and self.pending_activation_ms is None:
-            self.pending_activation_ms = e.event_ms
+        self.apply_fields(
+            e.kind,
+            e.event_ms,
+            e.group,
+            e.priority,
+            e.count,
+            e.targeted,
+            e.starvation_exception,
+            e.enqueued_ms,
+        )
 
-    def _take(self, e: OrderingEvent, group: str) -> None:
-        if e.kind == "receive" and self.pending_activation_ms is not None:
-            self._reactions.append((e.event_ms, max(0, e.event_ms - self.pending_activation_ms)))
+    def apply_fields(
+        self,
+        kind: str,
+        event_ms: int,
+        group: str | None,
+        priority: int | None,
+        count: int | None,
+        targeted: bool,
+        starvation_exception: bool,
+        enqueued_ms: int | None,
+    ) -> None:
+        """`apply` without building an `OrderingEvent`: the Spark job calls this once per event."""
+        if event_ms > self.max_event_ms:
+            self.max_event_ms = event_ms
+        if group is None:
+            if kind in _ACTIVATE and self.pending_activation_ms is None:
+                self.pending_activation_ms = event_ms
+            return
+        if kind == "enqueue":
+            if priority is not None:
+                levels = self.ready.setdefault(group, {})
+                levels[priority] = levels.get(priority, 0) + (count or 1)
+                self.age.add(enqueued_ms if enqueued_ms is not None else event_ms, count or 1)
+        elif kind in _TAKE:
+            self._take(kind, event_ms, group, priority, targeted, starvation_exception)
+        if kind in _REMOVE:
+            removed = self._remove(group, priority, count or 1)
+            if removed:
+                self.age.remove(enqueued_ms, removed)
+        if kind in _UNLOCK:
+            self.locked.pop(group, None)
+        if kind in _ACTIVATE and self.pending_activation_ms is None:
+            self.pending_activation_ms = event_ms
+
+    def _take(
+        self,
+        kind: str,
+        event_ms: int,
+        group: str,
+        priority: int | None,
+        targeted: bool,
+        starvation_exception: bool,
+    ) -> None:
+        if kind == "receive" and self.pending_activation_ms is not None:
+            self._reactions.append((event_ms, max(0, event_ms - self.pending_activation_ms)))
             self.pending_activation_ms = None
         # WHERE names its group, and a second RECEIVE continues the group it holds: no choice made.
-        if not e.targeted and not self.is_locked(group):
-            low = e.priority if e.priority is not None else self.level(group)
+        if not targeted and not self.is_locked(group):
+            low = priority if priority is not None else self.level(group)
             high = self.highest_other(group)
             if high > low:
-                self._count(e.kind, e.event_ms, high, low, e.starvation_exception)
-        self.locked[group] = e.event_ms
+                self._count(kind, event_ms, high, low, starvation_exception)
+        self.locked[group] = event_ms
 
-    def _remove(self, group: str, priority: int | None, n: int) -> None:
+    def _remove(self, group: str, priority: int | None, n: int) -> int:
+        """Take up to ``n`` ready messages of ``group`` away; how many there were to take."""
         levels = self.ready.get(group)
         if not levels:
-            return
+            return 0
         if priority is None or priority not in levels:
             priority = max(levels)  # a removal we cannot place: take it from the top
-        left = levels[priority] - n
-        if left > 0:
-            levels[priority] = left
+        had = levels[priority]
+        if had > n:
+            levels[priority] = had - n
         else:
             del levels[priority]
         if not levels:
             del self.ready[group]
+        return min(had, n)
 
     def _count(self, kind: str, event_ms: int, high: int, low: int, starvation: bool) -> None:
         start = event_ms - event_ms % self.window_ms
@@ -182,6 +232,8 @@ class QueueOrdering:
             )
         for event_ms, reaction_ms in self._reactions:
             rows.append(_row("reaction", queue, event_ms=event_ms, reaction_ms=reaction_ms))
+        self.age.compact(self.max_event_ms)
+        oldest = self.age.oldest_ms()
         rows.append(
             _row(
                 "backlog",
@@ -190,6 +242,8 @@ class QueueOrdering:
                 ready_messages=sum(sum(v.values()) for v in self.ready.values()),
                 ready_groups=len(self.ready),
                 locked_groups=sum(1 for g in self.locked if self.is_locked(g)),
+                oldest_enqueued_ms=oldest,
+                oldest_age_ms=None if oldest is None else max(0, self.max_event_ms - oldest),
             )
         )
         self._touched_windows.clear()
@@ -203,27 +257,32 @@ class QueueOrdering:
 
     # ----------------------------------------------------------------- state store
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "window_ms": self.window_ms,
-                "retain_ms": self.retain_ms,
-                "lock_ttl_ms": self.lock_ttl_ms,
-                "ready": {g: {str(p): n for p, n in lv.items()} for g, lv in self.ready.items()},
-                "locked": self.locked,
-                "pending": self.pending_activation_ms,
-                "windows": {
-                    str(s): [[k, h, lo, *c] for (k, h, lo), c in w.items()]
-                    for s, w in self.windows.items()
-                },
-                "totals": [[k, h, lo, *c] for (k, h, lo), c in self.totals.items()],
-                "max": self.max_event_ms,
-            },
-            separators=(",", ":"),
-        )
+        return json.dumps(self.to_state(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str) -> QueueOrdering:
-        d: Mapping[str, Any] = json.loads(text)
+        return cls.from_state(json.loads(text))
+
+    def to_state(self) -> dict[str, Any]:
+        """The machine as plain JSON-able data, for the job's per-queue state."""
+        return {
+            "window_ms": self.window_ms,
+            "retain_ms": self.retain_ms,
+            "lock_ttl_ms": self.lock_ttl_ms,
+            "ready": {g: {str(p): n for p, n in lv.items()} for g, lv in self.ready.items()},
+            "locked": self.locked,
+            "pending": self.pending_activation_ms,
+            "windows": {
+                str(s): [[k, h, lo, *c] for (k, h, lo), c in w.items()]
+                for s, w in self.windows.items()
+            },
+            "totals": [[k, h, lo, *c] for (k, h, lo), c in self.totals.items()],
+            "max": self.max_event_ms,
+            "age": self.age.to_state(),
+        }
+
+    @classmethod
+    def from_state(cls, d: Mapping[str, Any]) -> QueueOrdering:
         return cls(
             window_ms=int(d["window_ms"]),
             retain_ms=int(d["retain_ms"]),
@@ -237,6 +296,7 @@ class QueueOrdering:
             },
             totals={(k, int(h), int(lo)): [int(i), int(st)] for k, h, lo, i, st in d["totals"]},
             max_event_ms=int(d["max"]),
+            age=BacklogAge.from_state(d.get("age", [])),
         )
 
 

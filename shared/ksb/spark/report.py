@@ -1,9 +1,15 @@
 """``make report``: the Spark job's Parquet outputs as one self-contained HTML page.
 
-For people without Grafana: time in queue per priority over time, priority inversions, and readers
-against backlog, per queue, drawn as inline SVG (no plotting library, no network, one file to mail).
+For people without Grafana, the charts an operator asks for first, every queue on each: backlog
+(ready messages) and the age of the oldest ready message, throughput (received and enqueued
+messages per second, per window), time in queue per priority, dead letters per window, priority
+inversions per window, and readers against backlog. Drawn with plotly (Plotly.js), whose library
+is written once into the page itself, so the page is one file that works offline: nothing is
+fetched when it is opened.
+
 The Parquet files hold update-mode rows (absolute figures per window, rewritten as a window fills),
-so for every window and series the row of the newest micro-batch is the one shown.
+so for every window and series the row of the newest micro-batch is the one shown. Shaping the
+rows into series (`charts`) is pure and tested apart from drawing them (`render`).
 
     python -m ksb.spark.report [--input var/spark] [--output var/report/index.html]
 """
@@ -16,24 +22,44 @@ import html
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["load_outputs", "main", "render"]
+__all__ = ["CHARTS", "Chart", "charts", "load_outputs", "main", "render"]
 
 Row = dict[str, Any]
-_PALETTE = (
-    "#1f77b4",
-    "#d62728",
-    "#2ca02c",
-    "#ff7f0e",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
+Point = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Chart:
+    """One chart: named lines of (Unix ms, value) points, and an optional right-hand axis."""
+
+    key: str
+    title: str
+    y_label: str
+    series: Mapping[str, Sequence[Point]]
+    right: Mapping[str, Sequence[Point]] = field(default_factory=dict)
+    right_label: str = ""
+    bar_ms: float | None = None
+    """Draw the main series as bars this wide (a window), not lines."""
+
+    @property
+    def empty(self) -> bool:
+        return not any(self.series.values()) and not any(self.right.values())
+
+
+CHARTS = (
+    "backlog",
+    "oldest_age",
+    "throughput",
+    "time_in_queue",
+    "dead_letters",
+    "inversions",
+    "readers",
 )
+"""Every chart the page draws, in page order (each has a ``chart-<key>`` element)."""
 
 
 def load_outputs(folder: Path) -> dict[str, list[Row]]:
@@ -57,102 +83,207 @@ def _latest(rows: Iterable[Row], key: Sequence[str]) -> list[Row]:
     return list(best.values())
 
 
-# --------------------------------------------------------------------------- SVG charts
-def _fmt_time(ms: float) -> str:
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%H:%M:%S")
+def _queue(r: Row) -> str:
+    return f"{r['queue']} ({r['instance']})"
 
 
-def line_chart(
-    title: str,
-    series: Mapping[str, Sequence[tuple[float, float]]],
-    *,
-    y_label: str,
-    right: Mapping[str, Sequence[tuple[float, float]]] | None = None,
-    right_label: str = "",
-    width: int = 760,
-    height: int = 260,
-) -> str:
-    """Lines over time (x: Unix ms); an optional second set of series on a right-hand axis."""
-    right = right or {}
-    points = [p for s in (*series.values(), *right.values()) for p in s]
-    if not points:
-        return f"<h3>{html.escape(title)}</h3><p class='empty'>no data</p>"
-    left_pad, right_pad, top, bottom = 60, 60 if right else 20, 20, 40
-    x0, x1 = min(p[0] for p in points), max(p[0] for p in points)
-    x1 = x1 if x1 > x0 else x0 + 1
+def _lines(points: Mapping[str, Mapping[float, float]]) -> dict[str, list[Point]]:
+    return {name: sorted(p.items()) for name, p in sorted(points.items()) if p}
 
-    def y_max(ss: Mapping[str, Sequence[tuple[float, float]]]) -> float:
-        ys = [p[1] for s in ss.values() for p in s]
-        return (max(ys) or 1.0) * 1.1 if ys else 1.0
 
-    ly, ry = y_max(series), y_max(right)
-    pw, ph = width - left_pad - right_pad, height - top - bottom
-
-    def sx(x: float) -> float:
-        return left_pad + (x - x0) / (x1 - x0) * pw
-
-    def sy(y: float, top_y: float) -> float:
-        return top + ph - y / top_y * ph
-
-    parts = [
-        f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height + 20}' "
-        f"role='img' aria-label='{html.escape(title)}'>",
-        f"<rect x='{left_pad}' y='{top}' width='{pw}' height='{ph}' fill='#fafafa' stroke='#ccc'/>",
-    ]
-    for i in range(5):
-        frac = i / 4
-        yv = top + ph - frac * ph
-        parts.append(
-            f"<line x1='{left_pad}' x2='{left_pad + pw}' y1='{yv:.1f}' y2='{yv:.1f}' "
-            "stroke='#eee'/>"
-        )
-        parts.append(
-            f"<text x='{left_pad - 4}' y='{yv + 4:.1f}' text-anchor='end' "
-            f"font-size='10'>{frac * ly:.0f}</text>"
-        )
-        if right:
-            parts.append(
-                f"<text x='{left_pad + pw + 4}' y='{yv + 4:.1f}' font-size='10'>"
-                f"{frac * ry:.0f}</text>"
-            )
-        xv = x0 + frac * (x1 - x0)
-        parts.append(
-            f"<text x='{sx(xv):.1f}' y='{top + ph + 14}' text-anchor='middle' "
-            f"font-size='10'>{_fmt_time(xv)}</text>"
-        )
-    parts.append(
-        f"<text x='12' y='{top + ph / 2:.0f}' font-size='11' "
-        f"transform='rotate(-90 12 {top + ph / 2:.0f})' text-anchor='middle'>"
-        f"{html.escape(y_label)}</text>"
+# --------------------------------------------------------------------------- rows -> series
+def charts(outputs: Mapping[str, list[Row]]) -> dict[str, Chart]:
+    """Every chart's series from the job's rows (newest batch per window and series)."""
+    sla = _latest(outputs["sla"], ("instance", "queue", "service", "priority", "window_start_ms"))
+    ordering = outputs["ordering"]
+    windows = _latest(
+        (r for r in ordering if r["row"] == "inversions"),
+        ("instance", "queue", "kind", "high", "low", "window_start_ms"),
     )
-    if right:
-        rx = width - 8
-        parts.append(
-            f"<text x='{rx}' y='{top + ph / 2:.0f}' font-size='11' "
-            f"transform='rotate(90 {rx} {top + ph / 2:.0f})' text-anchor='middle'>"
-            f"{html.escape(right_label)}</text>"
+    backlog = sorted(
+        (r for r in ordering if r["row"] == "backlog" and r.get("event_ms")),
+        key=lambda r: (r["event_ms"], r.get("batch_id", 0)),
+    )
+    ready: dict[str, dict[float, float]] = defaultdict(dict)
+    age: dict[str, dict[float, float]] = defaultdict(dict)
+    for r in backlog:
+        ready[_queue(r)][r["event_ms"]] = float(r["ready_messages"] or 0)
+        if r.get("oldest_age_ms") is not None:
+            age[_queue(r)][r["event_ms"]] = r["oldest_age_ms"] / 1000
+        elif "oldest_age_ms" in r:
+            age[_queue(r)][r["event_ms"]] = 0.0  # nothing ready: nothing waits
+    received: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    enqueued: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    dead: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    p95: dict[str, dict[float, float]] = defaultdict(dict)
+    p50: dict[str, dict[float, float]] = defaultdict(dict)
+    readers: dict[str, dict[float, float]] = defaultdict(dict)
+    for r in sla:
+        if not r["queue"]:
+            continue  # errors not tied to a queue
+        q, start = _queue(r), r["window_start_ms"]
+        seconds = max(1.0, (r["window_end_ms"] - start) / 1000)
+        received[q][start] += (r["received"] or 0) / seconds
+        enqueued[q][start] += (r["enqueued"] or 0) / seconds
+        dead[q][start] += float(r["dead_lettered"] or 0)
+        readers[q][start] = max(readers[q].get(start, 0.0), float(r["readers"] or 0))
+        if r["received"] and r["tiq_p95_ms"] is not None:
+            label = f"{q} priority {r['priority']}"
+            # One line per level: the worst service's figure in the window.
+            p95[label][start] = max(p95[label].get(start, 0.0), float(r["tiq_p95_ms"]))
+            p50[label][start] = max(p50[label].get(start, 0.0), float(r["tiq_p50_ms"]))
+    window_ms = max((r["window_end_ms"] - r["window_start_ms"] for r in sla), default=10_000)
+    inversions: dict[str, dict[float, float]] = defaultdict(lambda: defaultdict(float))
+    for r in windows:
+        if r["inversions"]:
+            label = f"{_queue(r)} {r['kind']} {r['high']}>{r['low']}"
+            inversions[label][r["window_start_ms"]] += float(r["inversions"])
+    flow = {f"{q} received": p for q, p in received.items()}
+    flow.update({f"{q} enqueued": p for q, p in enqueued.items()})
+    out = [
+        Chart("backlog", "Backlog: ready messages per queue", "messages", _lines(ready)),
+        Chart("oldest_age", "Age of the oldest ready message per queue", "seconds", _lines(age)),
+        Chart("throughput", "Throughput per queue (per window)", "messages/s", _lines(flow)),
+        Chart(
+            "time_in_queue",
+            "Time in queue per priority: p95 (solid) and p50 (dotted)",
+            "ms",
+            _lines(p95),
+            right=_lines({f"{k} p50": v for k, v in p50.items()}),
+        ),
+        Chart(
+            "dead_letters",
+            "Dead letters per queue per window",
+            "messages",
+            _lines(dead),
+            bar_ms=window_ms * 0.9,
+        ),
+        Chart(
+            "inversions",
+            "Priority inversions per window, by (high > low) pair",
+            "count",
+            _lines(inversions),
+            bar_ms=window_ms * 0.9,
+        ),
+        Chart(
+            "readers",
+            "Readers against backlog",
+            "ready messages",
+            _lines({f"{q} backlog": p for q, p in ready.items()}),
+            right=_lines({f"{q} distinct readers": p for q, p in readers.items()}),
+            right_label="readers per window",
+        ),
+    ]
+    assert tuple(c.key for c in out) == CHARTS
+    return {c.key: c for c in out}
+
+
+def summary(outputs: Mapping[str, list[Row]]) -> list[tuple[Any, ...]]:
+    """Per queue: received, breaches, dead letters, inversions, starvation exceptions, the
+    latest backlog and oldest age, and the slowest activation reaction."""
+    sla = _latest(outputs["sla"], ("instance", "queue", "service", "priority", "window_start_ms"))
+    ordering = outputs["ordering"]
+    totals = _latest(
+        (r for r in ordering if r["row"] == "totals"), ("instance", "queue", "kind", "high", "low")
+    )
+    backlog = _latest(
+        sorted(
+            (r for r in ordering if r["row"] == "backlog"),
+            key=lambda r: (r.get("event_ms") or 0, r.get("batch_id", 0)),
+        ),
+        ("instance", "queue"),
+    )
+    reactions = [r for r in ordering if r["row"] == "reaction"]
+    queues = sorted({(r["instance"], r["queue"]) for r in [*sla, *backlog] if r["queue"]})
+    rows = []
+    for inst, queue in queues:
+
+        def mine(rs: Iterable[Row], inst: str = inst, queue: str = queue) -> list[Row]:
+            return [r for r in rs if (r["instance"], r["queue"]) == (inst, queue)]
+
+        last = mine(backlog)
+        react = [r["reaction_ms"] for r in mine(reactions)]
+        rows.append(
+            (
+                inst,
+                queue,
+                sum(r["received"] or 0 for r in mine(sla)),
+                sum(r["breaches"] or 0 for r in mine(sla)),
+                sum(r["dead_lettered"] or 0 for r in mine(sla)),
+                sum(r["inversions"] for r in mine(totals)),
+                sum(r["starvation_exceptions"] for r in mine(totals)),
+                last[-1]["ready_messages"] if last else None,
+                (last[-1].get("oldest_age_ms") or 0) / 1000 if last else None,
+                max(react) if react else None,
+            )
         )
-    legend_x = left_pad
-    for i, (name, pts, top_y, dash) in enumerate(
-        [(n, p, ly, "") for n, p in series.items()] + [(n, p, ry, "5,3") for n, p in right.items()]
-    ):
-        color = _PALETTE[i % len(_PALETTE)]
-        ordered = sorted(pts)
-        path = " ".join(f"{sx(x):.1f},{sy(y, top_y):.1f}" for x, y in ordered)
-        parts.append(
-            f"<polyline fill='none' stroke='{color}' stroke-width='2' "
-            f"stroke-dasharray='{dash}' points='{path}'/>"
+    return rows
+
+
+# --------------------------------------------------------------------------- drawing
+def _figure(chart: Chart) -> Any:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+
+    def x(points: Sequence[Point]) -> list[dt.datetime]:
+        return [dt.datetime.fromtimestamp(p[0] / 1000, dt.UTC) for p in points]
+
+    for name, points in chart.series.items():
+        y = [p[1] for p in points]
+        if chart.bar_ms:
+            # Bars start at their window's start and span it.
+            fig.add_trace(go.Bar(x=x(points), y=y, name=name, width=chart.bar_ms, offset=0))
+        else:
+            fig.add_trace(go.Scatter(x=x(points), y=y, name=name, mode="lines+markers"))
+    for name, points in chart.right.items():
+        fig.add_trace(
+            go.Scatter(
+                x=x(points),
+                y=[p[1] for p in points],
+                name=name,
+                mode="lines+markers",
+                line={"dash": "dot"},
+                yaxis="y2" if chart.right_label else "y",
+            )
         )
-        if len(ordered) == 1:
-            x, y = ordered[0]
-            parts.append(f"<circle cx='{sx(x):.1f}' cy='{sy(y, top_y):.1f}' r='3' fill='{color}'/>")
-        parts.append(
-            f"<text x='{legend_x}' y='{height + 14}' font-size='11' fill='{color}'>"
-            f"■ {html.escape(name)}</text>"
-        )
-        legend_x += 12 + 7 * len(name) + 12
-    parts.append("</svg>")
-    return f"<h3>{html.escape(title)}</h3>" + "".join(parts)
+    layout: dict[str, Any] = {
+        "title": {"text": chart.title},
+        "height": 340,
+        "margin": {"l": 60, "r": 60, "t": 50, "b": 40},
+        "yaxis": {"title": {"text": chart.y_label}, "rangemode": "tozero"},
+        "xaxis": {"title": {"text": "time (UTC)"}},
+        "legend": {"orientation": "h", "y": -0.25},
+        "showlegend": True,  # even with one line: its name is the queue's
+        "template": "plotly_white",
+        "barmode": "group",
+    }
+    if chart.right_label:
+        layout["yaxis2"] = {
+            "title": {"text": chart.right_label},
+            "overlaying": "y",
+            "side": "right",
+            "rangemode": "tozero",
+        }
+    if chart.empty:
+        layout["annotations"] = [
+            {"text": "no data", "showarrow": False, "font": {"size": 18, "color": "#888"}}
+        ]
+    fig.update_layout(**layout)
+    return fig
+
+
+def _chart_html(chart: Chart) -> str:
+    import plotly.io as pio
+
+    div: str = pio.to_html(
+        _figure(chart),
+        include_plotlyjs=False,  # the page carries the library once, in its head
+        full_html=False,
+        div_id=f"chart-{chart.key}",
+        config={"displaylogo": False, "responsive": True},
+    )
+    return f"<section class='chart' data-chart='{chart.key}'>{div}</section>"
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -167,134 +298,50 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.0f}"
+        return f"{value:.1f}" if value < 100 else f"{value:.0f}"
     return str(value)
 
 
-# --------------------------------------------------------------------------- the page
-def render(outputs: Mapping[str, list[Row]]) -> str:
-    sla = _latest(outputs["sla"], ("instance", "queue", "service", "priority", "window_start_ms"))
-    ordering = outputs["ordering"]
-    windows = _latest(
-        (r for r in ordering if r["row"] == "inversions"),
-        ("instance", "queue", "kind", "high", "low", "window_start_ms"),
-    )
-    totals = _latest(
-        (r for r in ordering if r["row"] == "totals"), ("instance", "queue", "kind", "high", "low")
-    )
-    backlog = [r for r in ordering if r["row"] == "backlog"]
-    reactions = [r for r in ordering if r["row"] == "reaction"]
-    queues = sorted({(r["instance"], r["queue"]) for r in [*sla, *backlog] if r["queue"]})
+_SUMMARY_HEADERS = (
+    "instance",
+    "queue",
+    "received",
+    "SLA breaches",
+    "dead letters",
+    "inversions",
+    "starvation exceptions",
+    "backlog now",
+    "oldest age now (s)",
+    "max activation reaction ms",
+)
 
-    sections: list[str] = []
-    summary = []
-    for inst, queue in queues:
-        mine = [r for r in sla if (r["instance"], r["queue"]) == (inst, queue)]
-        received = sum(r["received"] or 0 for r in mine)
-        breaches = sum(r["breaches"] or 0 for r in mine)
-        inv = sum(r["inversions"] for r in totals if (r["instance"], r["queue"]) == (inst, queue))
-        starv = sum(
-            r["starvation_exceptions"]
-            for r in totals
-            if (r["instance"], r["queue"]) == (inst, queue)
-        )
-        react = [
-            r["reaction_ms"] for r in reactions if (r["instance"], r["queue"]) == (inst, queue)
-        ]
-        summary.append((inst, queue, received, breaches, inv, starv, max(react) if react else None))
-        sections.append(_queue_section(inst, queue, mine, windows, backlog))
+
+def render(outputs: Mapping[str, list[Row]]) -> str:
+    """The whole page, Plotly.js inlined: one offline file."""
+    from plotly.offline import get_plotlyjs
+
+    rows = summary(outputs)
     page = [
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>",
         "<title>KSB SLA and priority audit</title><style>",
-        "body{font-family:system-ui,sans-serif;margin:2em;max-width:820px;color:#222}",
+        "body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px;color:#222}",
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
         "text-align:right}th{background:#f0f0f0}td:first-child,td:nth-child(2){text-align:left}",
-        ".empty{color:#888}h2{border-top:2px solid #ddd;padding-top:1em}",
-        "</style></head><body>",
+        ".empty{color:#888}.chart{border-top:1px solid #ddd;margin-top:1em}",
+        "</style>",
+        f"<script type='text/javascript'>{get_plotlyjs()}</script>",
+        "</head><body>",
         "<h1>KSB SLA and priority-ordering audit</h1>",
         f"<p>From the Spark audit job's Parquet outputs; generated "
         f"{dt.datetime.now(dt.UTC).strftime('%Y-%m-%d %H:%M:%S')} UTC.</p>",
     ]
-    if not queues:
+    if not rows:
         page.append("<p class='empty'>No outputs yet: run the audit job (python -m ksb.spark).</p>")
     else:
-        page.append(
-            _table(
-                [
-                    "instance",
-                    "queue",
-                    "received",
-                    "SLA breaches",
-                    "inversions",
-                    "starvation exceptions",
-                    "max activation reaction ms",
-                ],
-                summary,
-            )
-        )
-        page.append("<h2>Priority inversions (all queues)</h2>")
-        page.append(
-            _table(
-                ["instance", "queue", "kind", "high", "low", "inversions", "starvation exceptions"],
-                sorted(
-                    (
-                        r["instance"],
-                        r["queue"],
-                        r["kind"],
-                        r["high"],
-                        r["low"],
-                        r["inversions"],
-                        r["starvation_exceptions"],
-                    )
-                    for r in totals
-                ),
-            )
-            if totals
-            else "<p class='empty'>No inversions.</p>"
-        )
-        page.extend(sections)
+        page.append(_table(_SUMMARY_HEADERS, rows))
+    page.extend(_chart_html(c) for c in charts(outputs).values())
     page.append("</body></html>")
     return "\n".join(page)
-
-
-def _queue_section(
-    inst: str, queue: str, sla: list[Row], windows: list[Row], backlog: list[Row]
-) -> str:
-    parts = [f"<h2>{html.escape(queue)} <small>({html.escape(inst)})</small></h2>"]
-    p95: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    p50: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in sla:
-        if r["received"] and r["tiq_p95_ms"] is not None:
-            label = f"priority {r['priority']}"
-            p95[label].append((r["window_start_ms"], float(r["tiq_p95_ms"])))
-            p50[label].append((r["window_start_ms"], float(r["tiq_p50_ms"])))
-    parts.append(line_chart("Time in queue p95 per priority (ms)", p95, y_label="ms"))
-    parts.append(line_chart("Time in queue p50 per priority (ms)", p50, y_label="ms"))
-    inv: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for r in windows:
-        if (r["instance"], r["queue"]) == (inst, queue) and r["inversions"]:
-            inv[f"{r['kind']} {r['high']}>{r['low']}"].append(
-                (r["window_start_ms"], float(r["inversions"]))
-            )
-    parts.append(line_chart("Inversions per window, by (high > low) pair", inv, y_label="count"))
-    readers: dict[float, float] = defaultdict(float)
-    for r in sla:
-        readers[r["window_start_ms"]] = max(readers[r["window_start_ms"]], float(r["readers"] or 0))
-    ready = sorted(
-        (float(r["event_ms"]), float(r["ready_messages"]))
-        for r in backlog
-        if (r["instance"], r["queue"]) == (inst, queue) and r["event_ms"]
-    )
-    parts.append(
-        line_chart(
-            "Readers against backlog",
-            {"backlog (ready messages)": ready},
-            y_label="messages",
-            right={"distinct readers per window": sorted(readers.items())},
-            right_label="readers",
-        )
-    )
-    return "".join(parts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

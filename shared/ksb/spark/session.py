@@ -2,8 +2,10 @@
 
 The connector comes from Maven Central through `make .cache/spark/jars/.fetched` (infra/spark/pom.xml),
 not from `spark.jars.packages`, so a run never resolves dependencies at start-up and works offline.
-Local mode, a small shuffle, no UI: the job is a few small streams, and a default of 200 shuffle
-partitions would make every micro-batch schedule 200 tasks.
+Local mode, a small shuffle, no UI: the job is one small stream, and a default of 200 shuffle
+partitions would make every micro-batch schedule 200 tasks. In local mode the shuffle is not
+compressed either: its files never leave the machine, and compressing them cost CPU the job's
+micro-batches need (the audit job's profile, docs/audit.md).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def build_session(
         )
         .config("spark.driver.host", "127.0.0.1")
     )
+    if master.startswith("local"):
+        builder = builder.config("spark.shuffle.compress", "false")
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass, field
 
-from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps
+from ksb.wire.protocol import FragmentRecord, InboundMessage, dumps, parse_record
 
 __all__ = ["Reassembler", "wire_records"]
 
@@ -71,7 +71,8 @@ class Reassembler:
         if len(p.pieces) < p.count:
             return None
         del self._partial[fragment.message_id]
-        return InboundMessage.model_validate_json(b"".join(p.pieces[i] for i in range(p.count)))
+        joined = b"".join(p.pieces[i] for i in range(p.count))
+        return parse_record(InboundMessage, joined, "inbound record")
 
     def purge(self, now_ms: int, stale_ms: int) -> int:
         """Forget partial messages older than `stale_ms`; returns how many."""

@@ -1,0 +1,148 @@
+"""Several dispatcher processes share one instance: exactly once, in order, through membership
+changes (a member SIGKILLed, one SIGSTOPped until its shards moved, one added).
+
+Each test runs 100,000 messages over 1,000 dialogs through three dispatcher processes (six shards)
+with the SDK's readers committing what they receive, changes the group part way through, and
+checks the same invariants: every message delivered once, in its dialog's order, no commit
+refused, nothing left to receive.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
+from devtools.deployment import Deployment, secure_instance
+from devtools.dispatchers import DispatcherPool
+from ksb.runtime.catalog_store import apply_catalog
+
+pytestmark = pytest.mark.integration
+
+SHARDS = 6
+DIALOGS = 1_000
+MESSAGES = 100_000
+FAULT_AT = 0.3
+"""The fault comes once this share of the messages has been delivered."""
+
+
+@pytest.fixture
+def scaled(settings: Deployment) -> Deployment:
+    # An instance of its own: its topics are made with the shard count when it is secured.
+    s = secure_instance(
+        settings.model_copy(
+            update={"instance": f"{settings.instance}s", "request_partitions": SHARDS}
+        )
+    )
+    apply_catalog(s, bench_catalog(SHARDS))
+    return s
+
+
+@pytest.fixture
+def pool(scaled: Deployment, tmp_path: Path) -> Iterator[DispatcherPool]:
+    with DispatcherPool(scaled, tmp_path).start(3) as p:
+        yield p
+
+
+def run_with_fault(
+    scaled: Deployment, fault: Callable[[Tally], None], at: float = FAULT_AT
+) -> tuple[KsbResult, list[BaseException]]:
+    """The workload, with `fault` run once the share `at` of it has been delivered."""
+    tally = Tally(expected=MESSAGES)
+    failures: list[BaseException] = []
+
+    def inject() -> None:
+        try:
+            while tally.delivered < at * MESSAGES and not tally.done.is_set():
+                time.sleep(0.05)
+            assert not tally.done.is_set(), "the run ended before the fault"
+            fault(tally)
+        except BaseException as exc:
+            failures.append(exc)
+
+    injector = threading.Thread(target=inject, daemon=True)
+    injector.start()
+    result = run_ksb(
+        scaled,
+        dialogs=DIALOGS,
+        messages=MESSAGES,
+        body_bytes=64,
+        receivers=4,
+        window=16,
+        top=None,
+        probes=0,
+        timeout_s=600,
+        tally=tally,
+    )
+    injector.join(120)
+    return result, failures
+
+
+def assert_exactly_once_in_order(result: KsbResult, failures: list[BaseException]) -> None:
+    assert not failures, failures
+    assert result.problems == ()
+    assert result.verified and result.rate.messages == MESSAGES
+    assert result.refused == 0 and result.lock_lost == 0
+
+
+def applied_by(pool: DispatcherPool) -> dict[str, int]:
+    """Records each member applied, from the count it logs when it stops."""
+    counts: dict[str, int] = {}
+    for name, proc in pool.members.items():
+        for line in proc.log_text().splitlines():
+            if f"dispatcher {name}: " in line and " applied" in line:
+                counts[name] = int(line.rsplit(": ", 1)[1].split()[0])
+    return counts
+
+
+def test_a_killed_dispatchers_shards_move_to_the_others(
+    scaled: Deployment, pool: DispatcherPool
+) -> None:
+    def kill(_tally: Tally) -> None:
+        before = pool.owned()["d2"]
+        pool.kill("d2")
+        pool.wait_settled(60)
+        after = pool.owned()
+        assert "d2" not in after and before <= after["d1"] | after["d3"]
+
+    result, failures = run_with_fault(scaled, kill)
+    assert_exactly_once_in_order(result, failures)
+
+
+def test_a_paused_dispatcher_commits_nothing_once_its_shards_moved(
+    scaled: Deployment, pool: DispatcherPool
+) -> None:
+    def pause(_tally: Tally) -> None:
+        pool.pause("d2")
+        pool.wait_settled(60)  # d1 and d3 own every shard: d2's session has expired
+        assert set(pool.owned()) == {"d1", "d3"}
+        pool.resume("d2")  # a zombie: its transaction, if one was open, must not commit
+
+    result, failures = run_with_fault(scaled, pause)
+    assert_exactly_once_in_order(result, failures)
+    log = pool.members["d2"].log_text()
+    # It learnt it was out of the group (its shards lost, or its transaction refused) before it
+    # took part again.
+    assert "lost (this member was fenced)" in log or "transaction failed" in log, log[-3000:]
+
+
+def test_a_fourth_dispatcher_joins_mid_stream_and_takes_a_share(
+    scaled: Deployment, pool: DispatcherPool
+) -> None:
+    def add(tally: Tally) -> None:
+        name = pool.add()
+        assert pool.owned()[name]
+        # It is in with work left to do (a process takes seconds to start and join).
+        assert tally.delivered < 0.8 * MESSAGES, tally.delivered
+
+    result, failures = run_with_fault(scaled, add, at=0.05)
+    assert_exactly_once_in_order(result, failures)
+    owned = pool.owned()
+    assert len(owned) == 4 and all(owned.values())
+    pool.stop()
+    counts = applied_by(pool)
+    assert set(counts) == {"d1", "d2", "d3", "d4"} and counts["d4"] > 0, counts
