@@ -107,10 +107,9 @@ def test_doc_example_begins_sends_receives_and_ends(
         "PRINCIPAL": settings.acting_principal,
         "KCAT_CONFIG": str(kcat_config(settings, tmp_path / "kcat.conf")),
         "LD_LIBRARY_PATH": str(kcat_library(tmp_path / "kcat-lib")),
-        # Until the dispatcher reads the per-principal requests topics (issue 13, its side),
-        # requests go to the shared topic it reads now, which the plan still allows.
-        "REQUESTS": Names(settings.instance).requests,
     }
+    if not settings.secured:  # no principal: the requests topic of clients without one
+        env["REQUESTS"] = Names(settings.instance).requests
     out = run_script(kcat_example(), env, tmp_path, timeout_s=90)
 
     # The message arrived in the target queue with its Service Broker columns.

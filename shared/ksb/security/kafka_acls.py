@@ -22,8 +22,9 @@ create core topics, users or ACLs: `ksb acl apply` does, as ``admin``. Kafka 4.2
 IDEMPOTENT_WRITE for idempotent or transactional producers that may WRITE some topic; the forwarder,
 which may have none before its routes, has IDEMPOTENT_WRITE on the cluster (no topic right).
 
-Until the dispatcher reads the per-principal requests topics, everyone who sends may also write
-the instance's shared ``requests`` topic and the dispatcher may read it (`shared_requests`).
+While the SDK writes the instance's shared ``requests`` topic (the dispatcher reads it beside the
+per-principal ones), everyone who sends may write it too, and the dispatcher read it
+(`shared_requests`).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def plan_instance(
 
     `owners` may do all the operator does and RECEIVE from every queue. `shared_requests` keeps
     the instance's unsuffixed ``requests`` topic writable by every sender (and readable by the
-    dispatcher) until the dispatcher reads the per-principal topics only.
+    dispatcher) while the SDK still writes it instead of its principal's topic.
     """
     names = Names(settings.instance)
     accesses = tuple(access_of(settings.instance, catalog, owners))
