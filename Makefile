@@ -84,8 +84,10 @@ fmt: $(STAMP_PY)
 	$(VENV)/bin/ruff check --fix .
 
 # Start / stop only the embedded stack (Kafka + Redis) in the background, state under var/.
+# Secured by default; SECURITY=tls for SASL_SSL, SECURITY=plaintext for a development stack without
+# authentication (or KSB_STACK_SECURITY, which the tests, the demo and the benchmarks read too).
 up: setup
-	$(PY) -m devtools.localstack up
+	$(PY) -m devtools.localstack up $(if $(SECURITY),--security $(SECURITY))
 
 down:
 	$(PY) -m devtools.localstack down

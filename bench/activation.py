@@ -37,15 +37,17 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, process_settings, secure_instance
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
-from ksb.settings import ActivatedTaskSettings, ActivationSettings, settings_env
+from ksb.security.principals import ADMIN
+from ksb.settings import ActivatedTaskSettings, ActivationSettings, KsbSettings, settings_env
 from ksb.wire.protocol import QueueMessage
 from services.activation.service import ActivationService, QueueWatch
 
@@ -131,11 +133,25 @@ def _now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+HARNESS_LOGIN = "KSBBENCH_REDIS_ADMIN_PASSWORD_FILE"
+"""The bench's own keys (``bench:``, outside KSB's namespace) are written with the harness's
+login, the stack's admin, handed to its processes in this variable; their KSB work stays their
+own principal's."""
+
+
+def _harness_redis(settings: KsbSettings) -> redis.Redis:
+    if HARNESS_LOGIN in os.environ:
+        settings = settings.model_copy(
+            update={"redis_username": ADMIN, "redis_password_file": os.environ[HARNESS_LOGIN]}
+        )
+    return redis_client(settings)
+
+
 # --------------------------------------------------------------------------- the procedure (in tasks)
 @functools.cache
 def _task_redis() -> tuple[redis.Redis, _Keys]:
     settings = ActivatedTaskSettings.from_env()
-    return redis.Redis.from_url(settings.redis_url), _Keys(settings.instance)
+    return _harness_redis(settings), _Keys(settings.instance)
 
 
 def work(tx: Transaction, messages: list[QueueMessage]) -> None:
@@ -159,13 +175,17 @@ class RecordingActivationService(ActivationService):
     """The activation service, also recording in Redis when it starts a task (and why) and when
     it reaps one."""
 
+    @functools.cached_property
+    def bench_redis(self) -> redis.Redis:
+        return _harness_redis(self.settings)
+
     def _act(self, w: QueueWatch, d: Decision) -> bool:
         before, at_ms = set(w.tasks), _now_ms()
         started = super()._act(w, d)
         keys = _Keys(self.settings.instance)
         for task in set(w.tasks) - before:
             row = {"ms": at_ms, "reason": d.reason, "running": len(w.tasks)}
-            self.redis.hset(keys.activated, task, json.dumps(row))
+            self.bench_redis.hset(keys.activated, task, json.dumps(row))
         return started
 
     def _reap(self, w: QueueWatch) -> bool:
@@ -174,7 +194,7 @@ class RecordingActivationService(ActivationService):
         gone = before - set(w.tasks)
         if gone:
             keys = _Keys(self.settings.instance)
-            self.redis.hset(keys.exited, mapping=dict.fromkeys(gone, _now_ms()))
+            self.bench_redis.hset(keys.exited, mapping=dict.fromkeys(gone, _now_ms()))
         return exited
 
 
@@ -189,6 +209,11 @@ def _serve() -> None:
     RecordingActivationService(ActivationSettings.from_env()).run(stop)
 
 
+def _harness_env(settings: Deployment) -> dict[str, str]:
+    admin = settings.as_principal(ADMIN)
+    return {HARNESS_LOGIN: admin.redis_password_file} if admin.redis_password_file else {}
+
+
 def _start_recording_service(settings: Deployment, log_path: Path) -> ServiceProcess:
     """`RecordingActivationService` as a child process, driven like any `ServiceProcess`."""
     service = ServiceProcess("activation", settings, log_path)
@@ -197,7 +222,10 @@ def _start_recording_service(settings: Deployment, log_path: Path) -> ServicePro
         service.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.activation", "service"],
             cwd=REPO_ROOT,
-            env=settings_env(settings.narrow(ActivationSettings)),
+            env=settings_env(
+                process_settings(settings, "services.activation"),
+                **_harness_env(settings),
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -386,9 +414,9 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
 
 def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
-    settings = base.model_copy(update={"instance": f"{base.instance}act"})
+    settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}act"}))
     keys = _Keys(settings.instance)
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings.as_principal(ADMIN))  # the bench's keys and KSB's, read as admin
     apply_catalog(settings, activation_catalog(opts.partitions))
     procs: list[ServiceProcess] = []
     try:

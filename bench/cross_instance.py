@@ -54,11 +54,12 @@ from bench.e2e import (
     start_receivers,
 )
 from bench.stats import fmt_ms, fmt_x, now_ns
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.client import KsbClient
 from ksb.settings import TransmitterSettings, TransportSettings
@@ -206,7 +207,7 @@ def _drain(sa: Deployment, sb: Deployment, o: CrossOptions) -> dict[str, Any]:
     stop = threading.Event()
     errors: list[BaseException] = []
     names = Names(sa.instance)
-    r = redis.Redis.from_url(sa.redis_url)
+    r = redis_client(sa)
     try:
         with KsbClient(sa) as sender, KsbClient(sb) as receiver:
             receiver.reader(TARGET_QUEUE)
@@ -338,7 +339,7 @@ def run_cross_instance(
         phases[name] = round(now - mark, 2)
         mark = now
 
-    sl = base.model_copy(update={"instance": f"{base.instance}xl"})
+    sl = secure_instance(base.model_copy(update={"instance": f"{base.instance}xl"}))
     sa = base.model_copy(update={"instance": f"{base.instance}xa"})
     sb = base.model_copy(update={"instance": f"{base.instance}xb"})
     procs: list[ServiceProcess] = []
@@ -356,6 +357,7 @@ def run_cross_instance(
         local_dispatcher.stop()  # idle from here on: keep it out of the cross figures
         phase("local")
         ca, cb = cross_catalogs(sa.instance, sb.instance, "LOCAL", o.partitions)
+        sa, sb = secure_instance(sa, ca), secure_instance(sb, cb)  # each grants the other's route
         apply_catalog(sa, ca)
         apply_catalog(sb, cb)
         start(ServiceProcess("dispatcher", sb, log_dir / LOG_NAMES[2]), "dispatcher ready")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.stats import fmt_ms, fmt_x, make_body, now_ns, parse_body
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
@@ -452,7 +452,7 @@ def _throughput(sender: KsbClient, receiver: KsbClient, opts: PriorityOptions) -
 
 def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> dict[str, Any]:
     """The RECEIVE part of the section on the running stack: its own instance and dispatcher."""
-    settings = base.model_copy(update={"instance": f"{base.instance}prio"})
+    settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}prio"}))
     apply_catalog(settings, priority_catalog(opts.partitions))
     dispatcher = ServiceProcess("dispatcher", settings, log_dir / "prio-dispatcher.log")
     phases: dict[str, float] = {}

@@ -32,13 +32,14 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
 from devtools.runner import ServiceProcess
 from ksb.audit import AuditEvent
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.security.principals import Role
 
 __all__ = ["SparkOptions", "format_lines", "run_spark_audit"]
 
@@ -139,6 +140,7 @@ def _lag(
             "spark_output_dir": str(tmp / "lag" / "out"),
         }
     )
+    settings = secure_instance(settings)
     job = ServiceProcess("spark", settings, log_dir / "spark-job.log", module="ksb.spark")
     prom = Prometheus(tmp / "prometheus", {"spark": settings.metrics_port})
     probes: _LagProbes | None = None
@@ -284,7 +286,7 @@ def _available_now(spark: Any, settings: Deployment, tmp: Path, timeout_s: float
         bootstrap=settings.kafka_bootstrap,
         checkpoint_dir=tmp / settings.instance / "checkpoints",
         output_dir=tmp / settings.instance / "out",
-    )
+    ).logged_in(settings.as_service(Role.SPARK))
     job = AuditJob(spark, config, exporter=SlaExporter(CollectorRegistry()))
     started = time.monotonic()
     queries = job.start(available_now=True)
@@ -382,8 +384,8 @@ def run_spark_audit(
         phases[name] = round(now - mark, 2)
         mark = now
 
-    tp = base.model_copy(update={"instance": f"{base.instance}sparktp"})
-    warm = base.model_copy(update={"instance": f"{base.instance}sparkwu"})
+    tp = secure_instance(base.model_copy(update={"instance": f"{base.instance}sparktp"}))
+    warm = secure_instance(base.model_copy(update={"instance": f"{base.instance}sparkwu"}))
     events = _craft(tp, opts.events, opts)
     _craft(warm, opts.warmup_events, opts)
     phase("produce")

@@ -27,10 +27,11 @@ from bench.raw_kafka import run_raw
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import start_stack
 from devtools.runner import ServiceProcess
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.security.principals import ADMIN
 
 __all__ = ["Options", "run"]
 
@@ -84,13 +85,19 @@ def run(opts: Options) -> dict[str, Any]:
         spark: dict[str, Any] | None = None
         cross: dict[str, Any] | None = None
         try:
-            settings = Deployment(
-                instance=f"bench{uuid.uuid4().hex[:8]}",
-                kafka_bootstrap=stack.kafka_bootstrap,
-                redis_url=stack.redis_url,
+            settings = secure_instance(
+                Deployment.model_validate(
+                    {
+                        "instance": f"bench{uuid.uuid4().hex[:8]}",
+                        "kafka_bootstrap": stack.kafka_bootstrap,
+                        "redis_url": stack.redis_url,
+                        **stack_fields(stack.security),
+                    }
+                )
             )
+            phase("secure")
             raw = run_raw(
-                settings,
+                settings.as_principal(ADMIN),  # its topic is nobody's: the admin may write it
                 messages=opts.raw_messages,
                 body_bytes=opts.body_bytes,
                 probes=opts.probes,

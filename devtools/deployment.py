@@ -5,11 +5,28 @@ each service reads the part its own settings model knows. `Deployment` is that p
 that start a whole instance on this machine (the demo, the benchmarks, the tests): one object with
 every field of every service's model, which each process receives narrowed to its own model
 (`KsbSettings.narrow`, `SERVICE_SETTINGS`), so what a test starts is what a deployment runs.
+
+Each process logs in as its own principal: `process_settings` gives a service the credentials of
+its role (``ksb-<instance>-<role>``, `ksb.security.principals`), the password files coming from
+the stack's credential store (``credentials_dir``), as a deployment would mount each service's
+own secret. `secure_instance` makes an instance's principals, topics and ACLs (``ksb acl apply``
+as ``admin``) and hands back the deployment logged in as the instance's owner, the principal the
+tools' own clients use.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Self
+
 from devtools.processes import REPO_ROOT
+from devtools.stack_security import StackSecurity
+from ksb.catalog.model import Catalog
+from ksb.security.apply import apply_plan
+from ksb.security.credentials import CredentialStore, write_private
+from ksb.security.plan import SecurityPlan, plan_instance
+from ksb.security.principals import ADMIN, Role, service_principal
 from ksb.settings import (
     ActivatedTaskSettings,
     ActivationSettings,
@@ -23,7 +40,18 @@ from ksb.settings import (
     TransportSettings,
 )
 
-__all__ = ["SERVICE_SETTINGS", "Deployment", "settings_model"]
+__all__ = [
+    "MODULE_ROLES",
+    "SERVICE_SETTINGS",
+    "Deployment",
+    "connect_clusters",
+    "instance_plan",
+    "owner_of",
+    "process_settings",
+    "secure_instance",
+    "settings_model",
+    "stack_fields",
+]
 
 
 class Deployment(
@@ -41,6 +69,37 @@ class Deployment(
 
     spark_jars: str = str(REPO_ROOT / ".cache" / "spark" / "jars")
     """Where `make` fetched the connector, wherever a tool starts the job from."""
+    credentials_dir: str = ""
+    """The stack's credential store: ``<principal>.password`` for every principal (tools only;
+    no process reads it, each gets its own file)."""
+
+    @property
+    def secured(self) -> bool:
+        return self.kafka_security_protocol != "PLAINTEXT"
+
+    def as_principal(self, name: str) -> Self:
+        """These settings logged in as `name` (Kafka and Redis, one password file); unchanged on
+        a stack without security."""
+        if not self.secured:
+            return self
+        password = str(CredentialStore(_path(self.credentials_dir)).path(name))
+        remote = _remote_file(self, name)
+        return self.model_copy(
+            update={
+                "kafka_username": name,
+                "kafka_password": "",
+                "kafka_password_file": password,
+                "kafka_remote_credentials": str(remote) if remote.exists() else "",
+                "redis_username": name,
+                "redis_password": "",
+                "redis_password_file": password,
+                "principal": name,
+            }
+        )
+
+    def as_service(self, role: Role) -> Self:
+        """These settings as the process of `role` logs in (``ksb-<instance>-<role>``)."""
+        return self.as_principal(service_principal(self.instance, role))
 
 
 SERVICE_SETTINGS: dict[str, type[KsbSettings]] = {
@@ -56,9 +115,99 @@ SERVICE_SETTINGS: dict[str, type[KsbSettings]] = {
 """The settings model each runnable module reads (`python -m <module>`)."""
 
 
+MODULE_ROLES: dict[str, Role] = {
+    "services.dispatcher": Role.DISPATCHER,
+    "services.transmitter": Role.TRANSMITTER,
+    "services.transport": Role.TRANSPORT,
+    "services.forwarder": Role.FORWARDER,
+    "services.activation": Role.ACTIVATION,
+    "services.external_activator": Role.EXTERNAL_ACTIVATOR,
+    "ksb.spark": Role.SPARK,
+    "ksb.activation.activated": Role.ACTIVATION,
+}
+"""The principal each runnable module logs in as (an activated task: its activation service's)."""
+
+
 def settings_model(module: str) -> type[KsbSettings]:
     """The model `python -m module` reads its settings with."""
     try:
         return SERVICE_SETTINGS[module]
     except KeyError:
         raise KeyError(f"no settings model known for module {module!r}") from None
+
+
+def process_settings(settings: KsbSettings, module: str) -> KsbSettings:
+    """What `python -m module` is started with: `settings` narrowed to its model and, from a
+    `Deployment`, logged in as the module's own principal."""
+    if isinstance(settings, Deployment) and module in MODULE_ROLES:
+        settings = settings.as_service(MODULE_ROLES[module])
+    return settings.narrow(settings_model(module))
+
+
+def stack_fields(security: StackSecurity) -> dict[str, str]:
+    """The deployment fields that point every process at a local stack's security."""
+    if not security.enabled:
+        return {"kafka_security_protocol": "PLAINTEXT"}
+    return {
+        "kafka_security_protocol": security.protocol,
+        "kafka_ssl_ca": str(security.ca or ""),
+        "credentials_dir": str(security.store.root),
+    }
+
+
+def _remote_file(deployment: Deployment, principal: str) -> Path:
+    return _path(deployment.credentials_dir) / "remote" / f"{principal}.json"
+
+
+def connect_clusters(local: Deployment, role: Role, far: Deployment) -> Path:
+    """Let `local`'s `role` service log in to `far`'s cluster (a route that leaves its own).
+
+    The far cluster's plan (its routes back to us) made our principal there, with a password in
+    the far stack's store; this writes the entry of our principal's remote credentials file
+    (``KSB_KAFKA_REMOTE_CREDENTIALS``) that names it, as the far operator would hand it over.
+    """
+    principal = service_principal(local.instance, role)
+    path = _remote_file(local, principal)
+    entries = json.loads(path.read_text()) if path.exists() else {}
+    entries[far.kafka_bootstrap] = {
+        "security_protocol": far.kafka_security_protocol,
+        "username": principal,
+        "password_file": str(CredentialStore(_path(far.credentials_dir)).path(principal)),
+        "ssl_ca": far.kafka_ssl_ca,
+    }
+    write_private(path, json.dumps(entries, indent=2) + "\n")
+    return path
+
+
+def owner_of(instance: str) -> str:
+    """The principal the tools' own clients of `instance` use (an owner: the operator's rights
+    plus RECEIVE from every queue)."""
+    return f"{instance}-app"
+
+
+def secure_instance(
+    deployment: Deployment, catalog: Catalog | None = None, *, owners: tuple[str, ...] = ()
+) -> Deployment:
+    """Make `deployment`'s instance usable on a secured stack and return it logged in as its
+    owner: one ``ksb acl apply`` as ``admin`` for `catalog` (default: none yet; apply again
+    after a catalog whose routes or grants matter). A stack without security needs nothing."""
+    if not deployment.secured:
+        return deployment
+    owner = owner_of(deployment.instance)
+    apply_plan(instance_plan(deployment, catalog, owners=(owner, *owners)), *_admin(deployment))
+    return deployment.as_principal(owner)
+
+
+def instance_plan(
+    deployment: Deployment, catalog: Catalog | None = None, *, owners: tuple[str, ...] = ()
+) -> SecurityPlan:
+    """The instance's plan as `secure_instance` applies it (the tests remove it afterwards)."""
+    return plan_instance(deployment, catalog or Catalog(), owners=owners)
+
+
+def _admin(deployment: Deployment) -> tuple[Deployment, CredentialStore]:
+    return deployment.as_principal(ADMIN), CredentialStore(_path(deployment.credentials_dir))
+
+
+def _path(value: str) -> Path:
+    return Path(value)

@@ -2,6 +2,15 @@
 
 `make setup` fetches the jars into .cache/kafka/libs; the node runs as ``java -cp libs/* kafka.Kafka``
 on free 127.0.0.1 ports with its data under the stack's directory, formatted fresh each time.
+
+Secured (the default, `devtools.stack_security`): the client listener takes SASL/SCRAM-SHA-512
+(over TLS in ``tls`` mode), the StandardAuthorizer refuses whatever no ACL allows, and only
+``broker`` and ``admin`` are super users. The controller listener takes SASL/PLAIN with the
+broker's own static user: left PLAINTEXT, the broker would reach its controller as ANONYMOUS,
+which would then have to be a super user, and any local process could rewrite the ACLs through
+the controller port; SCRAM is not supported on controllers (KAFKA-15513). The ``broker`` and
+``admin`` SCRAM users are written into the metadata by the storage format (``--add-scram``),
+since nobody could log in to create them otherwise.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from devtools.processes import REPO_ROOT, LocalStackError, register_child, tail
+from devtools.stack_security import StackSecurity
+from ksb.security.credentials import KafkaLogin
+from ksb.security.principals import ADMIN, BROKER
 
 __all__ = [
     "KAFKA_BROKER_SETTINGS",
@@ -87,6 +99,7 @@ class KafkaLayout:
     root: Path
     port: int
     controller_port: int
+    security: StackSecurity
 
     @property
     def data(self) -> Path:
@@ -118,20 +131,76 @@ class KafkaLayout:
 def write_kafka_properties(k: KafkaLayout) -> None:
     """Static voters, not a dynamic quorum: one node never changes membership, and with
     static voters `StorageTool format` needs neither --standalone nor --initial-controllers.
+
+    The file holds the broker's password (its JAAS login) when secured, so it is 0600.
     """
+    listener = k.security.protocol
+    controller = "SASL_PLAINTEXT" if k.security.enabled else "PLAINTEXT"
     settings = {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.voters": f"1@127.0.0.1:{k.controller_port}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{k.port},CONTROLLER://127.0.0.1:{k.controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{k.port}",
+        "listeners": f"{listener}://127.0.0.1:{k.port},CONTROLLER://127.0.0.1:{k.controller_port}",
+        "advertised.listeners": f"{listener}://127.0.0.1:{k.port}",
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+        "inter.broker.listener.name": listener,
+        "listener.security.protocol.map": f"{listener}:{listener},CONTROLLER:{controller}",
         "log.dirs": str(k.data),
+        **_security_properties(k.security),
         **KAFKA_BROKER_SETTINGS,
     }
-    k.properties.write_text("".join(f"{key}={value}\n" for key, value in settings.items()))
+    text = "".join(f"{key}={value}\n" for key, value in settings.items())
+    fd = os.open(k.properties, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _security_properties(security: StackSecurity) -> dict[str, str]:
+    """SCRAM on the client listener, PLAIN on the controller's, the authorizer, TLS if asked.
+
+    All three SASL settings are needed: without `sasl.enabled.mechanisms` and
+    `sasl.mechanism.inter.broker.protocol` the format fails (GSSAPI is the default), and the
+    JAAS login must be prefixed with the listener and mechanism (an unprefixed one is ignored).
+    """
+    if not security.enabled:
+        return {}
+    password = security.password(BROKER)
+    listener = security.protocol.lower()
+    props = {
+        "sasl.enabled.mechanisms": "SCRAM-SHA-512",
+        "sasl.mechanism.inter.broker.protocol": "SCRAM-SHA-512",
+        f"listener.name.{listener}.scram-sha-512.sasl.jaas.config": (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f'username="{BROKER}" password="{password}";'
+        ),
+        "sasl.mechanism.controller.protocol": "PLAIN",
+        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+        "listener.name.controller.plain.sasl.jaas.config": (
+            "org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f'username="{BROKER}" password="{password}" user_{BROKER}="{password}";'
+        ),
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "allow.everyone.if.no.acl.found": "false",
+        "super.users": f"User:{BROKER};User:{ADMIN}",
+        # Off, Kafka's default: a rotated password reaches new connections only, and live ones
+        # keep theirs. With re-authentication on, librdkafka clients stall silently at their next
+        # re-authentication after a rotation until they are restarted (measured), which would
+        # turn every rotation into an outage; ACL changes reach live connections at once anyway.
+        "connections.max.reauth.ms": "0",
+    }
+    if security.mode == "tls":
+        props.update(
+            {
+                "ssl.keystore.type": "PEM",
+                "ssl.keystore.location": str(security.keystore),
+                "ssl.key.password": security.password("broker-key"),
+                "ssl.truststore.type": "PEM",
+                "ssl.truststore.location": str(security.tls_dir / "ca.crt"),
+                "ssl.endpoint.identification.algorithm": "https",
+                "ssl.client.auth": "none",
+            }
+        )
+    return props
 
 
 def _java_cmd(libs: Path, k: KafkaLayout, main: str, *args: str) -> list[str]:
@@ -148,7 +217,18 @@ def _java_cmd(libs: Path, k: KafkaLayout, main: str, *args: str) -> list[str]:
 
 
 def format_kafka_storage(libs: Path, k: KafkaLayout) -> None:
+    """Format the node's storage; secured, with the ``broker`` and ``admin`` SCRAM users in it.
+
+    The format prints the bootstrap metadata, SCRAM salts and keys included, so its output is
+    never kept; on failure only its error stream is shown. The passwords are in its argv for the
+    second or two it runs (the tool has no other way to take them).
+    """
     cluster_id = _kafka_cluster_id()
+    scram: list[str] = []
+    if k.security.enabled:
+        for user in (BROKER, ADMIN):
+            password = k.security.password(user)
+            scram += ["--add-scram", f"SCRAM-SHA-512=[name={user},password={password}]"]
     cmd = _java_cmd(
         # `--cluster-id=ID`, not `-t ID`: a random id starting with "-" (1 in 64) would be read as
         # an option and the format would fail.
@@ -159,12 +239,12 @@ def format_kafka_storage(libs: Path, k: KafkaLayout) -> None:
         f"--cluster-id={cluster_id}",
         "-c",
         str(k.properties),
+        *scram,
     )
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     if result.returncode != 0:
         raise LocalStackError(
-            f"Kafka storage format failed (exit {result.returncode}):\n"
-            f"{result.stdout}\n{result.stderr}"
+            f"Kafka storage format failed (exit {result.returncode}):\n{result.stderr}"
         )
 
 
@@ -200,18 +280,26 @@ def _quiet_logger() -> Any:
     return logger
 
 
-def kafka_ready(bootstrap: str, deadline: float) -> None:
-    """Wait for metadata AND a working transaction coordinator.
+PROBE_TOPIC = "ksb-localstack.probe"
+"""Where readiness commits its transaction (the stack's own; no instance uses it)."""
+
+
+def kafka_ready(bootstrap: str, deadline: float, login: KafkaLogin) -> None:
+    """Wait for metadata, a working transaction coordinator AND a committed transaction.
 
     A broker that answers metadata may still fail the first `init_transactions` while it
-    creates __transaction_state; tests that start with a transaction would flake on that,
-    so readiness includes one successful init_transactions.
+    creates __transaction_state; tests that start with a transaction would flake on that. And a
+    broker whose inter-broker password is wrong answers metadata and `init_transactions` as if
+    healthy, then fails the first transactional produce (it verifies the transaction by
+    connecting to itself), so readiness commits one transaction, logged in as `login`.
     """
     from confluent_kafka import KafkaException, Producer
     from confluent_kafka.admin import AdminClient
+    from confluent_kafka.cimpl import NewTopic
 
     logger = _quiet_logger()
-    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": logger})
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap, "logger": logger, **login.librdkafka()}
+    admin = AdminClient(conf)
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -222,18 +310,18 @@ def kafka_ready(bootstrap: str, deadline: float) -> None:
         except KafkaException:
             pass
         time.sleep(0.1)
+    for fut in admin.create_topics([NewTopic(PROBE_TOPIC, 1, 1)]).values():
+        try:
+            fut.result(max(1.0, deadline - time.monotonic()))
+        except KafkaException as exc:
+            if "already exists" not in str(exc).lower():
+                raise LocalStackError(f"could not create {PROBE_TOPIC}: {exc}") from exc
 
-    producer = Producer(
-        {
-            "bootstrap.servers": bootstrap,
-            "transactional.id": f"ksb-localstack-probe-{uuid.uuid4().hex}",
-            "logger": logger,
-        }
-    )
+    producer = Producer({**conf, "transactional.id": f"ksb-localstack-probe-{uuid.uuid4().hex}"})
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"Kafka at {bootstrap} could not init a transaction in time")
+            raise TimeoutError(f"Kafka at {bootstrap} could not commit a transaction in time")
         try:
             producer.init_transactions(min(10.0, remaining))
             break
@@ -243,4 +331,25 @@ def kafka_ready(bootstrap: str, deadline: float) -> None:
             if not retriable:
                 raise LocalStackError(f"init_transactions failed: {exc}") from exc
             time.sleep(0.1)
-    producer.flush(1.0)
+    _commit_probe(producer, deadline)
+
+
+def _commit_probe(producer: Any, deadline: float) -> None:
+    """One record in one transaction, committed, retried while the topic's leader settles."""
+    from confluent_kafka import KafkaException
+
+    while True:
+        producer.begin_transaction()
+        producer.produce(PROBE_TOPIC, value=b"ready")
+        try:
+            producer.commit_transaction(max(1.0, min(10.0, deadline - time.monotonic())))
+            return
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.txn_requires_abort():
+                producer.abort_transaction(10)
+            if not (err.retriable() or err.txn_requires_abort()) or err.fatal():
+                raise LocalStackError(f"the readiness transaction failed: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the readiness transaction did not commit: {exc}") from exc
+            time.sleep(0.2)

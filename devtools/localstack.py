@@ -8,6 +8,10 @@ own data directories, and nothing is shared between runs.
 Processes start in their own session so that a Ctrl-C in the terminal does not kill them
 half-way through a test's teardown; an atexit hook stops them instead, so a Python process
 that exits (normally or by an uncaught exception) leaves nothing behind.
+
+Both are secured by default (SASL/SCRAM and ACLs in Kafka, ACL users in Redis; the secrets are
+generated into the stack's work directory): see `devtools.stack_security` for the modes and
+`ksb acl apply` for how an instance's principals are then made.
 """
 
 from __future__ import annotations
@@ -41,11 +45,12 @@ from devtools.processes import (
     free_port,
     is_alive,
     port_open,
-    register_child,
     signal_group,
     tail,
     wait_gone,
 )
+from devtools.redis_node import redis_ready, start_redis
+from devtools.stack_security import MODES, SecurityMode, StackSecurity, security_mode
 
 __all__ = [
     "LocalStack",
@@ -77,6 +82,12 @@ class LocalStack:
     workdir: Path
     kafka_pid: int
     redis_pid: int
+    security_mode: SecurityMode = "sasl"
+
+    @property
+    def security(self) -> StackSecurity:
+        """The stack's mode and its secrets (under ``<workdir>/security``)."""
+        return StackSecurity(self.security_mode, self.workdir / "security")
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop both processes: SIGTERM, then SIGKILL after `grace_s`.
@@ -103,6 +114,7 @@ class LocalStack:
             "workdir": str(self.workdir),
             "kafka_pid": self.kafka_pid,
             "redis_pid": self.redis_pid,
+            "security": self.security_mode,
         }
 
 
@@ -132,86 +144,42 @@ def _stop_all_at_exit() -> None:
         stack.stop(grace_s=3.0)
 
 
-# --------------------------------------------------------------------------- discovery
-
-
-def _redis_server() -> str:
-    found = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if Path("/usr/bin/redis-server").is_file() else None
-    )
-    if found is None:
-        raise LocalStackError("`redis-server` not found; run `make setup`")
-    return found
-
-
-def _start_redis(root: Path, port: int) -> subprocess.Popen[bytes]:
-    """No persistence (--save '' / no AOF): the stack is throwaway and fsyncs cost latency."""
-    root.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        _redis_server(),
-        "--port", str(port),
-        "--bind", "127.0.0.1",
-        "--save", "",
-        "--appendonly", "no",
-        "--dir", str(root),
-        "--logfile", str(root / "redis.log"),
-        "--daemonize", "no",
-    ]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        cwd=root,
-        start_new_session=True,
-    )
-    register_child(proc)
-    return proc
-
-
-def _redis_ready(url: str, deadline: float) -> None:
-    import redis
-
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0)
-    try:
-        while True:
-            try:
-                if client.ping():
-                    return
-            except redis.RedisError:
-                pass
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"Redis at {url} did not answer PING in time")
-            time.sleep(0.05)
-    finally:
-        client.close()
-
-
 # --------------------------------------------------------------------------- public API
 
 
-def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = True) -> LocalStack:
+def start_stack(
+    workdir: Path,
+    *,
+    timeout_s: float = 120.0,
+    stop_at_exit: bool = True,
+    security: SecurityMode | None = None,
+) -> LocalStack:
     """Start Kafka and Redis under `workdir` and return once both are usable.
 
-    "Usable" means what the first test will do works: Kafka lists a broker and completes
-    init_transactions, Redis answers PING. On any failure everything started here is
-    stopped again and the error carries the tail of the Kafka log, because a bare timeout
-    says nothing about why a JVM did not come up.
+    "Usable" means what the first test will do works: Kafka lists a broker and commits a
+    transaction, Redis answers PING (both as ``admin`` when secured). On any failure everything
+    started here is stopped again and the error carries the tail of the Kafka log, because a
+    bare timeout says nothing about why a JVM did not come up.
 
+    `security` is the mode (default: ``KSB_STACK_SECURITY``, else ``sasl``).
     `stop_at_exit=False` is for `python -m devtools.localstack up`, whose whole point is that
     the processes outlive it.
     """
     deadline = time.monotonic() + timeout_s
     workdir = workdir.resolve()
     libs = kafka_libs_dir()
-    k = KafkaLayout(root=workdir / "kafka", port=free_port(), controller_port=free_port())
+    sec = StackSecurity(security_mode(security), workdir / "security")
+    sec.generate()
+    k = KafkaLayout(
+        root=workdir / "kafka", port=free_port(), controller_port=free_port(), security=sec
+    )
     k.data.mkdir(parents=True, exist_ok=True)
     k.logs.mkdir(parents=True, exist_ok=True)
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
 
     # Redis first: it is up in milliseconds and runs while the storage-format JVM starts.
-    redis_proc = _start_redis(workdir / "redis", redis_port)
+    redis_proc = start_redis(workdir / "redis", redis_port, sec)
     kafka_proc: subprocess.Popen[bytes] | None = None
     stack: LocalStack | None = None
     try:
@@ -224,6 +192,7 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
             workdir=workdir,
             kafka_pid=kafka_proc.pid,
             redis_pid=redis_proc.pid,
+            security_mode=sec.mode,
         )
         if stop_at_exit:
             _remember(stack)
@@ -235,8 +204,8 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"Kafka did not listen on {k.bootstrap} in {timeout_s}s")
             time.sleep(0.05)
-        kafka_ready(k.bootstrap, deadline)
-        _redis_ready(redis_url, deadline)
+        kafka_ready(k.bootstrap, deadline, sec.login())
+        redis_ready(redis_url, deadline, sec)
     except BaseException as exc:
         if stack is not None:
             stack.stop(grace_s=2.0)
@@ -253,9 +222,9 @@ def start_stack(workdir: Path, *, timeout_s: float = 60.0, stop_at_exit: bool = 
 
 
 @contextlib.contextmanager
-def running_stack(workdir: Path) -> Iterator[LocalStack]:
+def running_stack(workdir: Path, security: SecurityMode | None = None) -> Iterator[LocalStack]:
     """A stack for the duration of a `with` block, stopped even if the block raises."""
-    stack = start_stack(workdir)
+    stack = start_stack(workdir, security=security)
     try:
         yield stack
     finally:
@@ -283,6 +252,7 @@ def _load_cli_stack() -> LocalStack | None:
         workdir=Path(data["workdir"]),
         kafka_pid=int(data["kafka_pid"]),
         redis_pid=int(data["redis_pid"]),
+        security_mode=security_mode(data.get("security", "sasl")),
     )
 
 
@@ -307,13 +277,14 @@ def _cli_down() -> int:
         workdir=stack.workdir,
         kafka_pid=stack.kafka_pid if alive["kafka"] else -1,
         redis_pid=stack.redis_pid if alive["redis"] else -1,
+        security_mode=stack.security_mode,
     ).stop()
     CLI_STACK_FILE.unlink(missing_ok=True)
     print("stack stopped")
     return 0
 
 
-def _cli_up(timeout_s: float) -> int:
+def _cli_up(timeout_s: float, security: SecurityMode) -> int:
     existing = _load_cli_stack()
     if existing is not None and any(_cli_alive(existing).values()):
         print(f"a stack is already running (see {CLI_STACK_FILE}); run `down` first")
@@ -322,10 +293,26 @@ def _cli_up(timeout_s: float) -> int:
         shutil.rmtree(CLI_STACK_DIR)
     CLI_STACK_DIR.mkdir(parents=True)
     started = time.monotonic()
-    stack = start_stack(CLI_STACK_DIR, timeout_s=timeout_s, stop_at_exit=False)
+    stack = start_stack(CLI_STACK_DIR, timeout_s=timeout_s, stop_at_exit=False, security=security)
     CLI_STACK_FILE.write_text(json.dumps(stack.as_json(), indent=2) + "\n")
     print(f"kafka  {stack.kafka_bootstrap}  (pid {stack.kafka_pid})")
     print(f"redis  {stack.redis_url}  (pid {stack.redis_pid})")
+    print(f"security: {stack.security_mode}")
+    if stack.security.enabled:
+        sec = stack.security
+        print(f"admin login (ksb acl apply, ksb principal add): {sec.store.path('admin')}")
+        print(
+            f"  export KSB_KAFKA_BOOTSTRAP={stack.kafka_bootstrap} KSB_REDIS_URL={stack.redis_url}"
+        )
+        print(f"  export KSB_KAFKA_SECURITY_PROTOCOL={sec.protocol}")
+        print(
+            f"  export KSB_KAFKA_USERNAME=admin KSB_KAFKA_PASSWORD_FILE={sec.store.path('admin')}"
+        )
+        print(
+            f"  export KSB_REDIS_USERNAME=admin KSB_REDIS_PASSWORD_FILE={sec.store.path('admin')}"
+        )
+        if sec.ca is not None:
+            print(f"  export KSB_KAFKA_SSL_CA={sec.ca}")
     print(f"up in {time.monotonic() - started:.1f}s; state in {CLI_STACK_FILE}")
     return 0
 
@@ -346,12 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     up = sub.add_parser("up", help="start a fresh stack under var/stack and detach")
     up.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for readiness")
+    up.add_argument(
+        "--security",
+        choices=MODES,
+        default=None,
+        help="sasl (default; or KSB_STACK_SECURITY), tls, or plaintext (development only)",
+    )
     sub.add_parser("down", help="stop the stack recorded in var/stack/stack.json")
     sub.add_parser("status", help="print var/stack/stack.json and whether the pids live")
     args = parser.parse_args(argv)
     try:
         if args.command == "up":
-            return _cli_up(args.timeout)
+            return _cli_up(args.timeout, security_mode(args.security))
         if args.command == "down":
             return _cli_down()
         return _cli_status()

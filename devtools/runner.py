@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devtools.deployment import settings_model
+from devtools.deployment import process_settings
 from ksb.settings import KsbSettings, settings_env
 
 __all__ = ["REPO_ROOT", "ServiceProcess"]
@@ -28,7 +28,8 @@ class ServiceProcess:
 
     name: str
     settings: KsbSettings
-    """The instance's settings; the process gets them narrowed to its module's own model."""
+    """The instance's settings; the process gets them narrowed to its module's own model and,
+    from a `Deployment`, logged in as its own principal (`devtools.deployment.process_settings`)."""
     log_path: Path
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
@@ -48,9 +49,7 @@ class ServiceProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.main_module],
             cwd=REPO_ROOT,
-            env=settings_env(
-                self.settings.narrow(settings_model(self.main_module)), **self.extra_env
-            ),
+            env=settings_env(process_settings(self.settings, self.main_module), **self.extra_env),
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

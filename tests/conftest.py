@@ -3,6 +3,10 @@
 The stack is started lazily, on the first test marked `integration`, so `pytest tests/unit`
 never starts a JVM. One stack per session because a cold Kafka costs seconds; tests stay
 independent by using `unique` names for topics, groups and transactional ids.
+
+The stack is secured as by default (``KSB_STACK_SECURITY``: ``sasl``, or ``tls``/``plaintext``):
+every test instance gets its own principals and ACLs (`tests.integration.conftest`), and a test
+that needs the cluster's ``admin`` asks the stack for it (`Stack.admin`).
 """
 
 from __future__ import annotations
@@ -21,15 +25,32 @@ try:
 except ModuleNotFoundError:  # a plain checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shared"))
 
+from devtools.deployment import Deployment, stack_fields
 from devtools.localstack import start_stack
+from devtools.stack_security import StackSecurity
+from ksb.security.principals import ADMIN
 
 
 @dataclass(frozen=True)
 class Stack:
-    """What the integration tests need of a stack: where Kafka and Redis answer."""
+    """What the integration tests need of a stack: where Kafka and Redis answer, and how."""
 
     kafka_bootstrap: str
     redis_url: str
+    security: StackSecurity
+
+    def deployment(self, **fields: object) -> Deployment:
+        """A deployment on this stack, logged in as nobody yet (see `secure_instance`)."""
+        base: dict[str, object] = {
+            "kafka_bootstrap": self.kafka_bootstrap,
+            "redis_url": self.redis_url,
+            **stack_fields(self.security),
+        }
+        return Deployment.model_validate({**base, **fields})
+
+    def admin(self, **fields: object) -> Deployment:
+        """The cluster's ``admin`` (a Kafka super user, Redis's unrestricted user)."""
+        return self.deployment(**fields).as_principal(ADMIN)
 
 
 @pytest.fixture(scope="session")
@@ -44,12 +65,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         return
     running = start_stack(tmp_path_factory.mktemp("stack"))
     try:
-        yield Stack(running.kafka_bootstrap, running.redis_url)
+        yield Stack(running.kafka_bootstrap, running.redis_url, running.security)
     finally:
         running.stop()
 
 
 def _container_stack() -> Iterator[Stack]:
+    """Plaintext: the containers are started by testcontainers' own images, without ACLs."""
     from testcontainers.community.kafka import KafkaContainer
     from testcontainers.community.redis import RedisContainer
 
@@ -57,7 +79,11 @@ def _container_stack() -> Iterator[Stack]:
     with kafka_image as kafka_c, RedisContainer("redis:7") as redis_c:
         host = redis_c.get_container_host_ip()
         port = redis_c.get_exposed_port(6379)
-        yield Stack(kafka_c.get_bootstrap_server(), f"redis://{host}:{port}/0")
+        yield Stack(
+            kafka_c.get_bootstrap_server(),
+            f"redis://{host}:{port}/0",
+            StackSecurity("plaintext", Path("/nonexistent")),
+        )
 
 
 @pytest.fixture(autouse=True)

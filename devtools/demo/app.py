@@ -33,7 +33,7 @@ from devtools.demo.processes import (
     service_processes,
     wait_until_interrupted,
 )
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import LocalStackError, start_stack
 from ksb.catalog.model import Catalog, load_catalog_file
 from ksb.errors import KsbError
@@ -55,16 +55,31 @@ def demo(opts: DemoOptions) -> int:
             f"  kafka {stack.kafka_bootstrap} (pid {stack.kafka_pid}), redis {stack.redis_url} "
             f"(pid {stack.redis_pid}), up in {time.perf_counter() - t0:.1f}s"
         )
-        settings = Deployment(
-            instance=INSTANCE,
-            kafka_bootstrap=stack.kafka_bootstrap,
-            redis_url=stack.redis_url,
-            spark_checkpoint_dir=str(opts.workdir / "spark" / "checkpoints"),
-            spark_output_dir=str(opts.workdir / "spark"),
+        base = {
+            "kafka_bootstrap": stack.kafka_bootstrap,
+            "redis_url": stack.redis_url,
+            **stack_fields(stack.security),
+        }
+        # Each instance's principals and ACLs first (`ksb acl apply`, as the stack's admin); the
+        # demo's clients are the instances' owners, every service runs as its own principal.
+        settings = secure_instance(
+            Deployment.model_validate(
+                {
+                    **base,
+                    "instance": INSTANCE,
+                    "spark_checkpoint_dir": str(opts.workdir / "spark" / "checkpoints"),
+                    "spark_output_dir": str(opts.workdir / "spark"),
+                }
+            ),
+            catalog,
         )
-        settings_b = Deployment(
-            instance=INSTANCE_B, kafka_bootstrap=stack.kafka_bootstrap, redis_url=stack.redis_url
+        settings_b = secure_instance(
+            Deployment.model_validate({**base, "instance": INSTANCE_B}), catalog_b
         )
+        if stack.security.enabled:
+            say(
+                f"  security: {stack.security.protocol}, principals and ACLs of both instances made"
+            )
         logs = opts.workdir / "logs"
         procs = service_processes(
             settings, available_services() + ([SPARK_JOB] if opts.spark else []), logs

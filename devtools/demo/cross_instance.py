@@ -15,8 +15,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
 from devtools.demo.common import (
     INSTANCE,
     INSTANCE_B,
@@ -35,6 +33,7 @@ from devtools.runner import ServiceProcess
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.errors import KsbError
 from ksb.names import Names
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.client import KsbClient
 
@@ -189,7 +188,7 @@ def wait_transmission_drained(
 ) -> dict[str, Any]:
     """The instance's transmission queue view once it is empty in a snapshot taken after
     `since_ms` (an older one could predate the last sends), or the last view after the wait."""
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     deadline = time.monotonic() + timeout_s
     try:
         while True:

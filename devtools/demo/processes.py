@@ -28,6 +28,7 @@ from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog
 from ksb.errors import KsbError
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.security.principals import Role
 
 __all__ = [
     "REPO_ROOT",
@@ -213,6 +214,15 @@ def print_env(stack: LocalStack, settings: Deployment) -> None:
     say(f"  export KSB_INSTANCE={settings.instance}")
     say(f"  export KSB_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}")
     say(f"  export KSB_REDIS_URL={stack.redis_url}")
+    operator = settings.as_service(Role.OPERATOR)
+    if operator.secured:  # the CLI logs in as the instance's operator
+        say(f"  export KSB_KAFKA_SECURITY_PROTOCOL={operator.kafka_security_protocol}")
+        say(f"  export KSB_KAFKA_USERNAME={operator.kafka_username}")
+        say(f"  export KSB_KAFKA_PASSWORD_FILE={operator.kafka_password_file}")
+        say(f"  export KSB_REDIS_USERNAME={operator.redis_username}")
+        say(f"  export KSB_REDIS_PASSWORD_FILE={operator.redis_password_file}")
+        if operator.kafka_ssl_ca:
+            say(f"  export KSB_KAFKA_SSL_CA={operator.kafka_ssl_ca}")
     say("then e.g. `ksb endpoints --leaked` or `ksb errors`;")
     say(f"KSB_INSTANCE={INSTANCE_B} for the second instance, e.g. `ksb transmission`.")
     sys.stdout.flush()

@@ -57,6 +57,7 @@ from ksb.runtime.metrics import (
     WAITING_READERS,
     JsonRoute,
 )
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import RedisView, Writes
 from ksb.runtime.service import Service, TickTask
 from ksb.sdk.reader import QueueReader
@@ -125,7 +126,7 @@ class ActivationService(Service):
     # ----------------------------------------------------------------- life cycle
     def open(self) -> None:
         s = self.settings
-        self._redis = self._given_redis or redis.Redis.from_url(s.redis_url)
+        self._redis = self._given_redis or redis_client(s)
         self._rows = RedisView("monitors", self._redis, self.handlers)
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
         self._producer = kafka.producer(s)

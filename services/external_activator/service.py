@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 import subprocess
 import uuid
 from collections.abc import Iterable
@@ -38,6 +39,7 @@ from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime.metrics import HEALTHY
+from ksb.security.credentials import kafka_login
 from ksb.settings import ClientSettings, ExternalActivatorSettings, settings_env
 
 __all__ = ["ActivatorWorker", "ReaderSupervisor", "build_app"]
@@ -206,6 +208,7 @@ def build_app(
     app = faust.App(
         names.external_activator_app,
         broker=f"kafka://{settings.kafka_bootstrap}",
+        broker_credentials=faust_credentials(settings),
         store="memory://",
         web_enabled=False,
         topic_replication_factor=1,
@@ -254,6 +257,20 @@ def build_app(
     # mypy; the handler above has exactly the shape mode calls it with.
     app.on_partitions_assigned.connect(on_assigned)  # type: ignore[arg-type]
     return app
+
+
+def faust_credentials(settings: ExternalActivatorSettings) -> faust.SASLCredentials | None:
+    """The process's Kafka login (`ksb.runtime.kafka.client_security`'s) in aiokafka's terms."""
+    login = kafka_login(settings)
+    if not login.sasl:
+        return None
+    context = ssl.create_default_context(cafile=login.ssl_ca or None)
+    return faust.SASLCredentials(
+        username=login.username,
+        password=login.password,
+        mechanism=login.mechanism,
+        ssl_context=context if login.security_protocol == "SASL_SSL" else None,
+    )
 
 
 class ActivatorWorker(faust.Worker):

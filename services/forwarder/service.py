@@ -36,6 +36,7 @@ from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import CONNECTIONS, export_transport_defaults
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import RedisView
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import ForwarderSettings
@@ -75,7 +76,7 @@ class Forwarder(Service):
         topic = self.names.inbound
         md = self._inbound.list_topics(topic, timeout=10).topics[topic]
         self._inbound.assign([TopicPartition(topic, p, OFFSET_END) for p in sorted(md.partitions)])
-        self._redis = redis.Redis.from_url(s.redis_url)
+        self._redis = redis_client(s)
         self._view = RedisView("forwarded", self._redis, self.handlers, s.view_every_ms)
         export_transport_defaults("forwarder")
 

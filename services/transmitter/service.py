@@ -31,6 +31,7 @@ from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import TRANSMISSION_DEPTH
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import RedisView
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import TransmitterSettings
@@ -80,7 +81,7 @@ class Transmitter(Service):
         self._links.assign([TopicPartition(self.names.links, 0, -2)])
         self._outbound = kafka.producer(s)
         self.audit = Audit(KafkaAudit(kafka.producer(s), self.names))
-        self._redis = redis.Redis.from_url(s.redis_url)
+        self._redis = redis_client(s)
         # The view goes to Redis from a task handler: a slow Redis must not stall transmission.
         self._view = RedisView("transmission", self._redis, self.handlers, s.view_every_ms)
 

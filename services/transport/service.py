@@ -40,6 +40,7 @@ from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import CONNECTIONS, SUPPRESSED_DESTINATIONS
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import RedisView
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import TransportSettings
@@ -93,7 +94,7 @@ class Transport(Service):
         self._local = kafka.producer(s)
         self.audit = Audit(KafkaAudit(kafka.producer(s), self.names))
         self._outbound = self._outbound_consumer()
-        self._redis = redis.Redis.from_url(s.redis_url)
+        self._redis = redis_client(s)
         self._view = RedisView("connections", self._redis, self.handlers, s.view_every_ms)
         restored = _load_suppression(self._redis, self.names)
         self.links.restore_suppression(restored, self.clock.now_ms())

@@ -16,6 +16,7 @@ __all__ = [
     "LockLost",
     "ProtocolError",
     "QueueDisabled",
+    "SecurityError",
     "ValidationFailed",
 ]
 
@@ -98,3 +99,9 @@ class QueueDisabled(KsbError):
     """RECEIVE on a queue whose STATUS is OFF (disabled by ALTER QUEUE or poison-message handling)."""
 
     code = "queue_disabled"
+
+
+class SecurityError(KsbError):
+    """Credentials that are missing or unreadable, or a principal name or plan that cannot be."""
+
+    code = "security_error"

@@ -112,6 +112,12 @@ class Names:
         return f"{self.prefix}.external_activator"
 
     @property
+    def reader_group(self) -> str:
+        """The group id of consumers that only assign partitions and never commit: librdkafka
+        still looks its coordinator up, which needs DESCRIBE on it, and nothing more."""
+        return f"{self.prefix}.unused"
+
+    @property
     def dispatcher_group(self) -> str:
         return f"{self.prefix}.dispatcher"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -40,9 +40,10 @@ __all__ = [
 ]
 
 PREFIX = "KSB_"
-TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_TEST_STACK"})
-"""Variables of the development tools (where the Kafka jars are, which test stack), not of a
-process's settings: a service started from a shell that has them still starts."""
+TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_TEST_STACK", "KSB_STACK_SECURITY"})
+"""Variables of the development tools (where the Kafka jars are, which test stack, whether the
+local stack is secured), not of a process's settings: a service started from a shell that has
+them still starts."""
 
 S = TypeVar("S", bound="KsbSettings")
 
@@ -67,6 +68,38 @@ class KsbSettings(BaseModel):
     batch_linger_ms: int = Field(5, ge=0)
     request_partitions: int = Field(1, ge=1)
     """Partitions of the instance's requests topic, when a process has to create it."""
+
+    # Security (`ksb.runtime.kafka.client_security`, `ksb.runtime.redis_client`). On by default:
+    # PLAINTEXT is the explicit development switch, never a fallback.
+    kafka_security_protocol: Literal["SASL_PLAINTEXT", "SASL_SSL", "PLAINTEXT"] = "SASL_PLAINTEXT"
+    """SASL_SSL for any connection that leaves the machine; PLAINTEXT only for a development stack
+    started without security."""
+    kafka_sasl_mechanism: Literal["SCRAM-SHA-512", "SCRAM-SHA-256"] = "SCRAM-SHA-512"
+    kafka_username: str = ""
+    """The Kafka principal (a SCRAM user) this process logs in as."""
+    kafka_password: str = Field("", repr=False)
+    """The password itself, for deployments that hand secrets over as variables (compose's env
+    file); a password file is preferred: it never shows in a process's environment."""
+    kafka_password_file: str = ""
+    """A file holding the password (re-read whenever a client is made, so a rotation reaches new
+    connections without a restart)."""
+    kafka_ssl_ca: str = ""
+    """PEM file of the CA that signed the brokers' certificates (SASL_SSL)."""
+    kafka_remote_credentials: str = ""
+    """A JSON file: far cluster bootstrap list -> the credentials this process uses there
+    (transports and forwarders crossing to another cluster; `ksb.security.credentials`)."""
+    redis_username: str = ""
+    """The Redis ACL user; empty means Redis's `default` user (a stack without ACLs)."""
+    redis_password: str = Field("", repr=False)
+    redis_password_file: str = ""
+    principal: str = Field("", pattern=r"^([A-Za-z0-9_-]{1,64})?$")
+    """The principal this process acts as (its requests and errors topics); empty means its Kafka
+    username."""
+
+    @property
+    def acting_principal(self) -> str:
+        """Who this process is to KSB: `principal`, or its Kafka username when that is unset."""
+        return self.principal or self.kafka_username
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:

@@ -1,4 +1,11 @@
-"""Integration fixtures: a broker instance per test (unique namespace) on the session's stack."""
+"""Integration fixtures: a broker instance per test (unique namespace) on the session's stack.
+
+On the secured stack every test instance gets its own principals, topics and ACLs first (one
+``ksb acl apply``, `devtools.deployment.secure_instance`): the services run as their own
+least-privilege principals (`ThreadDispatcher` too), and the test's own clients as the
+instance's owner, `settings`. `make_application` gives a test an application principal with
+exactly the grants it names.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,13 @@ from typing import Any
 
 import pytest
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, instance_plan, owner_of, secure_instance
 from devtools.runner import ServiceProcess
-from ksb.catalog.model import Catalog, parse_catalog
-from ksb.runtime.catalog_store import apply_catalog
+from ksb.catalog.model import Catalog, Grant, parse_catalog
+from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.sdk.client import KsbClient
+from ksb.security.apply import remove_instance
+from ksb.security.principals import Role
 from services.dispatcher import Dispatcher
 from tests.conftest import Stack
 
@@ -56,14 +65,33 @@ BASIC_CATALOG: dict[str, Any] = {
 
 
 @pytest.fixture
-def settings(stack: Stack, unique: str) -> Deployment:
-    return Deployment(
-        instance=f"t{unique}",
-        kafka_bootstrap=stack.kafka_bootstrap,
-        redis_url=stack.redis_url,
-        lock_ttl_ms=15_000,
-        max_body_bytes=64 * 1024,
-    )
+def settings(stack: Stack, unique: str) -> Iterator[Deployment]:
+    """This test's instance, secured, as its owner sees it (its services log in as their own)."""
+    base = stack.deployment(instance=f"t{unique}", lock_ttl_ms=15_000, max_body_bytes=64 * 1024)
+    yield secure_instance(base)
+    if base.secured:  # the instance's bindings go, so the cluster's list does not grow all session
+        remove_instance(instance_plan(base), stack.admin(), wait=False)
+
+
+def secure(settings: Deployment, catalog: Catalog | None = None) -> Deployment:
+    """Apply the instance's ACL plan again for `catalog` (default: the one applied last): after
+    a catalog whose routes or grants the test relies on. Returns the owner's settings."""
+    owner = settings.as_principal(owner_of(settings.instance))
+    return secure_instance(settings, catalog or load_catalog(owner))
+
+
+def make_application(settings: Deployment, name: str, grants: list[Grant]) -> Deployment:
+    """A new application principal of this test's instance with exactly `grants` (SEND on
+    services, RECEIVE on queues), added to the current catalog and applied as ACLs; returns the
+    settings it logs in with. For the grant-level tests of the dispatcher, too."""
+    owner = settings.as_principal(owner_of(settings.instance))
+    current = load_catalog(owner)
+    kept = [g for g in current.grants if g.principal != name]
+    data = current.model_dump(by_alias=True, exclude={"version", "applied_ms"})
+    data["grants"] = [g.model_dump() for g in (*kept, *grants)]
+    updated = apply_catalog(owner, parse_catalog(data))
+    secure_instance(settings, updated)
+    return settings.as_principal(name)
 
 
 @pytest.fixture
@@ -76,7 +104,7 @@ class ThreadDispatcher:
     """A dispatcher in a thread of the test process: quick to start, stopped at the end."""
 
     def __init__(self, settings: Deployment) -> None:
-        self.dispatcher = Dispatcher(settings)
+        self.dispatcher = Dispatcher(settings.as_service(Role.DISPATCHER))
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.dispatcher.run, args=(self.stop_event,))
         self.thread.start()

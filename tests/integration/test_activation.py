@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 from prometheus_client import REGISTRY
 from typer.testing import CliRunner
 
@@ -20,7 +19,9 @@ from ksb.cli import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import Role
 from ksb.settings import CliSettings, settings_env
 from services.activation import ActivationService
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
@@ -41,7 +42,7 @@ def with_target_queue(**changes: Any) -> dict[str, Any]:
 
 class ThreadActivation:
     def __init__(self, settings: Deployment) -> None:
-        self.service = ActivationService(settings)
+        self.service = ActivationService(settings.as_service(Role.ACTIVATION))
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.service.run, args=(self.stop_event,))
         self.thread.start()
@@ -76,9 +77,7 @@ def stop_all() -> Iterator[list[Any]]:
 
 
 def monitor_view(settings: Deployment, queue: str) -> dict[str, Any]:
-    raw = redis.Redis.from_url(settings.redis_url).hget(
-        Names(settings.instance).monitors_key, queue
-    )
+    raw = redis_client(settings).hget(Names(settings.instance).monitors_key, queue)
     return json.loads(raw) if raw else {}
 
 
@@ -175,7 +174,7 @@ def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
             tx = client.transaction()
             assert tx.receive("TargetQueue", waitfor_ms=5000)
             tx.rollback()
-        r = redis.Redis.from_url(fast_settings.redis_url)
+        r = redis_client(fast_settings)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and not r.sismember(names.disabled_key, "TargetQueue"):
             time.sleep(0.1)

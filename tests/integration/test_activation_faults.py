@@ -30,7 +30,9 @@ from ksb.cli import app
 from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
+from ksb.security.principals import ADMIN, Role
 from ksb.settings import ActivatedTaskSettings, CliSettings, settings_env
 from ksb.wire.protocol import QueueMessage
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
@@ -45,9 +47,27 @@ _PROCS = "tests.integration.test_activation_faults"
 
 
 # --------------------------------------------------------------------------- procedures (in tasks)
+HARNESS_LOGIN = "KSBTEST_REDIS_ADMIN_PASSWORD_FILE"
+"""The test's own bookkeeping keys (``ksbtest:``, outside KSB's namespace) are written by the
+harness's login, the stack's admin; a task's KSB work stays its principal's."""
+
+
 @functools.cache
 def _task_redis() -> redis.Redis:
-    return redis.Redis.from_url(ActivatedTaskSettings.from_env().redis_url)
+    s = ActivatedTaskSettings.from_env()
+    if HARNESS_LOGIN in os.environ:
+        s = s.model_copy(
+            update={"redis_username": ADMIN, "redis_password_file": os.environ[HARNESS_LOGIN]}
+        )
+    return redis_client(s)
+
+
+@pytest.fixture(autouse=True)
+def _harness_login(settings: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks inherit the test's environment: they find the harness's login there."""
+    admin = settings.as_principal(ADMIN)
+    if admin.redis_password_file:
+        monkeypatch.setenv(HARNESS_LOGIN, admin.redis_password_file)
 
 
 def _test_key(instance: str, what: str) -> str:
@@ -109,7 +129,7 @@ def stop_all(settings: Deployment) -> Iterator[list[Any]]:
 
 def _end_orphan_tasks(settings: Deployment) -> None:
     """Tasks outlive a killed activation service; end the ones this test's procedures recorded."""
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings.as_principal(ADMIN))
     try:
         pids = [int(p) for p in r.smembers(_test_key(settings.instance, "pids"))]
     finally:
@@ -126,7 +146,8 @@ def _end_orphan_tasks(settings: Deployment) -> None:
 
 @pytest.fixture
 def r(settings: Deployment) -> Iterator[redis.Redis]:
-    conn = redis.Redis.from_url(settings.redis_url)
+    """The harness's view of Redis (its bookkeeping keys too): the stack's admin."""
+    conn = redis_client(settings.as_principal(ADMIN))
     try:
         yield conn
     finally:
@@ -134,7 +155,7 @@ def r(settings: Deployment) -> Iterator[redis.Redis]:
 
 
 def cli(settings: Deployment, *args: str) -> str:
-    env = settings_env(settings.narrow(CliSettings))
+    env = settings_env(settings.as_service(Role.OPERATOR).narrow(CliSettings))
     result = CliRunner().invoke(app, list(args), env=env)
     assert result.exit_code == 0, result.output
     return result.output
@@ -171,7 +192,7 @@ class TaskSampler:
         return self
 
     def _run(self) -> None:
-        r = redis.Redis.from_url(self.settings.redis_url)
+        r = redis_client(self.settings)
         monitors_key = Names(self.settings.instance).monitors_key
         try:
             while not self._stop.is_set():

@@ -19,11 +19,21 @@ from ksb.catalog.model import ERROR, Catalog
 from ksb.errors import CommitRefused
 from ksb.names import Names
 from ksb.runtime.catalog_store import load_catalog
+from ksb.runtime.kafka import client_security
 from ksb.sdk.client import KsbClient
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import errors, read_topic, receive_all, wait_endpoint, wait_error
 
 pytestmark = pytest.mark.integration
+
+
+def _login(settings: Deployment) -> dict[str, str]:
+    """A plain producer's configuration, logged in as the test's owner (any producer could)."""
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        **client_security(settings, settings.kafka_bootstrap),
+    }
+
 
 INIT, TGT, CON = "//t/Initiator", "//t/Target", "//t/Contract"
 REQ = "//t/Request"
@@ -75,7 +85,7 @@ def test_malformed_records_get_a_malformed_record_error(
     good = client.begin_dialog(INIT, TGT, CON)
     _good(client, good, "before")
     client.flush()
-    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True})
+    raw = Producer({**_login(settings), "enable.idempotence": True})
     for value, _ in bad:
         raw.produce(Names(settings.instance).requests, key=b"raw", value=value)
     assert raw.flush(10) == 0
@@ -306,7 +316,7 @@ def test_an_invalid_catalog_record_is_skipped_not_fatal(
     good = client.begin_dialog(INIT, TGT, CON)
     _good(client, good, "before")
     client.flush()
-    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap})
+    raw = Producer(_login(settings))
     raw.produce(Names(settings.instance).catalog, key=b"catalog", value=b'{"queus": []}')
     raw.produce(Names(settings.instance).catalog, key=b"catalog", value=b"not JSON")
     assert raw.flush(10) == 0

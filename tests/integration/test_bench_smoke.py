@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench.cross_instance import CrossOptions, format_lines, run_cross_instance
-from devtools.deployment import Deployment
+from devtools.deployment import secure_instance
 from tests.conftest import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,11 +55,7 @@ def test_cross_instance_bench_delivers_everything_once(stack: Stack, tmp_path: P
     """The cross-instance section with tiny counts: every message of both paths and of the backlog
     arrives exactly once and in order, nothing reaches B while the link is cut, and every figure it
     prints is there and positive (never how large)."""
-    settings = Deployment(
-        instance=f"bx{uuid.uuid4().hex[:8]}",
-        kafka_bootstrap=stack.kafka_bootstrap,
-        redis_url=stack.redis_url,
-    )
+    settings = secure_instance(stack.deployment(instance=f"bx{uuid.uuid4().hex[:8]}"))
     opts = CrossOptions(
         messages=60, dialogs=6, probes=3, backlog=40, backlog_dialogs=4, timeout_s=60
     )

@@ -21,6 +21,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import Role
 from ksb.settings import DispatcherSettings
 from ksb.wire.protocol import BrokerNotification, parse_bcn
 from services.dispatcher import Dispatcher
@@ -40,7 +41,7 @@ class StartingDispatcher:
 
     def __init__(self, settings: Deployment, dispatcher: Dispatcher | None = None) -> None:
         self.dispatcher = dispatcher or Dispatcher(
-            settings.narrow(DispatcherSettings, task_handlers=2)
+            settings.as_service(Role.DISPATCHER).narrow(DispatcherSettings, task_handlers=2)
         )
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.dispatcher.run, args=(self.stop_event,))
@@ -187,7 +188,10 @@ def test_a_start_kafka_failed_is_retried_on_the_tick_after_kafka_answers(fast: D
         return probes[-1]
 
     d = Dispatcher(
-        fast.narrow(DispatcherSettings, task_handlers=2, broker_retry_every=1000), kafka_probe=probe
+        fast.as_service(Role.DISPATCHER).narrow(
+            DispatcherSettings, task_handlers=2, broker_retry_every=1000
+        ),
+        kafka_probe=probe,
     )
     real_start = d.start
     calls: list[int] = []

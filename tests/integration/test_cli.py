@@ -16,6 +16,8 @@ from ksb.catalog.model import END_DIALOG, Catalog
 from ksb.cli import app
 from ksb.dialog.views import ONE_SIDED_GRACE_MS
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import Role
+from ksb.settings import CliSettings, settings_env
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import errors, receive_all, wait_endpoint
 
@@ -25,12 +27,10 @@ INITIATOR, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
 
 
 def ksb(settings: Deployment, *args: str) -> Result:
-    """Run `ksb ARGS` with the test instance's settings in the environment, as a user would."""
-    env = {
-        "KSB_INSTANCE": settings.instance,
-        "KSB_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
-        "KSB_REDIS_URL": settings.redis_url,
-    }
+    """Run `ksb ARGS` with the test instance's settings in the environment, as a user would:
+    the instance's operator."""
+    operator = settings.as_service(Role.OPERATOR).narrow(CliSettings)
+    env = {k: v for k, v in settings_env(operator).items() if k.startswith("KSB_")}
     return CliRunner().invoke(app, list(args), env=env)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.sdk.client import KsbClient
 from tests.integration.conftest import ThreadDispatcher
@@ -236,7 +236,7 @@ def test_export_sql_rebuilds_the_catalog_on_a_fresh_instance(
     script = tmp_path / "export.sql"
     script.write_text(ok(ksb(settings, "catalog", "export", "--sql")))
     assert script.read_text().startswith(f"-- catalog version {before['version']} of instance ")
-    fresh = settings.model_copy(update={"instance": f"{settings.instance}x"})
+    fresh = secure_instance(settings.model_copy(update={"instance": f"{settings.instance}x"}))
     ok(ksb(fresh, "sql", "--file", str(script)))
     after = shown(fresh)
     assert after["version"] == 1

@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient
-from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher, secure
 from tests.integration.support import receive_all
 from tests.integration.test_activation import ThreadActivation
 
@@ -58,7 +58,7 @@ class TaskSetPeak:
     """
 
     def __init__(self, settings: Deployment, queue: str) -> None:
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = redis_client(settings)
         self.key = Names(settings.instance).tasks_key(queue)
         self.peak = 0
         self.stop_event = threading.Event()
@@ -91,6 +91,7 @@ def test_external_activator_starts_readers_that_reply_never_above_max(
     cat = copy.deepcopy(BASIC_CATALOG)
     cat["event_notifications"] = [{"name": "ext", "queue": "TargetQueue", "timeout_s": 10}]
     apply_catalog(fast_settings, parse_catalog(cat))
+    secure(fast_settings)  # the external activator's readers may RECEIVE from notified queues
     reader = (
         f"{shlex.quote(sys.executable)} -m ksb.activation.activated TargetQueue "
         "tests.integration.activation_procs:reply $ACTIVATED_TASK_ID"

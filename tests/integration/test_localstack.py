@@ -1,7 +1,8 @@
 """The local stack is a real broker and a real Redis, with working transactions.
 
 These are the properties every other integration test silently relies on; when they break,
-this file says so directly instead of as a timeout somewhere else.
+this file says so directly instead of as a timeout somewhere else. They log in as the stack's
+``admin`` (a super user): they test the broker, not KSB's ACLs (`test_security` does).
 """
 
 from __future__ import annotations
@@ -9,18 +10,23 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis
 from confluent_kafka import Consumer, KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
+from ksb.runtime.redis_client import redis_client
 from tests.conftest import Stack
 
 pytestmark = pytest.mark.integration
 
 
+def _kafka(stack: Stack) -> dict[str, str | int | float | bool]:
+    """Where the stack's Kafka is, logged in as its admin."""
+    return {"bootstrap.servers": stack.kafka_bootstrap, **stack.security.login().librdkafka()}
+
+
 def _create_topic(stack: Stack, name: str, partitions: int) -> None:
-    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin = AdminClient(_kafka(stack))
     futures = admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=1)])
     futures[name].result(timeout=30)
 
@@ -31,7 +37,7 @@ def _consume_all(
     """Read from the start until `expect` records arrived, then a short settle to catch extras."""
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.kafka_bootstrap,
+            **_kafka(stack),
             "group.id": group,
             "auto.offset.reset": "earliest",
             "enable.auto.commit": False,
@@ -66,11 +72,11 @@ def test_topic_with_three_partitions_round_trips_a_record(stack: Stack, unique: 
     topic = f"t-{unique}"
     _create_topic(stack, topic, 3)
 
-    admin = AdminClient({"bootstrap.servers": stack.kafka_bootstrap})
+    admin = AdminClient(_kafka(stack))
     meta = admin.list_topics(topic=topic, timeout=10)
     assert len(meta.topics[topic].partitions) == 3
 
-    producer = Producer({"bootstrap.servers": stack.kafka_bootstrap, "acks": "all"})
+    producer = Producer({**_kafka(stack), "acks": "all"})
     producer.produce(topic, key=b"k", value=b"hello", partition=2)
     assert producer.flush(10) == 0
 
@@ -81,9 +87,7 @@ def test_topic_with_three_partitions_round_trips_a_record(stack: Stack, unique: 
 def test_read_committed_sees_committed_and_not_aborted(stack: Stack, unique: str) -> None:
     topic = f"tx-{unique}"
     _create_topic(stack, topic, 3)
-    producer = Producer(
-        {"bootstrap.servers": stack.kafka_bootstrap, "transactional.id": f"txn-{unique}"}
-    )
+    producer = Producer({**_kafka(stack), "transactional.id": f"txn-{unique}"})
     producer.init_transactions(15)
 
     producer.begin_transaction()
@@ -104,7 +108,7 @@ def test_read_committed_sees_committed_and_not_aborted(stack: Stack, unique: str
 
 
 def test_redis_ping_set_get(stack: Stack, unique: str) -> None:
-    client = redis.Redis.from_url(stack.redis_url)
+    client = redis_client(stack.admin())
     try:
         assert client.ping() is True
         assert client.set(f"k-{unique}", b"v") is True

@@ -2,6 +2,10 @@
 
 Running the documentation is what keeps it true: if a field is renamed or a rule changes, the
 example a non-Python team copies stops working here first.
+
+kcat logs in with SCRAM as the test's owner principal, from a 0600 config file (``-F``), with
+the librdkafka of confluent-kafka's wheel: Debian's kcat links librdkafka 2.0.2, whose SCRAM
+Kafka 4 refuses (librdkafka#4895; docs/protocol.md says how to work around it, as done here).
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import signal
 import subprocess
 from pathlib import Path
 
+import confluent_kafka
 import pytest
 
 from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, Catalog
+from ksb.names import Names
 from ksb.sdk.client import KsbClient
+from ksb.security.credentials import kafka_login, write_private
 from ksb.wire.partitioning import target_handle
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import receive_all, wait_endpoint
@@ -36,6 +43,31 @@ def kcat_example() -> str:
     found = re.search(r"^```sh\n(.*?)^```", section, re.S | re.M)
     assert found is not None, "docs/protocol.md: no ```sh block under '## kcat example'"
     return found.group(1)
+
+
+def kcat_library(folder: Path) -> Path:
+    """A folder whose ``librdkafka.so.1`` is the wheel's (the workaround for Debian's kcat)."""
+    libs = Path(confluent_kafka.__file__).resolve().parents[1] / "confluent_kafka.libs"
+    [bundled] = sorted(libs.glob("librdkafka-*.so.1"))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "librdkafka.so.1").symlink_to(bundled)
+    return folder
+
+
+def kcat_config(settings: Deployment, path: Path) -> Path:
+    """kcat's ``-F`` file: the principal's login, readable by its owner only."""
+    login = kafka_login(settings)
+    lines = [f"security.protocol={login.security_protocol}"]
+    if login.sasl:
+        lines += [
+            f"sasl.mechanisms={login.mechanism}",
+            f"sasl.username={login.username}",
+            f"sasl.password={login.password}",
+        ]
+    if login.ssl_ca:
+        lines.append(f"ssl.ca.location={login.ssl_ca}")
+    write_private(path, "\n".join(lines) + "\n")
+    return path
 
 
 def run_script(script: str, env: dict[str, str], cwd: Path, timeout_s: float) -> str:
@@ -68,7 +100,16 @@ def test_doc_example_begins_sends_receives_and_ends(
 ) -> None:
     if shutil.which("kcat") is None:
         pytest.skip("kcat is not installed")
-    env = {**os.environ, "BOOTSTRAP": settings.kafka_bootstrap, "INSTANCE": settings.instance}
+    env = {
+        **os.environ,
+        "BOOTSTRAP": settings.kafka_bootstrap,
+        "INSTANCE": settings.instance,
+        "PRINCIPAL": settings.acting_principal,
+        "KCAT_CONFIG": str(kcat_config(settings, tmp_path / "kcat.conf")),
+        "LD_LIBRARY_PATH": str(kcat_library(tmp_path / "kcat-lib")),
+    }
+    if not settings.secured:  # no principal: the requests topic of clients without one
+        env["REQUESTS"] = Names(settings.instance).requests
     out = run_script(kcat_example(), env, tmp_path, timeout_s=90)
 
     # The message arrived in the target queue with its Service Broker columns.

@@ -10,13 +10,14 @@ import json
 import time
 
 import pytest
-import redis
 
 from devtools.deployment import Deployment
 from ksb.errors import CommitRefused, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
+from ksb.security.principals import ADMIN
 from ksb.wire.protocol import CommitRequest, QueueMessage, Receipt, SendRequest, dumps
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import Flow, queue_receipts, read_topic, receive_all, wait_error
@@ -28,7 +29,7 @@ Q = "TargetQueue"
 
 
 def _flushall(settings: Deployment) -> None:
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings.as_principal(ADMIN))  # FLUSHALL is the admin's alone
     try:
         r.flushall()
     finally:
@@ -36,7 +37,7 @@ def _flushall(settings: Deployment) -> None:
 
 
 def _token(settings: Deployment, group: str) -> int:
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     try:
         raw = r.hget(Names(settings.instance).lock_key(Q, group), "token")
     finally:
@@ -113,7 +114,7 @@ def test_commit_after_lock_expired_and_taken_is_refused_and_redelivered(
         first = _receive(tx_a, 3)
         # A live reader renews its leases, so the stall is simulated by letting the lock key's TTL
         # run out now in Redis: exactly what happens when the holder stops renewing.
-        r = redis.Redis.from_url(settings.redis_url)
+        r = redis_client(settings)
         try:
             key = Names(settings.instance).lock_key(Q, first[0].conversation_group_id)
             assert r.pexpire(key, 1)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
 from ksb.runtime.catalog_store import apply_catalog
 
@@ -32,7 +32,12 @@ FAULT_AT = 0.3
 
 @pytest.fixture
 def scaled(settings: Deployment) -> Deployment:
-    s = settings.model_copy(update={"request_partitions": SHARDS})
+    # An instance of its own: its topics are made with the shard count when it is secured.
+    s = secure_instance(
+        settings.model_copy(
+            update={"instance": f"{settings.instance}s", "request_partitions": SHARDS}
+        )
+    )
     apply_catalog(s, bench_catalog(SHARDS))
     return s
 

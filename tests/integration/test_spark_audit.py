@@ -25,7 +25,9 @@ from ksb.audit import AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog.model import Catalog
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.runtime.kafka import client_security
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import Role
 from ksb.spark.report import load_outputs
 from tests.conftest import Stack
 
@@ -60,7 +62,7 @@ def _job(
         output_dir=tmp / "out",
         window_s=WINDOW_MS // 1000,
         **kw,
-    )
+    ).logged_in(settings.as_service(Role.SPARK))
     return AuditJob(spark, config, exporter=SlaExporter(registry))
 
 
@@ -74,7 +76,10 @@ def _topics(settings: Deployment) -> None:
 def _produce(settings: Deployment, events: list[AuditEvent]) -> None:
     """Odd-numbered runs of five events one record each (as the SDK writes them), even-numbered
     runs as batch records (as the dispatcher does): the job must read both, in order."""
-    p = Producer({"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True})
+    login = client_security(settings, settings.kafka_bootstrap)
+    p = Producer(
+        {"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True, **login}
+    )
     audit = KafkaAudit(p, Names(settings.instance))
     for n, start in enumerate(range(0, len(events), 5)):
         run = events[start : start + 5]

@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, connect_clusters, secure_instance
 from devtools.localstack import start_stack
 from ksb.catalog.model import parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.security.principals import ADMIN, Role
 from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import check_exactly_once_in_order, read_topic, receive_all
@@ -39,18 +40,13 @@ def far(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A second Kafka (and Redis) of its own: the far cluster."""
     running = start_stack(tmp_path_factory.mktemp("far"))
     try:
-        yield Stack(running.kafka_bootstrap, running.redis_url)
+        yield Stack(running.kafka_bootstrap, running.redis_url, running.security)
     finally:
         running.stop()
 
 
 def _settings(stack: Stack, name: str) -> Deployment:
-    return Deployment(
-        instance=name,
-        kafka_bootstrap=stack.kafka_bootstrap,
-        redis_url=stack.redis_url,
-        lock_ttl_ms=15_000,
-    )
+    return stack.deployment(instance=name, lock_ttl_ms=15_000)
 
 
 def _exchange(a: Instance, b: Instance, dialogs: int, per_dialog: int) -> None:
@@ -77,13 +73,17 @@ def test_direct_route_to_another_cluster_gets_its_acks_relayed_home(
     ca, cb = _catalogs(far.kafka_bootstrap)
     ca["routes"][0]["broker_instance"] = sb.instance
     cb["routes"][0].update(broker_instance=sa.instance, address=stack.kafka_bootstrap)
+    # Each cluster's plan makes the other's transport a user there; each side gets its login.
+    sa, sb = secure_instance(sa, parse_catalog(ca)), secure_instance(sb, parse_catalog(cb))
+    connect_clusters(sa, Role.TRANSPORT, sb)
+    connect_clusters(sb, Role.TRANSPORT, sa)
     b, a = Instance(sb, cb), Instance(sa, ca)
     try:
         _exchange(a, b, dialogs=5, per_dialog=20)
         _wait_view_empty(a.settings, timeout_s=60)
         _wait_view_empty(b.settings, timeout_s=60)
         # A's acks were written on the far cluster and copied to A's own by A's transport
-        assert read_topic(sb, Names(sa.instance).acks, timeout_s=5)
+        assert read_topic(sb.as_principal(ADMIN), Names(sa.instance).acks, timeout_s=5)
         assert read_topic(sa, Names(sa.instance).acks, timeout_s=5)
     finally:
         a.close()
@@ -104,6 +104,10 @@ def test_forwarder_between_clusters_carries_acks_back_one_cluster(
         **BASIC_CATALOG,
         "routes": [route(T, sb.instance, far.kafka_bootstrap), route(I, sa.instance, "LOCAL")],
     }
+    sb = secure_instance(sb, parse_catalog(cb))
+    sf = secure_instance(sf, parse_catalog(cf))
+    connect_clusters(sf, Role.FORWARDER, sb)  # F carries to B and relays A's acks from there
+    connect_clusters(sb, Role.TRANSPORT, sf)  # B's transport sends to F's inbound
     apply_catalog(sf, parse_catalog(cf))
     forwarder = ThreadForwarder(sf)
     b, a = Instance(sb, cb), Instance(sa, ca)

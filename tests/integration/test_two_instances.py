@@ -11,14 +11,16 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import redis
 from confluent_kafka import Producer
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.kafka import client_security
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import ADMIN, Role
 from ksb.settings import ForwarderSettings, TransmitterSettings, TransportSettings
 from ksb.transmission.links import Packet
 from services.forwarder import Forwarder
@@ -69,7 +71,7 @@ FAST = {
 class ThreadTransmitter:
     def __init__(self, settings: Deployment) -> None:
         self.transmitter = Transmitter(
-            settings.narrow(
+            settings.as_service(Role.TRANSMITTER).narrow(
                 TransmitterSettings,
                 tick_ms=FAST["tick_ms"],
                 view_every_ms=100,
@@ -78,7 +80,7 @@ class ThreadTransmitter:
             )
         )
         self.transport = Transport(
-            settings.narrow(
+            settings.as_service(Role.TRANSPORT).narrow(
                 TransportSettings,
                 **FAST,
                 connect_timeout_ms=1_000,
@@ -104,7 +106,7 @@ class ThreadTransmitter:
 
 class Instance:
     def __init__(self, settings: Deployment, catalog: dict[str, Any]) -> None:
-        self.settings = settings
+        settings = self.settings = secure_instance(settings, parse_catalog(catalog))
         self.catalog: Catalog = apply_catalog(settings, parse_catalog(catalog))
         self.dispatcher = ThreadDispatcher(settings)
         self.transmitter = ThreadTransmitter(settings)
@@ -123,13 +125,7 @@ def _two_instances(
     """A (initiator) and B (target) on the session's cluster, routed to each other."""
 
     def settings(name: str, **extra: Any) -> Deployment:
-        return Deployment(
-            instance=f"t{unique}{name}",
-            kafka_bootstrap=stack.kafka_bootstrap,
-            redis_url=stack.redis_url,
-            lock_ttl_ms=15_000,
-            **extra,
-        )
+        return stack.deployment(instance=f"t{unique}{name}", lock_ttl_ms=15_000, **extra)
 
     sa, sb = settings("A", **a_settings), settings("B")
     ca, cb = _catalogs()
@@ -182,11 +178,18 @@ def test_request_reply_across_instances(pair: tuple[Instance, Instance]) -> None
 def test_foreign_records_on_outbound_and_links_are_skipped_and_nothing_else_is_held_up(
     pair: tuple[Instance, Instance], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Anyone with access to the cluster can write to the internal topics: a record that is not
-    a packet, or not a link event, is skipped with a warning naming it, and traffic goes on."""
+    """Whoever may write the internal topics (the cluster's admin here; with security on, only
+    their own services otherwise): a record that is not a packet, or not a link event, is
+    skipped with a warning naming it, and traffic goes on."""
     a, b = pair
     names = Names(a.settings.instance)
-    raw = Producer({"bootstrap.servers": a.settings.kafka_bootstrap})
+    writer = a.settings.as_principal(ADMIN)
+    raw = Producer(
+        {
+            "bootstrap.servers": writer.kafka_bootstrap,
+            **client_security(writer, writer.kafka_bootstrap),
+        }
+    )
     raw.produce(names.outbound, value=b'{"not": "a packet"}')  # no packet headers
     packet = Packet(b.settings.instance, "LOCAL", Names(b.settings.instance).inbound, 2**62)
     raw.produce(names.outbound, value=b"not json", headers=packet.headers())
@@ -216,7 +219,7 @@ def _audit_kinds(settings: Deployment, wanted: set[str], timeout_s: float = 15) 
 
 
 def _wait_view_empty(settings: Deployment, timeout_s: float = 30) -> dict[str, Any]:
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -322,7 +325,7 @@ def test_cut_link_mid_stream_then_restore(pair: tuple[Instance, Instance]) -> No
         time.sleep(0.05)
     # the view names the failure while the link is down
     deadline = time.monotonic() + 20
-    rr = redis.Redis.from_url(a.settings.redis_url)
+    rr = redis_client(a.settings)
     while True:
         raw = rr.get(Names(a.settings.instance).transmission_view_key)
         view = json.loads(raw) if raw else {"messages": [], "connections": []}
@@ -344,7 +347,7 @@ def test_cut_link_mid_stream_then_restore(pair: tuple[Instance, Instance]) -> No
 
 
 def _wait_view(settings: Deployment, check: Any, timeout_s: float = 30) -> dict[str, Any]:
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
@@ -384,7 +387,9 @@ def test_expired_route_holds_messages_until_renewed(pair: tuple[Instance, Instan
 
 class ThreadForwarder:
     def __init__(self, settings: Deployment) -> None:
-        self.forwarder = Forwarder(settings.narrow(ForwarderSettings, tick_ms=100))
+        self.forwarder = Forwarder(
+            settings.as_service(Role.FORWARDER).narrow(ForwarderSettings, tick_ms=100)
+        )
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self.forwarder.run, args=(self.stop_event,))
         self.thread.start()
@@ -402,12 +407,7 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
     """A -> B -> C: B hosts neither service; its forwarder passes both directions on."""
 
     def settings(name: str) -> Deployment:
-        return Deployment(
-            instance=f"t{unique}{name}",
-            kafka_bootstrap=stack.kafka_bootstrap,
-            redis_url=stack.redis_url,
-            lock_ttl_ms=15_000,
-        )
+        return stack.deployment(instance=f"t{unique}{name}", lock_ttl_ms=15_000)
 
     sa, sb, sc = settings("A"), settings("B"), settings("C")
     ca, cc = _catalogs()
@@ -424,6 +424,7 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
             {"name": "i", "service_name": I, "broker_instance": sa.instance},
         ],
     }
+    sb = secure_instance(sb, parse_catalog(cb))
     apply_catalog(sb, parse_catalog(cb))
     b_dispatcher = ThreadDispatcher(sb)  # reads the same inbound topic and leaves these alone
     b_forwarder = ThreadForwarder(sb)
@@ -465,7 +466,7 @@ def test_forwarded_through_a_middle_instance_survives_a_forwarder_restart(
 
 
 def _forwarded_view_published(settings: Deployment, timeout_s: float = 10) -> bool:
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     deadline = time.monotonic() + timeout_s
     try:
         while time.monotonic() < deadline:
@@ -499,12 +500,7 @@ def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance])
 @pytest.fixture
 def solo(stack: Stack, unique: str) -> Iterator[Instance]:
     """One instance with a transmitter: local dialogs whose target queue gets disabled."""
-    s = Deployment(
-        instance=f"t{unique}S",
-        kafka_bootstrap=stack.kafka_bootstrap,
-        redis_url=stack.redis_url,
-        lock_ttl_ms=15_000,
-    )
+    s = stack.deployment(instance=f"t{unique}S", lock_ttl_ms=15_000)
     inst = Instance(s, _with_target_queue(BASIC_CATALOG, "OFF"))
     try:
         yield inst

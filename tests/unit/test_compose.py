@@ -16,7 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from devtools.deployment import settings_model
+from devtools.compose_env import env_name
+from devtools.compose_env import main as compose_env_main
+from devtools.deployment import MODULE_ROLES, settings_model
+from ksb.security.principals import Role
 from ksb.settings import CliSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,3 +144,76 @@ def test_every_ksb_container_reads_exactly_its_own_settings() -> None:
 def _interpolated(value: str) -> str:
     """Compose's `${VAR:-default}` as compose fills it in when VAR is unset."""
     return re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", value)
+
+
+def _ksb_containers() -> dict[str, tuple[str, dict[str, str]]]:
+    """Container -> (its module, its environment as compose fills it in) for KSB services."""
+    out = {}
+    for name, svc in _compose()["services"].items():
+        command = svc.get("command") or []
+        if command[:2] == ["python", "-m"]:
+            env = {k: str(v) for k, v in (svc.get("environment") or {}).items()}
+            out[name] = (command[2], env)
+    return out
+
+
+def test_each_ksb_container_logs_in_as_its_own_principal_with_its_own_password() -> None:
+    seen: dict[str, str] = {}
+    for name, (module, env) in _ksb_containers().items():
+        role = MODULE_ROLES[module]
+        principal = f"ksb-local-{role.value}"
+        assert _interpolated(env["KSB_KAFKA_USERNAME"]) == principal, name
+        variable = re.fullmatch(r"\$\{(PASSWORD_\w+):\?[^}]*\}", env["KSB_KAFKA_PASSWORD"])
+        assert variable is not None, f"{name}: the password comes from .env"
+        assert seen.setdefault(variable.group(1), name) == name, f"{name} shares a password"
+        assert variable.group(1) == env_name(role.value), name
+        if "KSB_REDIS_USERNAME" in env:  # the same principal in Redis
+            assert _interpolated(env["KSB_REDIS_USERNAME"]) == principal, name
+            assert env["KSB_REDIS_PASSWORD"] == env["KSB_KAFKA_PASSWORD"], name
+        assert env["KSB_KAFKA_SECURITY_PROTOCOL"] != "PLAINTEXT", name
+    for svc in _compose()["services"].values():
+        assert "env_file" not in svc, "each container gets its own secrets, not the whole file"
+
+
+def test_security_init_and_the_catalog_run_as_admin_and_operator() -> None:
+    services = _compose()["services"]
+    init = {k: str(v) for k, v in services["security-init"]["environment"].items()}
+    CliSettings.from_env({k: _interpolated(v) for k, v in init.items() if k.startswith("KSB_")})
+    assert init["KSB_KAFKA_USERNAME"] == init["KSB_REDIS_USERNAME"] == "admin"
+    script = (ROOT / "infra/compose/security-init.sh").read_text()
+    assert "ksb acl apply" in script
+    for role in Role:  # every principal's password is there to be stored
+        assert env_name(role.value) in init, role
+    catalog = services["catalog-init"]["environment"]
+    assert _interpolated(str(catalog["KSB_KAFKA_USERNAME"])) == "ksb-local-operator"
+    for name in _ksb_containers():
+        assert services[name]["depends_on"]["security-init"] == {
+            "condition": "service_completed_successfully"
+        }, name
+
+
+def test_kafka_and_redis_refuse_whoever_has_no_login() -> None:
+    script = (ROOT / "infra/compose/kafka.sh").read_text()
+    for line in (
+        "allow.everyone.if.no.acl.found=false",
+        "super.users=User:broker;User:admin",
+        "authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "sasl.enabled.mechanisms=SCRAM-SHA-512",
+        "listener.security.protocol.map=INTERNAL:SASL_PLAINTEXT,HOST:SASL_PLAINTEXT,"
+        "CONTROLLER:SASL_PLAINTEXT",
+    ):
+        assert line in script, line
+    assert "PLAINTEXT:PLAINTEXT" not in script
+    redis = " ".join(_compose()["services"]["redis"]["command"])
+    assert "user default off" in redis and "--aclfile" in redis
+
+
+def test_every_password_compose_asks_for_is_generated(tmp_path: Path) -> None:
+    out = tmp_path / ".env"
+    assert compose_env_main(["--out", str(out)]) == 0
+    assert oct(out.stat().st_mode & 0o777) == "0o600"
+    generated = {line.split("=", 1)[0] for line in out.read_text().splitlines()}
+    asked = set(re.findall(r"\$\{(PASSWORD_\w+)", COMPOSE.read_text()))
+    assert asked <= generated, asked - generated
+    assert compose_env_main(["--out", str(out)]) == 1  # never silently replaced
+    assert ".env" in (ROOT / ".gitignore").read_text().split()

@@ -11,10 +11,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import redis
 from prometheus_client import REGISTRY
 
 from ksb.clock import ManualClock
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.task_handlers import (
     HandlersStopped,
     TaskHandlers,
@@ -222,9 +222,7 @@ def test_the_activation_service_restarts_a_dead_handler_on_its_next_tick() -> No
         instance="unit", tick_ms=5000, redis_url="redis://127.0.0.1:1/0", task_handlers=2
     )
     # Building the service touches neither Kafka nor Redis (the client connects on first use).
-    act = ActivationService(
-        settings, clock=clock, redis_client=redis.Redis.from_url(settings.redis_url)
-    )
+    act = ActivationService(settings, clock=clock, redis_client=redis_client(settings))
     act.shell.start_ticker()  # what the shell does once the service is open
     act.handlers.start()
     try:

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
 from confluent_kafka import Message
 
 from ksb.catalog.model import CatalogView
@@ -22,6 +21,7 @@ from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import load_catalog
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.bodies import messages_from
 from ksb.sdk.fetch import RecordFetcher
@@ -114,7 +114,7 @@ def ready_messages(settings: KsbSettings, queue: str) -> list[QueueMessage]:
 
 def read_monitors(settings: KsbSettings) -> list[dict[str, Any]]:
     """The activation service's queue monitors (like sys.dm_broker_queue_monitors)."""
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     try:
         raw = r.hgetall(Names(settings.instance).monitors_key)
     finally:
@@ -126,7 +126,7 @@ def read_tasks(settings: KsbSettings) -> list[dict[str, Any]]:
     """Running activated tasks from their heartbeats (like sys.dm_broker_activated_tasks)."""
     names = Names(settings.instance)
     now = time.time_ns() // 1_000_000
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     rows: list[dict[str, Any]] = []
     try:
         for queue in CatalogView(load_catalog(settings)).queues:
@@ -145,7 +145,7 @@ def read_tasks(settings: KsbSettings) -> list[dict[str, Any]]:
 
 def read_transmission(settings: KsbSettings) -> dict[str, Any]:
     """Unacknowledged messages (sys.transmission_queue) and connections (sys.dm_broker_connections)."""
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     try:
         return read_transmission_view(r, Names(settings.instance))
     finally:
@@ -154,7 +154,7 @@ def read_transmission(settings: KsbSettings) -> dict[str, Any]:
 
 def read_forwarded(settings: KsbSettings) -> list[dict[str, Any]]:
     """What the forwarder holds (sys.dm_broker_forwarded_messages): empty before it published."""
-    r = redis.Redis.from_url(settings.redis_url)
+    r = redis_client(settings)
     try:
         raw = r.get(Names(settings.instance).forwarded_view_key)
     finally:

@@ -2,6 +2,9 @@
 
 Consumers wait at most ``fetch_wait_max_ms`` for data (librdkafka's 500 ms default would dominate
 end-to-end latency) and use short sessions so a restarted service rejoins in about a second.
+
+Every client made here logs in through `client_security`, the one place that turns a process's
+settings into its Kafka login, so no client can be made without the process's credentials.
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from confluent_kafka.cimpl import NewTopic
 
 from ksb.catalog.model import Queue
 from ksb.names import Names
+from ksb.security.credentials import kafka_login
 from ksb.settings import KsbSettings
 
 __all__ = [
     "TopicSpec",
     "admin",
+    "client_security",
     "consume_batch",
     "consumer",
     "core_topics",
@@ -57,6 +62,7 @@ def producer(
         conf["transactional.id"] = transactional_id
         conf["transaction.timeout.ms"] = txn_timeout_ms
     conf.update(extra or {})
+    conf.update(client_security(settings, conf["bootstrap.servers"]))
     return Producer(conf)
 
 
@@ -83,7 +89,7 @@ def consumer(
 ) -> Consumer:
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
-        "group.id": group or "ksb-unused",
+        "group.id": group or Names(settings.instance).reader_group,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed" if read_committed else "read_uncommitted",
@@ -95,6 +101,7 @@ def consumer(
         "topic.metadata.refresh.interval.ms": 5000,
     }
     conf.update(extra)
+    conf.update(client_security(settings, conf["bootstrap.servers"]))
     return Consumer(conf)
 
 
@@ -116,11 +123,23 @@ def group_consumer(settings: KsbSettings, *, group: str, **extra: Any) -> Consum
         "enable.partition.eof": False,
     }
     conf.update(extra)
+    conf.update(client_security(settings, conf["bootstrap.servers"]))
     return Consumer(conf)
 
 
 def admin(settings: KsbSettings) -> AdminClient:
-    return AdminClient({"bootstrap.servers": settings.kafka_bootstrap})
+    conf = {"bootstrap.servers": settings.kafka_bootstrap}
+    return AdminClient({**conf, **client_security(settings, settings.kafka_bootstrap)})
+
+
+def client_security(settings: KsbSettings, bootstrap: str) -> dict[str, str]:
+    """How a client of this process authenticates to the cluster at `bootstrap`: the process's
+    own login on its own cluster, the remote credentials file's entry on a far one.
+
+    Raises `ksb.errors.SecurityError` naming the missing setting when security is on and the
+    process has no credentials, instead of letting librdkafka time out on a closed connection.
+    """
+    return kafka_login(settings, bootstrap).librdkafka()
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from ksb.audit import Audit, AuditEvent, KafkaAudit
 from ksb.errors import KsbError, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.backpressure import Backpressure, CommittedOffsets
 from ksb.sdk.groups import GroupDirectory
 from ksb.sdk.locks import Lease
@@ -77,7 +78,7 @@ class KsbClient:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = redis.Redis.from_url(self.settings.redis_url)
+            self._redis = redis_client(self.settings)
         return self._redis
 
     def reader(self, queue: str) -> QueueReader:

@@ -56,7 +56,7 @@ def main() -> int:
         watermark_s=s.spark_watermark_s,
         trigger_ms=s.spark_trigger_ms,
         sla_targets_ms=_targets(s),
-    )
+    ).logged_in(s)
     port = serve_metrics(s.metrics_port, host=s.metrics_host)
     # Local mode by default (inside `make run`); docker-compose points it at its Spark cluster.
     spark = build_session(

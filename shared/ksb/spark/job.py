@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,9 @@ from pyspark.sql.types import (
 )
 
 from ksb.names import Names
+from ksb.runtime.kafka import client_security
+from ksb.security.credentials import kafka_login
+from ksb.settings import KsbSettings
 from ksb.spark.exporter import SlaExporter
 from ksb.spark.queue_audit import EVENT_FIELDS, OUTPUT_COLUMNS, AuditSettings, QueueAudit
 from ksb.spark.sinks import BatchSinks
@@ -112,10 +115,22 @@ class JobConfig:
     """Spark tasks to split each micro-batch's offsets into (Kafka source ``minPartitions``);
     None: the session's default parallelism, so reading and parsing use every core even when
     the audit topic has one partition."""
+    kafka_login: Mapping[str, str] = field(default_factory=dict)
+    """The job's Kafka login as librdkafka properties (its ``sla`` producer)."""
+    java_login: Mapping[str, str] = field(default_factory=dict)
+    """The same login as Java client properties (Spark's Kafka source)."""
 
     @property
     def names(self) -> Names:
         return Names(self.instance)
+
+    def logged_in(self, settings: KsbSettings) -> JobConfig:
+        """This configuration with the login of the process `settings` belong to."""
+        return replace(
+            self,
+            kafka_login=client_security(settings, settings.kafka_bootstrap),
+            java_login=kafka_login(settings, settings.kafka_bootstrap).java(),
+        )
 
     @property
     def audit_settings(self) -> AuditSettings:
@@ -141,9 +156,13 @@ class AuditJob:
     # ----------------------------------------------------------------- the source
     def events(self) -> DataFrame:
         """Audit events from the topic's beginning (on a first run), committed records only."""
+        reader = self.spark.readStream.format("kafka")
+        for key, value in self.config.java_login.items():
+            reader = reader.option(f"kafka.{key}", value)
         reader = (
-            self.spark.readStream.format("kafka")
-            .option("kafka.bootstrap.servers", self.config.bootstrap)
+            reader.option("kafka.bootstrap.servers", self.config.bootstrap)
+            # The consumer group's name, so an ACL can name it (`ksb.security.kafka_acls`).
+            .option("groupIdPrefix", f"{self.config.names.prefix}.spark")
             .option("subscribe", self.config.names.audit)
             .option("startingOffsets", "earliest")
             # The dispatcher writes its events in transactions: never count an aborted one.
@@ -198,7 +217,12 @@ class AuditJob:
         producer = None
         if self.config.write_kafka:
             producer = Producer(
-                {"bootstrap.servers": self.config.bootstrap, "linger.ms": 5, "acks": "all"}
+                {
+                    "bootstrap.servers": self.config.bootstrap,
+                    "linger.ms": 5,
+                    "acks": "all",
+                    **self.config.kafka_login,
+                }
             )
         self._sinks = BatchSinks(
             self.config.output_dir,

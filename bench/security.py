@@ -1,0 +1,168 @@
+"""`python -m bench.security`: what security costs (issue 13), secured against plaintext.
+
+Three figures, each mode measured in the same run and interleaved, so a busy machine slows all
+modes alike:
+
+* the local stack's start (format + broker + Redis, up to a committed transaction), per mode;
+* one instance's principals, topics, ACLs and Redis users (`devtools.deployment.secure_instance`,
+  one ``ksb acl apply``), and an apply that changes nothing;
+* a producer's throughput, 1 KiB records with lz4, ``acks=all``, idempotent, as an application
+  principal (not a super user: ACL checks are on the path) against PLAINTEXT, SASL_PLAINTEXT and
+  SASL_SSL stacks running side by side.
+
+Writes ``var/bench/security.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from devtools.deployment import Deployment, secure_instance, stack_fields
+from devtools.localstack import LocalStack, start_stack
+from devtools.processes import REPO_ROOT
+from devtools.stack_security import MODES, SecurityMode
+from ksb.catalog.model import Catalog
+from ksb.names import Names
+from ksb.runtime import kafka
+
+__all__ = ["main"]
+
+OUT = REPO_ROOT / "var" / "bench" / "security.json"
+
+
+def _deployment(stack: LocalStack, instance: str) -> Deployment:
+    return Deployment.model_validate(
+        {
+            "instance": instance,
+            "kafka_bootstrap": stack.kafka_bootstrap,
+            "redis_url": stack.redis_url,
+            **stack_fields(stack.security),
+        }
+    )
+
+
+def _start(root: Path, mode: SecurityMode) -> tuple[LocalStack, float]:
+    t = time.monotonic()
+    stack = start_stack(root / f"{mode}-{uuid.uuid4().hex[:6]}", security=mode, timeout_s=240)
+    return stack, time.monotonic() - t
+
+
+def _applies(stack: LocalStack, n: int) -> dict[str, float]:
+    first, again = [], []
+    for _ in range(n):
+        d = _deployment(stack, f"sec{uuid.uuid4().hex[:8]}")
+        t = time.monotonic()
+        secure_instance(d, Catalog())
+        first.append(time.monotonic() - t)
+        t = time.monotonic()
+        secure_instance(d, Catalog())
+        again.append(time.monotonic() - t)
+    return {
+        "apply_p50_s": round(statistics.median(first), 3),
+        "apply_max_s": round(max(first), 3),
+        "reapply_p50_s": round(statistics.median(again), 3),
+    }
+
+
+def _producer_target(stack: LocalStack) -> tuple[Deployment, str]:
+    """A principal and the topic it may write: the owner of a fresh instance, its requests topic."""
+    owner = secure_instance(_deployment(stack, f"tp{uuid.uuid4().hex[:8]}"), Catalog())
+    names = Names(owner.instance)
+    if not owner.secured:  # no plan on a plaintext stack: the topic is made as anyone may
+        kafka.ensure_topics(kafka.admin(owner), kafka.core_topics(names, owner))
+        return owner, names.requests
+    return owner, names.requests_of(owner.acting_principal)
+
+
+def _throughput(who: Deployment, topic: str, records: int, body: bytes) -> float:
+    p = Producer(
+        {
+            "bootstrap.servers": who.kafka_bootstrap,
+            **kafka.client_security(who, who.kafka_bootstrap),
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": 5,
+            "compression.type": "lz4",
+        }
+    )
+    for _ in range(1000):  # connections and metadata are not what is measured
+        p.produce(topic, value=body)
+    p.flush(60)
+    t = time.monotonic()
+    for i in range(records):
+        while True:
+            try:
+                p.produce(topic, value=body, key=str(i % 64).encode())
+                break
+            except BufferError:
+                p.poll(0.01)
+    left = p.flush(120)
+    assert left == 0, f"{left} records not acknowledged"
+    return records / (time.monotonic() - t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.security", description=__doc__)
+    parser.add_argument("--starts", type=int, default=2, help="stack starts per mode")
+    parser.add_argument("--applies", type=int, default=10, help="instances secured")
+    parser.add_argument("--records", type=int, default=20_000)
+    parser.add_argument("--trials", type=int, default=3, help="throughput trials per mode")
+    opts = parser.parse_args(argv)
+    body = b"x" * 1024
+    result: dict[str, Any] = {"start_s": {m: [] for m in MODES}, "produce_msg_s": {}}
+    with tempfile.TemporaryDirectory(prefix="ksb-bench-security-") as tmp:
+        root = Path(tmp)
+        for _ in range(opts.starts):  # interleaved: each round starts every mode once
+            for mode in MODES:
+                stack, took = _start(root, mode)
+                result["start_s"][mode].append(round(took, 1))
+                stack.stop()
+        stacks = {m: _start(root, m)[0] for m in MODES}
+        try:
+            result["apply"] = _applies(stacks["sasl"], opts.applies)
+            targets = {m: _producer_target(s) for m, s in stacks.items()}
+            rates: dict[str, list[float]] = {m: [] for m in MODES}
+            for _ in range(opts.trials):
+                for mode in MODES:
+                    rates[mode].append(_throughput(*targets[mode], opts.records, body))
+            result["produce_msg_s"] = {m: [round(r) for r in rs] for m, rs in rates.items()}
+        finally:
+            for s in stacks.values():
+                s.stop()
+    _print(result)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results in {OUT}")
+    return 0
+
+
+def _print(result: dict[str, Any]) -> None:
+    starts, rates = result["start_s"], result["produce_msg_s"]
+    base = statistics.median(rates["plaintext"])
+    print(
+        f"{'mode':<10} {'stack start (s)':>18} {'produce msg/s (median)':>24} {'vs plaintext':>13}"
+    )
+    for mode in MODES:
+        rate = statistics.median(rates[mode])
+        print(
+            f"{mode:<10} {statistics.median(starts[mode]):>18.1f} {rate:>24,.0f} "
+            f"{rate / base:>12.2f}x"
+        )
+    a = result["apply"]
+    print(
+        f"one instance's principals + topics + ACLs + Redis users: p50 {a['apply_p50_s']} s "
+        f"(max {a['apply_max_s']} s); an apply that changes nothing: {a['reapply_p50_s']} s"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

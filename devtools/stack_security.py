@@ -1,0 +1,170 @@
+"""The local stack's security: which mode, and the secrets generated for one stack.
+
+Security is on by default (``sasl``: SASL_PLAINTEXT listeners with SCRAM-SHA-512, Kafka's
+StandardAuthorizer denying whatever no ACL allows, Redis with ACL users and ``default`` off).
+``tls`` adds TLS (SASL_SSL) with a CA made for the stack; ``plaintext`` is the development switch,
+no authentication at all. The mode comes from ``--security`` or ``KSB_STACK_SECURITY``.
+
+Every secret is generated per stack into ``<workdir>/security`` (0700; files 0600), which lives
+under the stack's work directory and so is never committed (``var/`` and pytest's temporary
+directories are not in the repository): the inter-broker user ``broker`` and the ACL tool's user
+``admin`` (Kafka's only super users, and ``admin`` is Redis's only unrestricted user), then every
+principal's password as `ksb acl apply` creates it, in a `ksb.security.credentials.CredentialStore`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from devtools.processes import LocalStackError
+from ksb.security.credentials import CredentialStore, KafkaLogin, write_private
+from ksb.security.principals import ADMIN, BROKER
+
+__all__ = ["MODES", "SecurityMode", "StackSecurity", "security_mode"]
+
+SecurityMode = Literal["sasl", "tls", "plaintext"]
+MODES: tuple[SecurityMode, ...] = ("sasl", "tls", "plaintext")
+PROTOCOL: dict[SecurityMode, str] = {
+    "sasl": "SASL_PLAINTEXT",
+    "tls": "SASL_SSL",
+    "plaintext": "PLAINTEXT",
+}
+KEY_PASSWORD_NAME = "broker-key"
+"""The broker's TLS key is stored encrypted; its password is one more generated secret."""
+
+
+def security_mode(given: str | None = None) -> SecurityMode:
+    """`given`, else ``KSB_STACK_SECURITY``, else ``sasl``; anything else is refused by name."""
+    raw = given or os.environ.get("KSB_STACK_SECURITY") or "sasl"
+    for mode in MODES:
+        if raw == mode:
+            return mode
+    raise LocalStackError(f"KSB_STACK_SECURITY / --security: {raw!r} is not one of {MODES}")
+
+
+@dataclass(frozen=True)
+class StackSecurity:
+    """One stack's mode and where its secrets are."""
+
+    mode: SecurityMode
+    root: Path
+    """``<workdir>/security``: ``credentials/`` (passwords) and ``tls/`` (CA, broker keystore)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "plaintext"
+
+    @property
+    def protocol(self) -> str:
+        """The clients' ``security.protocol`` (and the broker listener's name)."""
+        return PROTOCOL[self.mode]
+
+    @property
+    def store(self) -> CredentialStore:
+        return CredentialStore(self.root / "credentials")
+
+    @property
+    def tls_dir(self) -> Path:
+        return self.root / "tls"
+
+    @property
+    def ca(self) -> Path | None:
+        """The CA clients trust (TLS mode only)."""
+        return self.tls_dir / "ca.crt" if self.mode == "tls" else None
+
+    @property
+    def keystore(self) -> Path:
+        return self.tls_dir / "broker-keystore.pem"
+
+    def password(self, principal: str) -> str:
+        found = self.store.get(principal)
+        if found is None:
+            raise LocalStackError(f"no password of {principal} in {self.store.root}")
+        return found
+
+    def login(self, principal: str = ADMIN) -> KafkaLogin:
+        """How `principal` logs in to this stack's Kafka (no credentials in plaintext mode)."""
+        if not self.enabled:
+            return KafkaLogin("PLAINTEXT")
+        return KafkaLogin(
+            self.protocol,
+            "SCRAM-SHA-512",
+            principal,
+            self.password(principal),
+            str(self.ca) if self.ca else "",
+        )
+
+    def generate(self) -> None:
+        """The stack's own secrets: broker and admin passwords, and in TLS mode its CA and the
+        broker's certificate. Nothing to make in plaintext mode."""
+        if not self.enabled:
+            return
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        for name in (BROKER, ADMIN):
+            self.store.ensure(name)
+        if self.mode == "tls":
+            self.store.ensure(KEY_PASSWORD_NAME)
+            _make_certificates(self.tls_dir, self.store.path(KEY_PASSWORD_NAME))
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    exe = shutil.which("openssl")
+    if exe is None:
+        raise LocalStackError("`openssl` not found: it makes the TLS stack's CA")
+    result = subprocess.run(
+        [exe, *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
+    )
+    if result.returncode != 0:
+        raise LocalStackError(f"openssl {args[0]} failed: {result.stderr.strip()}")
+
+
+def _make_certificates(tls: Path, key_password_file: Path) -> None:
+    """A throwaway CA and a broker certificate for 127.0.0.1, as Java 17 can read them.
+
+    The subject alternative names must hold ``IP:127.0.0.1``: clients verify the host name
+    (librdkafka's default), and so does the broker's own inter-broker connection, which fails
+    misleadingly (INVALID_CONFIG on transactional produce) without it. The key is encrypted with
+    PBE-SHA1-3DES because Java 17 cannot read OpenSSL 3's default PBES2 encryption.
+    """
+    tls.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _openssl(
+        "req", "-x509", "-newkey", "rsa:2048", "-sha256", "-days", "3650", "-nodes",
+        "-keyout", "ca.key", "-out", "ca.crt", "-subj", "/CN=ksb-local-stack-ca",
+        "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=tls,
+    )  # fmt: skip
+    _openssl(
+        "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "broker.key", "-out", "broker.csr",
+        "-subj", "/CN=localhost",
+        cwd=tls,
+    )  # fmt: skip
+    (tls / "broker.ext").write_text(
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=CA:FALSE\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
+    )
+    _openssl(
+        "x509", "-req", "-in", "broker.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+        "-CAcreateserial", "-out", "broker.crt", "-days", "825", "-sha256",
+        "-extfile", "broker.ext",
+        cwd=tls,
+    )  # fmt: skip
+    _openssl(
+        "pkcs8", "-topk8", "-v1", "PBE-SHA1-3DES", "-in", "broker.key",
+        "-passout", f"file:{key_password_file}", "-out", "broker.p8",
+        cwd=tls,
+    )  # fmt: skip
+    keystore = "".join((tls / n).read_text() for n in ("broker.p8", "broker.crt", "ca.crt"))
+    write_private(tls / "broker-keystore.pem", keystore)
+    for leftover in ("broker.key", "broker.csr", "ca.key", "ca.srl"):
+        (tls / leftover).unlink(missing_ok=True)
+    for path in tls.iterdir():
+        os.chmod(path, 0o600)
+    os.chmod(tls / "ca.crt", 0o644)

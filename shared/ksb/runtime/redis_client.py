@@ -1,0 +1,28 @@
+"""The one way KSB makes a Redis client: the instance's Redis, logged in as the process's ACL user.
+
+Redis's ACL users carry the same names as the Kafka principals (`ksb.security`), so a process is
+the same principal in both. Without a username the client logs in as Redis's ``default`` user,
+which the secured stack turns off: only a development stack started without security has one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+from ksb.security.credentials import redis_login
+from ksb.settings import KsbSettings
+
+__all__ = ["redis_client"]
+
+
+def redis_client(settings: KsbSettings, **options: Any) -> redis.Redis:
+    """A client of `settings.redis_url` with the process's Redis login; `options` go to redis-py
+    (timeouts, ...). The URL's own user and password, if any, are overridden by the settings'."""
+    username, password = redis_login(settings)
+    if username is not None:
+        options["username"] = username
+    if password is not None:
+        options["password"] = password
+    return redis.Redis.from_url(settings.redis_url, **options)

@@ -1,0 +1,209 @@
+"""The Kafka ACLs of one instance: least privilege per principal, from the services' own use.
+
+Each role gets the topics it reads and writes, the consumer groups it commits or joins, and the
+transactional ids it uses, read off the services (`ksb.names` has every name):
+
+| role | reads | writes | groups, transactional ids |
+|---|---|---|---|
+| dispatcher | requests (all), relay, inbound, endpoints, catalog, queues | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own, peers') | group and txn id ``ksb.<i>.dispatcher*`` |
+| transmitter | transmission, acks, links, catalog | outbound, audit | — |
+| transport | outbound, catalog | links, audit, acks (relayed), inbound (own, next hops') | group ``ksb.<i>.transport`` |
+| forwarder | inbound, catalog | next hops' inbound, peers' acks (relayed) | — |
+| activation | catalog, queues | catalog (poison), activation, audit, requests | — |
+| external activator | activation, notified queues | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
+| spark | audit, catalog | sla | group ``ksb.<i>.spark*`` |
+| operator | everything of the instance | catalog, requests; creates queue and dead-letter topics | — |
+| application | its RECEIVE queues, its errors topic | its requests topic, audit | — |
+
+Every principal of the instance may DESCRIBE the group ``ksb.<i>.unused`` (librdkafka looks up
+the coordinator of a consumer that only assigns partitions); services and the operator may
+DESCRIBE every topic of the instance (they check the topics they need exist). No principal may
+create core topics, users or ACLs: `ksb acl apply` does, as ``admin``. Kafka 4.2 needs no
+IDEMPOTENT_WRITE for idempotent or transactional producers that may WRITE some topic; the forwarder,
+which may have none before its routes, has IDEMPOTENT_WRITE on the cluster (no topic right).
+
+While the SDK writes the instance's shared ``requests`` topic (the dispatcher reads it beside the
+per-principal ones), everyone who sends may write it too, and the dispatcher read it
+(`shared_requests`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+from ksb.names import Names
+from ksb.security.access import ALL_QUEUES, Access, Peer
+from ksb.security.principals import Role, service_principal
+
+__all__ = ["KafkaAcl", "Operation", "Pattern", "Resource", "instance_acls"]
+
+
+class Resource(str, Enum):
+    TOPIC = "topic"
+    GROUP = "group"
+    TRANSACTIONAL_ID = "transactional_id"
+    CLUSTER = "cluster"
+
+
+CLUSTER_NAME = "kafka-cluster"
+"""The one name of the cluster resource."""
+
+
+class Pattern(str, Enum):
+    LITERAL = "literal"
+    PREFIXED = "prefixed"
+
+
+class Operation(str, Enum):
+    READ = "READ"
+    WRITE = "WRITE"
+    DESCRIBE = "DESCRIBE"
+    CREATE = "CREATE"
+    IDEMPOTENT_WRITE = "IDEMPOTENT_WRITE"
+
+
+@dataclass(frozen=True, order=True)
+class KafkaAcl:
+    """One ALLOW binding (KSB never writes DENY ones: nothing is allowed unless a rule says so)."""
+
+    principal: str
+    resource: Resource
+    name: str
+    pattern: Pattern
+    operation: Operation
+
+    def __str__(self) -> str:
+        star = "*" if self.pattern is Pattern.PREFIXED else ""
+        return (
+            f"User:{self.principal} {self.operation.value} {self.resource.value}:{self.name}{star}"
+        )
+
+
+def _acl(
+    principal: str,
+    op: Operation,
+    name: str,
+    *,
+    prefixed: bool = False,
+    kind: Resource = Resource.TOPIC,
+) -> KafkaAcl:
+    return KafkaAcl(principal, kind, name, Pattern.PREFIXED if prefixed else Pattern.LITERAL, op)
+
+
+R, W, D, C = Operation.READ, Operation.WRITE, Operation.DESCRIBE, Operation.CREATE
+
+
+def instance_acls(
+    names: Names, accesses: Iterable[Access], peers: Iterable[Peer], *, shared_requests: bool
+) -> list[KafkaAcl]:
+    """Every binding of the instance, sorted and without duplicates."""
+    acls: set[KafkaAcl] = set()
+    for a in accesses:
+        acls.update(_principal_acls(names, a, shared_requests))
+    for peer in peers:
+        acls.update(_peer_acls(names, peer))
+    return sorted(acls)
+
+
+def _principal_acls(names: Names, a: Access, shared_requests: bool) -> Iterator[KafkaAcl]:
+    p = a.principal
+    yield _acl(p, D, names.reader_group, kind=Resource.GROUP)
+    if a.role is not None or a.owner:
+        yield _acl(p, D, f"{names.prefix}.", prefixed=True)
+    if a.sends:
+        yield _acl(p, W, names.requests_of(p))
+        yield _acl(p, R, names.errors_of(p))
+        yield _acl(p, W, names.audit)
+        if shared_requests:
+            yield _acl(p, W, names.requests)
+    if a.receives_all:
+        yield _acl(p, R, f"{names.prefix}.queue.", prefixed=True)
+    else:
+        for q in sorted(a.receives - {ALL_QUEUES}):
+            yield _acl(p, R, names.queue(q))
+    if a.owner:
+        yield from _role_acls(names, p, Role.OPERATOR, shared_requests)
+    if a.role is not None:
+        yield from _role_acls(names, p, a.role, shared_requests)
+
+
+def _role_acls(names: Names, p: str, role: Role, shared_requests: bool) -> Iterator[KafkaAcl]:
+    n = names
+    if role is Role.DISPATCHER:
+        yield from (_acl(p, R, t) for t in (n.relay, n.inbound, n.endpoints, n.catalog))
+        yield _acl(p, R, f"{n.prefix}.requests.", prefixed=True)
+        if shared_requests:
+            yield _acl(p, R, n.requests)
+        yield from (
+            _acl(p, R, f"{n.prefix}.queue.", prefixed=True),
+            _acl(p, W, f"{n.prefix}.queue.", prefixed=True),
+        )
+        yield _acl(p, W, f"{n.prefix}.dlq.", prefixed=True)
+        yield _acl(p, W, f"{n.prefix}.errors.", prefixed=True)
+        for t in (n.endpoints, n.errors, n.transmission, n.relay, n.audit, n.bcn, n.acks):
+            yield _acl(p, W, t)
+        yield _acl(p, R, n.dispatcher_group, prefixed=True, kind=Resource.GROUP)
+        yield _acl(p, W, n.dispatcher_group, prefixed=True, kind=Resource.TRANSACTIONAL_ID)
+    elif role is Role.TRANSMITTER:
+        yield from (_acl(p, R, t) for t in (n.transmission, n.acks, n.links, n.catalog))
+        yield from (_acl(p, W, t) for t in (n.outbound, n.audit))
+    elif role is Role.TRANSPORT:
+        yield from (_acl(p, R, t) for t in (n.outbound, n.catalog))
+        yield from (_acl(p, W, t) for t in (n.links, n.audit, n.acks, n.inbound))
+        yield _acl(p, R, n.transport_group, kind=Resource.GROUP)
+    elif role is Role.FORWARDER:
+        yield from (_acl(p, R, t) for t in (n.inbound, n.catalog))
+        # Its idempotent producer starts before it has a route to write to, and Kafka then asks
+        # for IDEMPOTENT_WRITE (WRITE on any topic would do instead): the right to obtain a
+        # producer id, no right to write anything.
+        yield _acl(p, Operation.IDEMPOTENT_WRITE, CLUSTER_NAME, kind=Resource.CLUSTER)
+    elif role is Role.ACTIVATION:
+        yield from (_acl(p, W, t) for t in (n.catalog, n.activation))
+        yield _acl(p, R, n.catalog)
+    elif role is Role.EXTERNAL_ACTIVATOR:
+        yield _acl(p, R, n.activation)
+        app = n.external_activator_app
+        for op in (R, W, C):  # faust's own topic (`<app>-__assignor-__leader`) and group
+            yield _acl(p, op, app, prefixed=True)
+        yield _acl(p, R, app, prefixed=True, kind=Resource.GROUP)
+    elif role is Role.SPARK:
+        yield from (_acl(p, R, t) for t in (n.audit, n.catalog))
+        yield _acl(p, W, n.sla)
+        yield _acl(p, R, f"{n.prefix}.spark", prefixed=True, kind=Resource.GROUP)
+    elif role is Role.OPERATOR:
+        yield _acl(p, R, f"{n.prefix}.", prefixed=True)
+        yield _acl(p, W, n.catalog)
+        yield _acl(p, C, f"{n.prefix}.queue.", prefixed=True)
+        yield _acl(p, C, f"{n.prefix}.dlq.", prefixed=True)
+
+
+def _peer_acls(names: Names, peer: Peer) -> Iterator[KafkaAcl]:
+    """Who crosses between us and `peer`, on our cluster (routes are declared on both sides).
+
+    Its dispatcher acknowledges what we send (our ``acks``); its transport writes our
+    ``inbound`` and relays its own acks from here; a forwarder between us does both for the
+    messages it carries. Our own services write its ``acks`` and the next hop's ``inbound``
+    here when it shares our cluster (on another cluster its operator grants them there).
+    """
+    them = Names(peer.instance)
+    own = {role: service_principal(names.instance, role) for role in Role}
+    yield _acl(service_principal(peer.instance, Role.DISPATCHER), W, names.acks)
+    yield _acl(own[Role.DISPATCHER], W, them.acks)
+    yield _acl(own[Role.FORWARDER], W, them.acks)
+    hops = ({peer.instance} if peer.direct else set()) | set(peer.via)
+    for hop in sorted(hops):
+        yield _acl(own[Role.TRANSPORT], W, Names(hop).inbound)
+        yield _acl(own[Role.FORWARDER], W, Names(hop).inbound)
+    if peer.direct:
+        transport = service_principal(peer.instance, Role.TRANSPORT)
+        yield _acl(transport, W, names.inbound)
+        yield _acl(transport, R, them.acks)
+        yield _acl(transport, D, them.reader_group, kind=Resource.GROUP)
+    for f in sorted(peer.via):
+        forwarder = service_principal(f, Role.FORWARDER)
+        yield _acl(forwarder, W, names.inbound)
+        yield _acl(forwarder, W, names.acks)
+        yield _acl(forwarder, R, them.acks)
+        yield _acl(forwarder, D, Names(f).reader_group, kind=Resource.GROUP)

@@ -1,0 +1,123 @@
+"""The security plan of one instance: principals, topics, Kafka ACLs and Redis rules, generated.
+
+ACLs are never written by hand: `plan_instance` derives them from the catalog (grants, routes,
+event notifications) and the deployment (the instance, its shard count, its owners), and
+``ksb acl apply`` makes Kafka and Redis match the plan (`ksb.security.apply`). Pure.
+
+The plan also names the topics to create before any service starts, so no service needs to
+create one: the core topics, the relay between dispatchers, each sender's requests and errors
+topics (``ksb.<i>.requests.<principal>``, ``ksb.<i>.errors.<principal>``), the peers' ``acks``
+topics and the catalog's queue and dead-letter topics. The requests topics, ``relay`` and
+``inbound`` all get the instance's shard count (`KsbSettings.request_partitions`): the
+dispatcher co-partitions them.
+
+A plan *owns* the bindings whose resource is in its instance's namespace (``ksb.<i>.``) or whose
+principal is one of its services; applying it removes the owned bindings it no longer has, so
+a revoked grant stops working without a restart, and leaves every other binding alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ksb.catalog.model import Catalog
+from ksb.names import Names
+from ksb.runtime.kafka import TopicSpec, core_topics, dead_letter_topic, queue_topic
+from ksb.security.access import Access, Peer, access_of, peers_of
+from ksb.security.kafka_acls import KafkaAcl, instance_acls
+from ksb.security.principals import service_principals
+from ksb.security.redis_acls import RedisRules, instance_rules
+from ksb.settings import KsbSettings
+
+__all__ = ["SecurityPlan", "plan_instance"]
+
+
+@dataclass(frozen=True)
+class SecurityPlan:
+    instance: str
+    accesses: tuple[Access, ...]
+    peers: tuple[Peer, ...]
+    principals: tuple[str, ...]
+    """Every SCRAM user the plan needs on this cluster: ours, and the peers' that cross here."""
+    topics: tuple[TopicSpec, ...]
+    kafka_acls: tuple[KafkaAcl, ...]
+    redis: dict[str, RedisRules]
+
+    @property
+    def names(self) -> Names:
+        return Names(self.instance)
+
+    def owns(self, acl: KafkaAcl) -> bool:
+        """Whether `acl` is this plan's to keep or remove (see the module's docstring)."""
+        return acl.name.startswith(f"{self.names.prefix}.") or acl.principal in set(
+            service_principals(self.instance).values()
+        )
+
+    def lines(self) -> list[str]:
+        """The plan as text (``ksb acl plan``)."""
+        out = [f"instance {self.instance}", "principals:"]
+        out += [f"  {p}" for p in self.principals]
+        out.append("topics:")
+        out += [f"  {t.name} ({t.partitions} partitions)" for t in self.topics]
+        out.append("kafka acls:")
+        out += [f"  {a}" for a in self.kafka_acls]
+        out.append("redis users:")
+        for p, rules in sorted(self.redis.items()):
+            out.append(f"  {p}: {' '.join(rules.acl())}")
+        return out
+
+
+def plan_instance(
+    settings: KsbSettings,
+    catalog: Catalog,
+    *,
+    owners: Iterable[str] = (),
+    shared_requests: bool = True,
+) -> SecurityPlan:
+    """The plan of `settings.instance` for `catalog`.
+
+    `owners` may do all the operator does and RECEIVE from every queue. `shared_requests` keeps
+    the instance's unsuffixed ``requests`` topic writable by every sender (and readable by the
+    dispatcher) while the SDK still writes it instead of its principal's topic.
+    """
+    names = Names(settings.instance)
+    accesses = tuple(access_of(settings.instance, catalog, owners))
+    peers = tuple(peers_of(settings.instance, catalog))
+    acls = instance_acls(names, accesses, peers, shared_requests=shared_requests)
+    principals = sorted({a.principal for a in accesses} | {a.principal for a in acls})
+    return SecurityPlan(
+        instance=settings.instance,
+        accesses=accesses,
+        peers=peers,
+        principals=tuple(principals),
+        topics=tuple(_topics(names, settings, catalog, accesses, peers)),
+        kafka_acls=tuple(acls),
+        redis=instance_rules(settings.instance, accesses),
+    )
+
+
+def _topics(
+    names: Names,
+    settings: KsbSettings,
+    catalog: Catalog,
+    accesses: Iterable[Access],
+    peers: Iterable[Peer],
+) -> list[TopicSpec]:
+    shards = settings.request_partitions
+    specs = {t.name: t for t in core_topics(names, settings)}
+    specs[names.relay] = TopicSpec(names.relay, shards)
+    specs[names.sla] = TopicSpec(names.sla, 1)
+    for a in accesses:
+        if a.sends:
+            specs[names.requests_of(a.principal)] = TopicSpec(
+                names.requests_of(a.principal), shards
+            )
+            specs[names.errors_of(a.principal)] = TopicSpec(names.errors_of(a.principal), 1)
+    for peer in peers:
+        acks = Names(peer.instance).acks
+        specs.setdefault(acks, TopicSpec(acks, 1))
+    for q in catalog.queues:
+        for spec in (queue_topic(names, q), dead_letter_topic(names, q)):
+            specs[spec.name] = spec
+    return sorted(specs.values(), key=lambda t: t.name)

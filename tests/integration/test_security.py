@@ -1,0 +1,449 @@
+"""Security against the real secured stack: every refusal, its clear error, and nothing lost.
+
+Each case runs beside a real dialog of the test's owner (`flow`): after the refused attempt the
+dialog's messages are all there, once and in order (`Flow.check`), so a refusal never costs a
+legitimate message. The grant-level cases (BEGIN from a service not granted, SEND on another
+service's endpoint, commit on a queue without RECEIVE) belong to the dispatcher and reuse
+`make_application` from `tests.integration.conftest`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import redis
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+
+from devtools.deployment import Deployment
+from ksb.catalog.model import Catalog, Grant
+from ksb.errors import KsbError, SecurityError
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import load_catalog
+from ksb.runtime.redis_client import redis_client
+from ksb.sdk.client import KsbClient
+from ksb.security.principals import Role
+from ksb.settings import ClientSettings
+from tests.conftest import Stack
+from tests.integration.conftest import ThreadDispatcher, make_application
+from tests.integration.support import receive_all
+
+pytestmark = pytest.mark.integration
+
+I, T, C = "//t/Initiator", "//t/Target", "//t/Contract"  # noqa: E741
+TARGET_QUEUE, INITIATOR_QUEUE = "TargetQueue", "InitiatorQueue"
+
+
+@pytest.fixture(autouse=True)
+def _secured(stack: Stack) -> None:
+    if not stack.security.enabled:
+        pytest.skip("the stack runs without security (KSB_STACK_SECURITY=plaintext)")
+
+
+# ----------------------------------------------------------------- helpers
+@dataclass
+class Flow:
+    """A dialog of the owner's with messages sent before and after an attack."""
+
+    client: KsbClient
+    handle: str
+    sent: list[int] = field(default_factory=list)
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            k = len(self.sent)
+            self.client.send(self.handle, "//t/Request", json.dumps({"n": k}))
+            self.sent.append(k)
+        self.client.flush()
+
+    def check(self) -> None:
+        """Everything sent is in the target queue once and in order (then received)."""
+        self.send(2)
+        got = receive_all(self.client, TARGET_QUEUE, len(self.sent), timeout_s=60)
+        assert [json.loads(m.message_body)["n"] for m in got] == self.sent
+
+
+@pytest.fixture
+def flow(catalog: Catalog, dispatcher: ThreadDispatcher, client: KsbClient) -> Flow:
+    f = Flow(client, client.begin_dialog(I, T, C))
+    f.send(3)
+    return f
+
+
+def _conf(settings: Deployment, **extra: Any) -> dict[str, Any]:
+    return {
+        "bootstrap.servers": settings.kafka_bootstrap,
+        **kafka.client_security(settings, settings.kafka_bootstrap),
+        **extra,
+    }
+
+
+def _refused_write(settings: Deployment, topic: str) -> KafkaError:
+    """Produce one record as `settings`' principal; the delivery error it gets."""
+    reports: list[KafkaError | None] = []
+    p = Producer(_conf(settings, **{"enable.idempotence": False, "message.timeout.ms": 10_000}))
+    p.produce(topic, value=b'{"v":1,"kind":"x"}', on_delivery=lambda e, _m: reports.append(e))
+    p.flush(15)
+    assert reports and reports[0] is not None, f"{topic} accepted a write it should refuse"
+    return reports[0]
+
+
+def _refused_read(settings: Deployment, topic: str) -> KafkaError:
+    """Read `topic` from its start as `settings`' principal; the error it gets."""
+    c = Consumer(_conf(settings, **{"group.id": Names(settings.instance).reader_group}))
+    try:
+        # A topic the principal may not even see answers its metadata request with the refusal
+        # (and so does one that does not exist: existence does not leak).
+        error: KafkaError | None = c.list_topics(topic, timeout=15).topics[topic].error
+        if error is not None:
+            return error
+        c.assign([TopicPartition(topic, 0, -2)])
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            m = c.poll(0.5)
+            if m is None:
+                continue
+            err = m.error()
+            assert err is not None, f"{topic}: read a record it should not"
+            if err.code() != KafkaError._PARTITION_EOF:
+                return err
+        raise AssertionError(f"{topic}: no refusal within 15 s")
+    finally:
+        c.close()
+
+
+def _login_errors(conf: dict[str, Any]) -> tuple[KafkaException, list[KafkaError]]:
+    """What a client with `conf` gets: the exception of a metadata request, and what librdkafka
+    reported through its error callback (the only place the reason shows)."""
+    seen: list[KafkaError] = []
+    p = Producer({**conf, "error_cb": seen.append})
+    with pytest.raises(KafkaException) as refused:
+        p.list_topics(timeout=3)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(
+        e.code() in (KafkaError._AUTHENTICATION, KafkaError._ALL_BROKERS_DOWN) for e in seen
+    ):
+        p.poll(0.2)
+    return refused.value, seen
+
+
+@pytest.fixture
+def alice(settings: Deployment, catalog: Catalog) -> Deployment:
+    """An application that may SEND to the initiator's service and RECEIVE from its queue only."""
+    return make_application(
+        settings,
+        "alice",
+        [
+            Grant(permission="SEND", target=I, principal="alice"),
+            Grant(permission="RECEIVE", target=INITIATOR_QUEUE, principal="alice"),
+        ],
+    )
+
+
+# ----------------------------------------------------------------- no or wrong credentials
+def test_no_credentials_are_refused_by_kafka_and_named_by_ksb(
+    settings: Deployment, flow: Flow
+) -> None:
+    anonymous = {"bootstrap.servers": settings.kafka_bootstrap, "security.protocol": "PLAINTEXT"}
+    refused, _ = _login_errors(anonymous)
+    assert refused.args[0].code() == KafkaError._TRANSPORT
+    # KSB itself never gets that far: a process without credentials is told which are missing.
+    nobody = ClientSettings(instance=settings.instance, kafka_bootstrap=settings.kafka_bootstrap)
+    with pytest.raises(SecurityError, match="KSB_KAFKA_USERNAME"):
+        KsbClient(nobody)
+    flow.check()
+
+
+def test_a_wrong_kafka_password_is_refused_with_the_reason(
+    settings: Deployment, flow: Flow
+) -> None:
+    conf = _conf(settings)
+    conf["sasl.password"] = "not-the-password"
+    refused, seen = _login_errors(conf)
+    assert refused.args[0].code() == KafkaError._TRANSPORT
+    reasons = " ".join(e.str() for e in seen)
+    assert "Authentication failed" in reasons and "SCRAM-SHA-512" in reasons, reasons
+    flow.check()
+
+
+def test_redis_refuses_no_credentials_and_a_wrong_password(
+    settings: Deployment, flow: Flow
+) -> None:
+    anonymous = redis.Redis.from_url(settings.redis_url)
+    with pytest.raises(redis.AuthenticationError):  # `default` is off
+        anonymous.ping()
+    wrong = redis.Redis.from_url(settings.redis_url, username=settings.redis_username, password="x")
+    with pytest.raises(redis.AuthenticationError, match="invalid username-password pair"):
+        wrong.ping()
+    flow.check()
+
+
+# ----------------------------------------------------------------- topics of others
+def test_a_principal_cannot_read_another_queue(alice: Deployment, flow: Flow) -> None:
+    names = Names(alice.instance)
+    err = _refused_read(alice, names.queue(TARGET_QUEUE))
+    assert err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    with (
+        KsbClient(alice) as client,
+        pytest.raises(KsbError, match="Topic authorization failed"),
+        client.transaction() as tx,
+    ):
+        tx.receive(TARGET_QUEUE, waitfor_ms=500)
+    with KsbClient(alice) as client, client.transaction() as tx:  # its own queue it may read
+        assert tx.receive(INITIATOR_QUEUE, waitfor_ms=300) == []
+    flow.check()
+
+
+def test_a_principal_cannot_write_the_catalog(
+    settings: Deployment, alice: Deployment, flow: Flow
+) -> None:
+    before = load_catalog(settings).version
+    err = _refused_write(alice, Names(alice.instance).catalog)
+    assert err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    assert "Topic authorization failed" in err.str()
+    assert load_catalog(settings).version == before
+    flow.check()
+
+
+@pytest.mark.parametrize("topic", ["inbound", "acks"])
+def test_a_principal_cannot_write_an_instances_inbound_or_acks(
+    alice: Deployment, flow: Flow, topic: str
+) -> None:
+    err = _refused_write(alice, getattr(Names(alice.instance), topic))
+    assert err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    flow.check()
+
+
+def test_a_principal_cannot_write_another_principals_requests_topic(
+    settings: Deployment, alice: Deployment, flow: Flow
+) -> None:
+    names = Names(alice.instance)
+    bob = make_application(settings, "bob", [Grant(permission="SEND", target=I, principal="bob")])
+    err = _refused_write(alice, names.requests_of(bob.acting_principal))
+    assert err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    # Its own is open to it, and to it only.
+    p = Producer(_conf(alice))
+    p.produce(names.requests_of("alice"), value=b"{}")
+    assert p.flush(15) == 0
+    flow.check()
+
+
+def test_a_service_is_confined_to_its_role(settings: Deployment, flow: Flow) -> None:
+    """Least privilege holds for the services too: the transmitter may not write queues or
+    the catalog, the dispatcher may not write the catalog nor read the operator's errors."""
+    names = Names(settings.instance)
+    transmitter = settings.as_service(Role.TRANSMITTER)
+    for topic in (names.queue(TARGET_QUEUE), names.catalog, names.requests):
+        assert _refused_write(transmitter, topic).code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    dispatcher = settings.as_service(Role.DISPATCHER)
+    assert _refused_write(dispatcher, names.catalog).code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    operator_errors = names.errors_of(f"ksb-{settings.instance}-operator")
+    assert _refused_read(dispatcher, operator_errors).code() in (
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    )
+    flow.check()
+
+
+def test_an_instances_principals_cannot_reach_another_instance(
+    stack: Stack, settings: Deployment, flow: Flow, unique: str
+) -> None:
+    other = Names(f"t{unique}other")
+    for role in (Role.DISPATCHER, Role.OPERATOR):
+        who = settings.as_service(role)
+        err = _refused_write(who, other.requests)
+        assert err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, role
+    flow.check()
+
+
+# ----------------------------------------------------------------- Redis keys
+def test_redis_keys_outside_a_principals_own_are_refused(
+    alice: Deployment, flow: Flow, unique: str
+) -> None:
+    names = Names(alice.instance)
+    r = redis_client(alice)
+    try:
+        r.hset(names.lock_key(INITIATOR_QUEUE, "g"), "holder", "")  # its own queue: allowed
+        with pytest.raises(redis.exceptions.NoPermissionError, match="keys used as arguments"):
+            r.hset(names.lock_key(TARGET_QUEUE, "g"), "holder", "me")
+        with pytest.raises(redis.exceptions.NoPermissionError, match="keys used as arguments"):
+            r.hget(f"ksb:t{unique}other:lock:{INITIATOR_QUEUE}:g", "holder")  # another instance
+        with pytest.raises(redis.exceptions.NoPermissionError, match="'flushall' command"):
+            r.flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.srem(names.disabled_key, TARGET_QUEUE)  # the shared set: no write command for it
+    finally:
+        r.close()
+    flow.check()
+
+
+def test_a_lua_script_cannot_reach_keys_outside_a_principals_own(
+    alice: Deployment, flow: Flow
+) -> None:
+    names = Names(alice.instance)
+    r = redis_client(alice)
+    try:
+        own = names.lock_key(INITIATOR_QUEUE, "g")
+        other = names.lock_key(TARGET_QUEUE, "g")
+        touch = r.register_script("return redis.call('HSET', KEYS[1], 'holder', 'me')")
+        assert touch(keys=[own]) in (0, 1)
+        # A key passed to the script is checked before the script runs ...
+        with pytest.raises(redis.exceptions.NoPermissionError, match="keys used as arguments"):
+            touch(keys=[other])
+        # ... and one the script names itself is refused when it is touched.
+        sneak = r.register_script(f"return redis.call('HSET', '{other}', 'holder', 'me')")
+        with pytest.raises(redis.exceptions.ResponseError, match="script can't access"):
+            sneak(keys=[own])
+    finally:
+        r.close()
+    admin = redis_client(alice.as_principal("admin"))
+    try:
+        assert admin.hget(names.lock_key(TARGET_QUEUE, "g"), "holder") is None
+    finally:
+        admin.close()
+    flow.check()
+
+
+# ----------------------------------------------------------------- revocation
+@pytest.fixture
+def carol(settings: Deployment, catalog: Catalog) -> Iterator[Deployment]:
+    yield make_application(
+        settings,
+        "carol",
+        [
+            Grant(permission="SEND", target=I, principal="carol"),
+            Grant(permission="RECEIVE", target=TARGET_QUEUE, principal="carol"),
+        ],
+    )
+
+
+def test_a_revoked_grant_stops_a_running_client_without_a_restart(
+    settings: Deployment, carol: Deployment, flow: Flow
+) -> None:
+    names = Names(carol.instance)
+    reader = Consumer(_conf(carol, **{"group.id": names.reader_group}))
+    reader.assign([TopicPartition(names.queue(TARGET_QUEUE), p, -2) for p in (0, 1)])
+    client = KsbClient(carol)
+    try:
+        with client.transaction() as tx:  # granted: it RECEIVEs, then rolls back
+            assert tx.receive(TARGET_QUEUE, waitfor_ms=10_000)
+            tx.rollback()
+        make_application(settings, "carol", [Grant(permission="SEND", target=I, principal="carol")])
+        # The same connections, refused now: Kafka at its next fetch, Redis at its next command.
+        deadline = time.monotonic() + 15
+        codes: set[int] = set()
+        while time.monotonic() < deadline and KafkaError.TOPIC_AUTHORIZATION_FAILED not in codes:
+            m = reader.poll(0.5)
+            err = None if m is None else m.error()
+            if err is not None:
+                codes.add(err.code())
+        assert KafkaError.TOPIC_AUTHORIZATION_FAILED in codes
+        with pytest.raises(redis.exceptions.NoPermissionError), client.transaction() as tx:
+            tx.receive(TARGET_QUEUE, waitfor_ms=2_000)
+    finally:
+        reader.close()
+        client.close()
+    flow.check()  # the rolled-back messages are all still there for the owner
+
+
+# ----------------------------------------------------------------- rotation, the CLI
+def test_a_rotated_password_refuses_new_logins_with_the_old_one_only(
+    stack: Stack, settings: Deployment, alice: Deployment, flow: Flow
+) -> None:
+    from ksb.security.apply import rotate_password
+    from ksb.security.credentials import CredentialStore
+
+    old = kafka.client_security(alice, alice.kafka_bootstrap)
+    live = Producer({"bootstrap.servers": alice.kafka_bootstrap, **old})
+    live.produce(Names(alice.instance).requests_of("alice"), value=b"{}")
+    assert live.flush(15) == 0
+    rotate_password(stack.admin(), CredentialStore(stack.security.store.root), "alice")
+    # A connection that is open keeps working (no re-authentication) ...
+    live.produce(Names(alice.instance).requests_of("alice"), value=b"{}")
+    assert live.flush(15) == 0
+    # ... a new one needs the new password, which the password file now holds.
+    _, seen = _login_errors({"bootstrap.servers": alice.kafka_bootstrap, **old})
+    assert any("Authentication failed" in e.str() for e in seen), seen
+    fresh = Producer(_conf(alice))
+    assert fresh.list_topics(timeout=10) is not None
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(
+            alice.redis_url, username="alice", password=old["sasl.password"]
+        ).ping()
+    assert redis_client(alice).ping()
+    flow.check()
+
+
+def test_ksb_acl_and_principal_commands(stack: Stack, settings: Deployment, flow: Flow) -> None:
+    from typer.testing import CliRunner
+
+    from ksb.cli import app
+    from ksb.settings import CliSettings, settings_env
+
+    admin = stack.admin(instance=settings.instance).narrow(CliSettings)
+    env = {k: v for k, v in settings_env(admin).items() if k.startswith("KSB_")}
+
+    def ksb(*args: str) -> str:
+        result = CliRunner().invoke(app, list(args), env=env)
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    added = ksb("principal", "add", "dave")
+    assert "dave: created" in added and "dave.password" in added
+    plan = ksb("acl", "plan", "--owner", settings.acting_principal)
+    assert (
+        f"User:ksb-{settings.instance}-dispatcher READ topic:ksb.{settings.instance}.requests.*"
+        in plan
+    )
+    assert "dave" not in plan  # no grant yet: no rights
+    applied = ksb("acl", "apply", "--owner", settings.acting_principal)
+    assert "applied in" in applied
+    again = ksb("acl", "apply", "--owner", settings.acting_principal)
+    assert "acl added" not in again and "acl removed" not in again  # idempotent
+    assert "dave: new password" in ksb("principal", "rotate", "dave")
+    refused = CliRunner().invoke(app, ["principal", "add", "bad.name"], env=env)
+    assert refused.exit_code == 2 and "1-64 letters" in refused.output
+    flow.check()
+
+
+# ----------------------------------------------------------------- TLS
+@pytest.fixture(scope="module")
+def tls_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A stack of its own with SASL_SSL listeners and a CA made for it."""
+    from devtools.localstack import start_stack
+
+    running = start_stack(tmp_path_factory.mktemp("tls"), security="tls")
+    try:
+        yield Stack(running.kafka_bootstrap, running.redis_url, running.security)
+    finally:
+        running.stop()
+
+
+def test_a_tls_stack_carries_dialogs_and_refuses_a_client_that_does_not_trust_its_ca(
+    tls_stack: Stack, unique: str
+) -> None:
+    from devtools.deployment import secure_instance
+    from ksb.catalog.model import parse_catalog
+    from ksb.runtime.catalog_store import apply_catalog
+    from tests.integration.conftest import BASIC_CATALOG
+
+    base = tls_stack.deployment(instance=f"t{unique}tls", lock_ttl_ms=15_000)
+    assert base.kafka_security_protocol == "SASL_SSL" and base.kafka_ssl_ca.endswith("ca.crt")
+    settings = secure_instance(base)
+    apply_catalog(settings, parse_catalog(BASIC_CATALOG))
+    dispatcher = ThreadDispatcher(settings)
+    try:
+        with KsbClient(settings) as client:
+            tls_flow = Flow(client, client.begin_dialog(I, T, C))
+            tls_flow.send(3)
+            tls_flow.check()
+    finally:
+        dispatcher.stop()
+    untrusting = _conf(settings)
+    untrusting.pop("ssl.ca.location")
+    _, seen = _login_errors(untrusting)
+    assert any("certificate verify failed" in e.str() for e in seen), seen

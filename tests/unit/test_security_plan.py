@@ -1,0 +1,331 @@
+"""The security plan: principals' names, least privilege per role, grants, routes, Redis rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ksb.catalog.model import Catalog, parse_catalog
+from ksb.errors import SecurityError
+from ksb.names import Names
+from ksb.security.kafka_acls import KafkaAcl, Operation, Pattern, Resource
+from ksb.security.plan import SecurityPlan, plan_instance
+from ksb.security.principals import Role, check_principal, role_of, service_principal
+from ksb.settings import KsbSettings
+
+INST = "inst"
+N = Names(INST)
+
+
+def _catalog(**extra: Any) -> Catalog:
+    base: dict[str, Any] = {
+        "message_types": [{"name": "//m", "validation": "NONE"}],
+        "contracts": [{"name": "//c", "messages": [{"type": "//m", "sent_by": "ANY"}]}],
+        "queues": [{"name": "QA"}, {"name": "QB"}, {"name": "QN"}],
+        "services": [
+            {"name": "//a", "queue": "QA", "contracts": ["//c"]},
+            {"name": "//b", "queue": "QB", "contracts": ["//c"]},
+        ],
+        "event_notifications": [{"name": "n", "queue": "QN"}],
+        "grants": [
+            {"permission": "SEND", "target": "//b", "principal": "alice"},
+            {"permission": "RECEIVE", "target": "QA", "principal": "alice"},
+            {"permission": "SEND", "target": "//a", "principal": "bob"},
+        ],
+    }
+    base.update(extra)
+    return parse_catalog(base)
+
+
+def _plan(catalog: Catalog | None = None, **kw: Any) -> SecurityPlan:
+    return plan_instance(
+        KsbSettings(instance=INST, request_partitions=3), catalog or _catalog(), **kw
+    )
+
+
+def _of(plan: SecurityPlan, principal: str) -> set[KafkaAcl]:
+    return {a for a in plan.kafka_acls if a.principal == principal}
+
+
+def _grants(plan: SecurityPlan, principal: str, op: Operation, topic: str) -> bool:
+    """Whether `principal` may do `op` on `topic` (literal or through a prefix)."""
+    for a in _of(plan, principal):
+        if a.resource is not Resource.TOPIC or a.operation is not op:
+            continue
+        if a.name == topic or (a.pattern is Pattern.PREFIXED and topic.startswith(a.name)):
+            return True
+    return False
+
+
+def svc(role: Role) -> str:
+    return service_principal(INST, role)
+
+
+# ----------------------------------------------------------------- principals
+@pytest.mark.parametrize("name", ["alice", "App_1", "a-b", "x" * 64])
+def test_a_principal_name_is_letters_digits_underscore_dash(name: str) -> None:
+    assert check_principal(name) == name
+
+
+@pytest.mark.parametrize("name", ["", "a.b", "a b", "x" * 65, "a*", "ümlaut", "admin", "broker"])
+def test_other_principal_names_are_refused_with_the_reason(name: str) -> None:
+    with pytest.raises(SecurityError, match="principal"):
+        check_principal(name)
+
+
+def test_each_service_of_an_instance_has_its_own_principal() -> None:
+    assert svc(Role.DISPATCHER) == "ksb-inst-dispatcher"
+    assert svc(Role.EXTERNAL_ACTIVATOR) == "ksb-inst-external-activator"
+    assert role_of(INST, "ksb-inst-spark") is Role.SPARK
+    assert role_of(INST, "alice") is None
+
+
+def test_an_instance_name_too_long_for_its_principals_is_refused() -> None:
+    with pytest.raises(SecurityError):
+        service_principal("i" * 60, Role.DISPATCHER)
+
+
+# ----------------------------------------------------------------- identity binding
+def test_only_a_principal_may_write_its_own_requests_topic() -> None:
+    plan = _plan(owners=["own"])
+    writers: dict[str, set[str]] = {}
+    for a in plan.kafka_acls:
+        if a.operation is Operation.WRITE and a.name.startswith(f"{N.prefix}.requests."):
+            assert a.pattern is Pattern.LITERAL, a
+            writers.setdefault(a.name, set()).add(a.principal)
+    assert writers[N.requests_of("alice")] == {"alice"}
+    assert writers[N.requests_of("bob")] == {"bob"}
+    assert all(ps == {t.rsplit(".", 1)[1]} for t, ps in writers.items())
+
+
+def test_only_a_principal_and_the_operators_read_its_errors_topic() -> None:
+    plan = _plan(owners=["own"])
+    readers = {p for p in plan.principals if _grants(plan, p, Operation.READ, N.errors_of("alice"))}
+    assert readers == {"alice", svc(Role.OPERATOR), "own"}
+
+
+def test_the_dispatcher_reads_every_requests_topic_and_writes_every_errors_topic() -> None:
+    plan = _plan()
+    d = svc(Role.DISPATCHER)
+    for p in ("alice", "bob", "somebody-later"):
+        assert _grants(plan, d, Operation.READ, N.requests_of(p))
+        assert _grants(plan, d, Operation.WRITE, N.errors_of(p))
+    assert _grants(plan, d, Operation.READ, N.relay)
+    assert _grants(plan, d, Operation.WRITE, N.relay)
+    assert not _grants(plan, d, Operation.WRITE, N.requests_of("alice"))
+
+
+def test_the_shared_requests_topic_is_allowed_only_while_asked_for() -> None:
+    with_shared = _plan()
+    without = _plan(shared_requests=False)
+    assert _grants(with_shared, "alice", Operation.WRITE, N.requests)
+    assert _grants(with_shared, svc(Role.DISPATCHER), Operation.READ, N.requests)
+    assert not any(a.name == N.requests for a in without.kafka_acls)
+
+
+def test_requests_relay_and_inbound_have_the_shard_count() -> None:
+    topics = {t.name: t.partitions for t in _plan().topics}
+    for name in (N.requests, N.requests_of("alice"), N.requests_of("bob"), N.relay, N.inbound):
+        assert topics[name] == 3, name
+    assert N.requests_of(svc(Role.OPERATOR)) in topics
+    assert N.errors_of("alice") in topics
+    assert N.queue("QA") in topics and N.dead_letters("QB") in topics
+
+
+# ----------------------------------------------------------------- applications
+def test_an_application_reads_exactly_the_queues_it_may_receive_from() -> None:
+    plan = _plan()
+    assert _grants(plan, "alice", Operation.READ, N.queue("QA"))
+    assert not _grants(plan, "alice", Operation.READ, N.queue("QB"))
+    assert not any(_grants(plan, "bob", Operation.READ, N.queue(q)) for q in ("QA", "QB"))
+
+
+def test_an_application_writes_nothing_but_its_requests_and_audit() -> None:
+    plan = _plan()
+    writes = {a.name for a in _of(plan, "alice") if a.operation is Operation.WRITE}
+    assert writes == {N.requests_of("alice"), N.requests, N.audit}
+    assert not any(a.operation is Operation.CREATE for a in _of(plan, "alice"))
+    assert not any(a.pattern is Pattern.PREFIXED for a in _of(plan, "alice"))
+
+
+def test_a_revoked_grant_leaves_the_plan() -> None:
+    cat = _catalog()
+    revoked = cat.model_copy(update={"grants": cat.grants[:1]})  # alice keeps only SEND
+    assert not _grants(_plan(revoked), "alice", Operation.READ, N.queue("QA"))
+    assert "bob" not in _plan(revoked).principals
+
+
+def test_a_grant_to_public_is_refused() -> None:
+    cat = _catalog(grants=[{"permission": "SEND", "target": "//a", "principal": "public"}])
+    with pytest.raises(SecurityError, match="PUBLIC"):
+        _plan(cat)
+
+
+def test_an_owner_receives_from_every_queue_and_applies_catalogs() -> None:
+    plan = _plan(owners=["own"])
+    assert _grants(plan, "own", Operation.READ, N.queue("any-later-queue"))
+    assert _grants(plan, "own", Operation.WRITE, N.catalog)
+    assert _grants(plan, "own", Operation.CREATE, N.queue("new"))
+    assert not _grants(plan, "own", Operation.WRITE, N.queue("QA"))
+
+
+# ----------------------------------------------------------------- services
+def test_nobody_but_the_dispatcher_writes_queues_endpoints_or_the_transmission_queue() -> None:
+    plan = _plan(owners=["own"])
+    for topic in (N.queue("QA"), N.endpoints, N.transmission, N.dead_letters("QA"), N.bcn):
+        writers = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, topic)}
+        assert writers == {svc(Role.DISPATCHER)}, topic
+
+
+def test_the_catalog_is_written_by_the_operator_owners_and_the_poison_rule_only() -> None:
+    plan = _plan(owners=["own"])
+    writers = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.catalog)}
+    assert writers == {svc(Role.OPERATOR), svc(Role.ACTIVATION), "own"}
+
+
+def test_only_the_transport_writes_our_inbound_and_only_the_transport_our_acks() -> None:
+    plan = _plan()
+    inbound = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.inbound)}
+    acks = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.acks)}
+    assert inbound == {svc(Role.TRANSPORT)}
+    assert acks == {svc(Role.TRANSPORT), svc(Role.DISPATCHER)}
+
+
+def test_transactional_ids_and_groups_belong_to_their_service() -> None:
+    plan = _plan()
+    txn = [a for a in plan.kafka_acls if a.resource is Resource.TRANSACTIONAL_ID]
+    assert {a.principal for a in txn} == {svc(Role.DISPATCHER)}
+    assert all(N.dispatcher_txn_id.startswith(a.name) for a in txn)
+    groups = {
+        (a.principal, a.name)
+        for a in plan.kafka_acls
+        if a.resource is Resource.GROUP and a.operation is Operation.READ
+    }
+    assert (svc(Role.DISPATCHER), N.dispatcher_group) in groups
+    assert (svc(Role.TRANSPORT), N.transport_group) in groups
+    assert (svc(Role.EXTERNAL_ACTIVATOR), N.external_activator_app) in groups
+    assert all(name.startswith(f"{N.prefix}.") for _p, name in groups)
+
+
+def test_no_one_may_create_the_core_topics() -> None:
+    plan = _plan(owners=["own"])
+    creates = {a.name for a in plan.kafka_acls if a.operation is Operation.CREATE}
+    assert creates == {f"{N.prefix}.queue.", f"{N.prefix}.dlq.", N.external_activator_app}
+
+
+def test_activated_readers_receive_as_the_service_that_starts_them() -> None:
+    plan = _plan()
+    assert _grants(plan, svc(Role.ACTIVATION), Operation.READ, N.queue("QB"))
+    ext = svc(Role.EXTERNAL_ACTIVATOR)
+    assert _grants(plan, ext, Operation.READ, N.queue("QN"))
+    assert not _grants(plan, ext, Operation.READ, N.queue("QA"))
+
+
+def test_every_binding_is_in_the_instance_namespace_without_routes() -> None:
+    plan = _plan(owners=["own"])
+    assert all(plan.owns(a) for a in plan.kafka_acls)
+    cluster = [a for a in plan.kafka_acls if a.resource is Resource.CLUSTER]
+    assert all(a.name.startswith(f"{N.prefix}.") for a in plan.kafka_acls if a not in cluster)
+    # The one cluster right: a producer id for the forwarder, which may have no topic to write.
+    assert [(a.principal, a.operation) for a in cluster] == [
+        (svc(Role.FORWARDER), Operation.IDEMPOTENT_WRITE)
+    ]
+
+
+# ----------------------------------------------------------------- routes
+def _routed() -> Catalog:
+    return _catalog(
+        routes=[
+            {"name": "r1", "service_name": "//far", "broker_instance": "b", "address": "LOCAL"},
+            {"name": "r2", "service_name": "//farther", "broker_instance": "c", "via": "f"},
+        ]
+    )
+
+
+def test_a_direct_peer_writes_our_inbound_and_acks_and_relays_its_acks() -> None:
+    plan = _plan(_routed())
+    assert _grants(plan, "ksb-b-transport", Operation.WRITE, N.inbound)
+    assert _grants(plan, "ksb-b-dispatcher", Operation.WRITE, N.acks)
+    assert _grants(plan, "ksb-b-transport", Operation.READ, Names("b").acks)
+    assert not _grants(plan, "ksb-b-transport", Operation.READ, N.acks)
+    assert _grants(plan, svc(Role.DISPATCHER), Operation.WRITE, Names("b").acks)
+    assert _grants(plan, svc(Role.TRANSPORT), Operation.WRITE, Names("b").inbound)
+    assert "ksb-b-transport" in plan.principals
+    assert Names("b").acks in {t.name for t in plan.topics}
+
+
+def test_a_forwarder_carries_for_a_peer_behind_it() -> None:
+    plan = _plan(_routed())
+    assert _grants(plan, "ksb-f-forwarder", Operation.WRITE, N.inbound)
+    assert _grants(plan, "ksb-f-forwarder", Operation.WRITE, N.acks)
+    assert _grants(plan, "ksb-f-forwarder", Operation.READ, Names("c").acks)
+    assert _grants(plan, svc(Role.TRANSPORT), Operation.WRITE, Names("f").inbound)
+    assert not _grants(plan, "ksb-c-transport", Operation.WRITE, N.inbound)
+
+
+def test_a_peer_reads_nothing_of_ours_but_its_own_acks() -> None:
+    plan = _plan(_routed())
+    for peer in ("ksb-b-transport", "ksb-b-dispatcher", "ksb-f-forwarder"):
+        reads = {a.name for a in _of(plan, peer) if a.operation is Operation.READ}
+        assert all(n.endswith(".acks") and n != N.acks for n in reads), (peer, reads)
+
+
+def test_a_plan_owns_its_namespace_and_its_services_only() -> None:
+    plan = _plan(_routed())
+    other = KafkaAcl(
+        "ksb-x-dispatcher", Resource.TOPIC, "ksb.x.acks", Pattern.LITERAL, Operation.WRITE
+    )
+    ours = KafkaAcl(
+        svc(Role.DISPATCHER), Resource.TOPIC, "ksb.x.acks", Pattern.LITERAL, Operation.WRITE
+    )
+    assert not plan.owns(other)
+    assert plan.owns(ours)
+    longer = KafkaAcl("p", Resource.TOPIC, "ksb.inst2.queue.q", Pattern.LITERAL, Operation.READ)
+    assert not plan.owns(longer)
+
+
+# ----------------------------------------------------------------- Redis
+def test_an_application_touches_only_its_queues_keys() -> None:
+    rules = _plan().redis["alice"]
+    assert f"ksb:{INST}:lock:QA:*" in rules.keys
+    assert f"ksb:{INST}:fence:QA:*" in rules.keys
+    assert f"ksb:{INST}:disabled" in rules.keys  # an EVAL key: Redis checks it as read-write
+    assert not any(":QB" in k for k in rules.keys | rules.read_keys)
+    assert f"ksb:{INST}:dlpolicy" in rules.read_keys
+    assert {"evalsha", "script|load", "time"} <= rules.commands
+    assert not {"flushall", "keys", "del", "sadd", "srem", "eval"} & rules.commands
+
+
+def test_services_without_redis_work_get_no_redis_user() -> None:
+    redis = _plan().redis
+    assert svc(Role.DISPATCHER) not in redis
+    assert svc(Role.SPARK) not in redis
+    assert "bob" not in redis  # SEND only: no lock ever taken
+
+
+def test_the_operator_reads_redis_and_writes_nothing() -> None:
+    rules = _plan().redis[svc(Role.OPERATOR)]
+    assert rules.read_keys == {f"ksb:{INST}:*"} and not rules.keys
+    assert not {"set", "hset", "del", "evalsha"} & rules.commands
+
+
+def test_views_use_transactions_so_their_writers_have_multi_exec() -> None:
+    redis = _plan().redis
+    for role in (Role.TRANSMITTER, Role.TRANSPORT, Role.FORWARDER, Role.ACTIVATION):
+        assert {"multi", "exec"} <= redis[svc(role)].commands, role
+
+
+def test_the_acl_rules_replace_keys_and_commands_in_one_setuser() -> None:
+    acl = _plan().redis["alice"].acl()
+    assert acl[:3] == ["resetkeys", "resetchannels", "-@all"]
+    assert f"~ksb:{INST}:lock:QA:*" in acl
+    assert f"%R~ksb:{INST}:dlpolicy" in acl
+    assert "+evalsha" in acl
+
+
+def test_the_plan_prints() -> None:
+    text = "\n".join(_plan(_routed(), owners=["own"]).lines())
+    assert "User:alice WRITE topic:ksb.inst.requests.alice" in text
+    assert "User:ksb-inst-dispatcher READ topic:ksb.inst.requests.*" in text
+    assert "alice: resetkeys" in text
