@@ -141,10 +141,9 @@ def _wait_applied(settings: Deployment, timeout_s: float) -> None:
     offsets = CommittedOffsets(settings.narrow(ClientSettings))
     probe = kafka.consumer(settings)
     try:
-        parts = sorted(
-            probe.list_topics(names.requests, timeout=30).topics[names.requests].partitions
-        )
-        tps = [(names.requests, p) for p in parts]
+        topic = names.requests_for(settings.sender)
+        parts = sorted(probe.list_topics(topic, timeout=30).topics[topic].partitions)
+        tps = [(topic, p) for p in parts]
         ends = {tp: kafka.watermarks(probe, TopicPartition(*tp), 30)[1] for tp in tps}
         deadline = time.monotonic() + timeout_s
         while True:

@@ -98,8 +98,13 @@ class Deployment(
         )
 
     def as_service(self, role: Role) -> Self:
-        """These settings as the process of `role` logs in (``ksb-<instance>-<role>``)."""
-        return self.as_principal(service_principal(self.instance, role))
+        """These settings as the process of `role` logs in (``ksb-<instance>-<role>``); the
+        dispatcher also learns the instance's owner (`owner_of`), whom it lets act for every
+        service and queue as `secure_instance` let it in Kafka."""
+        settings = self.as_principal(service_principal(self.instance, role))
+        if role is Role.DISPATCHER and self.secured and not self.owners:
+            settings = settings.model_copy(update={"owners": owner_of(self.instance)})
+        return settings
 
 
 SERVICE_SETTINGS: dict[str, type[KsbSettings]] = {

@@ -398,7 +398,9 @@ class ActivationService(Service):
             elif mid in due:
                 req = DeadLetterRequest(message=msg, reason=f"rolled back {n} times")
                 self._producer.produce(
-                    self.names.requests, key=msg.conversation_group_id.encode(), value=dumps(req)
+                    self.names.requests_for(self.settings.sender),
+                    key=msg.conversation_group_id.encode(),
+                    value=dumps(req),
                 )
                 gone.append(mid)
                 log.warning("dead-lettering %s from %s after %d rollbacks", mid, w.queue.name, n)

@@ -42,6 +42,7 @@ from ksb.dialog.broker_start import (
 )
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
+from ksb.dialog.permissions import Permissions
 from ksb.dialog.shards import Ownership
 from ksb.errors import ProtocolError
 from ksb.runtime import kafka
@@ -144,9 +145,13 @@ class Dispatcher(Service):
         if self.engine is None or view.version == self.engine.catalog.version:
             return
         self.engine.catalog = view
+        self.engine.permissions = self._permissions(view)
         self._queue_metrics.declare(view)
         self._publish(self.broker.on_catalog(view.version, self.clock.now_ms()))
         log.info("catalog v%d applied", view.version)
+
+    def _permissions(self, view: CatalogView) -> Permissions:
+        return Permissions.of(view.catalog, self.settings.instance, self.settings.owner_names)
 
     def step(self) -> None:
         if not self.broker.started:
@@ -194,6 +199,7 @@ class Dispatcher(Service):
             max_body_bytes=s.max_body_bytes,
             ownership=Ownership(shards, owned=()),
         )
+        self.engine.permissions = self._permissions(view)
         self._writer = OutputWriter(self._producer, self.names, shards, self.audit)
         self._router = Router(self.names, shards)
         self._loader = kafka.consumer(s)
@@ -405,15 +411,19 @@ class Dispatcher(Service):
                 request = joined
         except ProtocolError as exc:
             self._errors[exc.code].inc()
-            return Engine.malformed(
+            out = Engine.malformed(
                 exc,
                 topic=m.topic() or "",
                 partition=m.partition() or 0,
                 offset=m.offset() or 0,
                 raw=m.value(),
             )
+            out.principal = self._router.principal_of(m.topic() or "")
+            return out
         self._requests[request.kind].inc()
-        out = self.engine.handle(request, now, sent_ms=incoming.sent_ms)
+        out = self.engine.handle(
+            request, now, sent_ms=incoming.sent_ms, principal=incoming.principal
+        )
         for e in out.errors:
             self._errors[e.code].inc()
         if isinstance(request, CommitRequest) and request.receipt is not None:

@@ -48,8 +48,11 @@ class OutputWriter:
             p.produce(topic, key=w.key.encode(), value=value, partition=w.partition)
         for ep in out.endpoints:
             self._endpoints[ep.handle] = ep
-        for e in out.errors:
-            p.produce(self._names.errors, key=(e.request_id or "").encode(), value=dumps(e))
+        if out.errors:
+            # Only the sender may read its errors topic (docs/protocol.md, "Errors").
+            errors = self._names.errors_for(out.principal)
+            for e in out.errors:
+                p.produce(errors, key=(e.request_id or "").encode(), value=dumps(e))
         for d in out.dead_letters:
             topic = self._names.dead_letters(d.message.queue)
             p.produce(topic, key=d.message.message_id.encode(), value=dumps(d))

@@ -14,6 +14,7 @@ __all__ = [
     "DdlError",
     "KsbError",
     "LockLost",
+    "NotAuthorized",
     "ProtocolError",
     "QueueDisabled",
     "SecurityError",
@@ -105,3 +106,10 @@ class SecurityError(KsbError):
     """Credentials that are missing or unreadable, or a principal name or plan that cannot be."""
 
     code = "security_error"
+
+
+class NotAuthorized(KsbError):
+    """A request its principal may not make: a BEGIN or SEND for a service it was not granted
+    SEND on, a receipt on a queue it was not granted RECEIVE on (`ksb.dialog.permissions`)."""
+
+    code = "not_authorized"

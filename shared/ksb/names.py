@@ -33,6 +33,14 @@ class Names:
         """Every requests topic of the instance, as a consumer subscription regex."""
         return rf"^{re.escape(self.prefix)}\.requests(\..+)?$"
 
+    def requests_for(self, sender: str | None) -> str:
+        """The requests topic `sender` writes (`KsbSettings.sender`; None: the shared one)."""
+        return self.requests if sender is None else self.requests_of(sender)
+
+    def errors_for(self, sender: str | None) -> str:
+        """Where the dispatcher puts the refusals of `sender`'s requests."""
+        return self.errors if sender is None else self.errors_of(sender)
+
     def errors_of(self, principal: str) -> str:
         """The error records of `principal`'s requests, which only it (and operators) may read."""
         return f"{self.prefix}.errors.{principal}"

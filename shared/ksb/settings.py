@@ -101,6 +101,14 @@ class KsbSettings(BaseModel):
         """Who this process is to KSB: `principal`, or its Kafka username when that is unset."""
         return self.principal or self.kafka_username
 
+    @property
+    def sender(self) -> str | None:
+        """The principal whose requests and errors topics this process uses (`Names.requests_for`);
+        None on a stack without security, where the instance's shared topics serve everyone."""
+        if self.kafka_security_protocol == "PLAINTEXT":
+            return None
+        return self.acting_principal or None
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Self:
         """This model's settings from ``KSB_*`` variables; any other ``KSB_*`` variable is refused."""
@@ -183,6 +191,15 @@ class DispatcherSettings(ServiceSettings):
     """A large inbound message still missing fragments this long after its first is forgotten."""
     broker_retry_every: int = Field(5, ge=1)
     """A broker that failed to start is retried every this many ticks."""
+    owners: str = ""
+    """Principals, comma-separated, that may act for every service and queue without grants
+    (the deployment's owners, as `ksb acl apply --owner` gave them Kafka's rights;
+    `ksb.dialog.permissions`)."""
+
+    @property
+    def owner_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.owners.split(",") if n.strip())
+
     member: str | None = None
     """This dispatcher's name among the instance's dispatchers (its transactional id's suffix);
     unset means a fresh random one per process. A fixed name lets a restarted dispatcher fence

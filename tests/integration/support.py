@@ -48,7 +48,9 @@ def errors(
     deadline = time.monotonic() + timeout_s
     while True:
         recs = [
-            json.loads(v) for _k, v in read_topic(settings, Names(settings.instance).errors) if v
+            json.loads(v)
+            for _k, v in read_topic(settings, Names(settings.instance).errors_for(settings.sender))
+            if v
         ]
         if len(recs) >= at_least or time.monotonic() > deadline:
             return recs

@@ -55,7 +55,7 @@ def test_a_fast_sender_never_has_more_than_its_limit_unapplied(
     limited = settings.model_copy(update={"max_inflight_requests": limit})
     names = Names(settings.instance)
     probe = kafka.consumer(settings, group=names.dispatcher_group, read_committed=False)
-    tp = TopicPartition(names.requests, 0)
+    tp = TopicPartition(names.requests_for(settings.sender), 0)
     lags: list[int] = []
     try:
         with KsbClient(limited) as client:

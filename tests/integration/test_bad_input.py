@@ -87,7 +87,7 @@ def test_malformed_records_get_a_malformed_record_error(
     client.flush()
     raw = Producer({**_login(settings), "enable.idempotence": True})
     for value, _ in bad:
-        raw.produce(Names(settings.instance).requests, key=b"raw", value=value)
+        raw.produce(Names(settings.instance).requests_for(settings.sender), key=b"raw", value=value)
     assert raw.flush(10) == 0
     _good(client, good, "after")
     _assert_delivered(client, ["before", "after"])
@@ -96,7 +96,7 @@ def test_malformed_records_get_a_malformed_record_error(
     assert len({r["source_offset"] for r in recs}) == len(bad)
     for rec, (value, word) in zip(recs, bad, strict=True):
         assert word in rec["reason"], rec
-        assert rec["source_topic"] == Names(settings.instance).requests
+        assert rec["source_topic"] == Names(settings.instance).requests_for(settings.sender)
         assert rec["raw"] == (value or b"").decode()
 
 
@@ -113,17 +113,19 @@ def test_a_malformed_request_is_refused_under_the_request_id_it_gave(
     value = json.dumps(
         {"v": 1, "kind": "send", "request_id": request_id, "handles": [good], "bodi": "x"}
     ).encode()
-    raw = Producer({"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True})
-    raw.produce(names.requests, key=good.encode(), value=value)
+    raw = Producer({**_login(settings), "enable.idempotence": True})
+    raw.produce(names.requests_for(settings.sender), key=good.encode(), value=value)
     assert raw.flush(10) == 0
     _good(client, good, "after")
     _assert_delivered(client, ["before", "after"])
     rec = _by_request(settings, request_id)
     assert rec["code"] == "malformed_record" and "bodi" in rec["reason"]
-    assert rec["source_topic"] == names.requests and rec["raw"] == value.decode()
+    assert (
+        rec["source_topic"] == names.requests_for(settings.sender) and rec["raw"] == value.decode()
+    )
     keys = [
         k
-        for k, v in read_topic(settings, names.errors)
+        for k, v in read_topic(settings, names.errors_for(settings.sender))
         if v is not None and json.loads(v).get("request_id") == request_id
     ]
     assert keys == [request_id.encode()]

@@ -202,7 +202,11 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
         actions=(SendRequest(handles=(h,), message_type="//t/Request", body='{"stale":1}'),),
     )
     p = kafka.producer(settings)
-    p.produce(Names(settings.instance).requests, key=group.encode(), value=dumps(stale))
+    p.produce(
+        Names(settings.instance).requests_for(settings.sender),
+        key=group.encode(),
+        value=dumps(stale),
+    )
     assert p.flush(10) == 0
     err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
     assert err["code"] == "stale_token"

@@ -21,6 +21,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, Topi
 
 from devtools.deployment import Deployment
 from ksb.catalog.model import Catalog, Grant
+from ksb.cli.readers import read_endpoints
 from ksb.errors import KsbError, SecurityError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -29,9 +30,10 @@ from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient
 from ksb.security.principals import Role
 from ksb.settings import ClientSettings
+from ksb.wire.protocol import CommitRequest, Receipt, dumps
 from tests.conftest import Stack
 from tests.integration.conftest import ThreadDispatcher, make_application
-from tests.integration.support import receive_all
+from tests.integration.support import receive_all, wait_error
 
 pytestmark = pytest.mark.integration
 
@@ -305,6 +307,121 @@ def test_a_lua_script_cannot_reach_keys_outside_a_principals_own(
         assert admin.hget(names.lock_key(TARGET_QUEUE, "g"), "holder") is None
     finally:
         admin.close()
+    flow.check()
+
+
+# ----------------------------------------------------------------- grants (the dispatcher's)
+def _catalog_taken(dispatcher: ThreadDispatcher, settings: Deployment) -> None:
+    """Wait until the dispatcher runs the newest catalog (grants change with it)."""
+    want = load_catalog(settings).version
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        engine = dispatcher.dispatcher.engine
+        if engine is not None and engine.catalog.version >= want:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the dispatcher did not take catalog v{want} in 15 s")
+
+
+def _not_authorized(who: Deployment, handle: str, *words: str) -> dict[str, Any]:
+    """The refusal of `who`'s request on `handle`, from `who`'s own errors topic."""
+    err = wait_error(who, lambda r: r.get("handle") == handle)
+    assert err["code"] == "not_authorized", err
+    for w in (repr(who.acting_principal), *words):
+        assert w in err["reason"], err
+    return err
+
+
+def _target_of(settings: Deployment, initiator: str) -> str:
+    """The handle of the target endpoint of the dialog `initiator` began (endpoints topic)."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        for ep in read_endpoints(settings).values():
+            if ep.conversation_id == initiator and not ep.is_initiator:
+                return ep.handle
+        time.sleep(0.1)
+    raise AssertionError(f"no target endpoint for {initiator} in 15 s")
+
+
+def _receive_on(client: KsbClient, handle: str) -> list[str]:
+    """The bodies waiting on one conversation of the target queue, received and committed."""
+    with client.transaction() as tx:
+        got = tx.receive(TARGET_QUEUE, conversation_handle=handle, waitfor_ms=10_000)
+    return [json.loads(m.message_body)["n"] for m in got]
+
+
+def test_a_begin_from_a_service_not_granted_is_refused_to_its_sender_only(
+    settings: Deployment, alice: Deployment, dispatcher: ThreadDispatcher, flow: Flow
+) -> None:
+    _catalog_taken(dispatcher, settings)
+    with KsbClient(alice) as client:
+        handle = client.begin_dialog(T, I, C)  # alice may SEND for I only
+        client.flush()
+        _not_authorized(alice, handle, repr(T), "SEND on SERVICE::")
+        granted = client.begin_dialog(I, T, C)
+        client.send(granted, "//t/Request", json.dumps({"n": "alice"}))
+        client.flush()
+    assert _receive_on(flow.client, _target_of(settings, granted)) == ["alice"]
+    names = Names(settings.instance)
+    bob = make_application(settings, "bob", [Grant(permission="SEND", target=I, principal="bob")])
+    err = _refused_read(bob, names.errors_of("alice"))  # only alice reads alice's refusals
+    assert err.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED
+    flow.check()
+
+
+def test_a_send_on_another_services_endpoint_is_refused(
+    settings: Deployment, alice: Deployment, dispatcher: ThreadDispatcher, flow: Flow
+) -> None:
+    """Alice begins a dialog to T and tries to answer herself on T's side of it."""
+    _catalog_taken(dispatcher, settings)
+    with KsbClient(alice) as client:
+        handle = client.begin_dialog(I, T, C)
+        client.send(handle, "//t/Request", json.dumps({"n": "question"}))
+        client.flush()
+        target = _target_of(settings, handle)
+        client.send(target, "//t/Request", json.dumps({"n": "forged"}))
+        client.flush()
+        _not_authorized(alice, target, repr(T), "SEND on SERVICE::")
+    assert _receive_on(flow.client, target) == ["question"]
+    flow.check()
+
+
+def test_a_receipt_on_a_queue_without_receive_is_refused(
+    settings: Deployment, alice: Deployment, dispatcher: ThreadDispatcher, flow: Flow
+) -> None:
+    """Alice cannot read the target queue's topic, but message ids have a known shape
+    (``<handle>:<n>``): she names the owner's waiting messages in a receipt of her own."""
+    _catalog_taken(dispatcher, settings)
+    target = _target_of(settings, flow.handle)
+    guessed = tuple(f"{target}:{n}" for n in range(len(flow.sent)))
+    request = CommitRequest(receipt=Receipt(queue=TARGET_QUEUE, group=target, message_ids=guessed))
+    p = kafka.producer(alice)
+    p.produce(
+        Names(alice.instance).requests_for(alice.sender), key=target.encode(), value=dumps(request)
+    )
+    assert p.flush(15) == 0
+    err = wait_error(alice, lambda r: r.get("request_id") == request.request_id)
+    assert err["code"] == "not_authorized" and repr(TARGET_QUEUE) in err["reason"], err
+    assert "RECEIVE" in err["reason"]
+    flow.check()  # every message the receipt named is still there for the owner
+
+
+def test_a_revoked_send_grant_is_refused_by_the_running_dispatcher(
+    settings: Deployment, alice: Deployment, dispatcher: ThreadDispatcher, flow: Flow
+) -> None:
+    _catalog_taken(dispatcher, settings)
+    with KsbClient(alice) as client:
+        before = client.begin_dialog(I, T, C)
+        client.flush()
+        make_application(
+            settings,
+            "alice",
+            [Grant(permission="RECEIVE", target=INITIATOR_QUEUE, principal="alice")],
+        )
+        _catalog_taken(dispatcher, settings)
+        client.send(before, "//t/Request", json.dumps({"n": "after revoke"}))
+        client.flush()
+        _not_authorized(alice, before, repr(I), "SEND on SERVICE::")
     flow.check()
 
 

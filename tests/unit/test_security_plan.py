@@ -116,12 +116,10 @@ def test_the_dispatcher_reads_every_requests_topic_and_writes_every_errors_topic
     assert not _grants(plan, d, Operation.WRITE, N.requests_of("alice"))
 
 
-def test_the_shared_requests_topic_is_allowed_only_while_asked_for() -> None:
-    with_shared = _plan()
-    without = _plan(shared_requests=False)
-    assert _grants(with_shared, "alice", Operation.WRITE, N.requests)
-    assert _grants(with_shared, svc(Role.DISPATCHER), Operation.READ, N.requests)
-    assert not any(a.name == N.requests for a in without.kafka_acls)
+def test_nobody_may_write_the_unsuffixed_requests_topic() -> None:
+    """A request there would carry no principal, which the dispatcher trusts (no security)."""
+    plan = _plan(owners=["own"])
+    assert not any(a.name == N.requests for a in plan.kafka_acls)
 
 
 def test_requests_relay_and_inbound_have_the_shard_count() -> None:
@@ -144,7 +142,7 @@ def test_an_application_reads_exactly_the_queues_it_may_receive_from() -> None:
 def test_an_application_writes_nothing_but_its_requests_and_audit() -> None:
     plan = _plan()
     writes = {a.name for a in _of(plan, "alice") if a.operation is Operation.WRITE}
-    assert writes == {N.requests_of("alice"), N.requests, N.audit}
+    assert writes == {N.requests_of("alice"), N.audit}
     assert not any(a.operation is Operation.CREATE for a in _of(plan, "alice"))
     assert not any(a.pattern is Pattern.PREFIXED for a in _of(plan, "alice"))
 

@@ -65,8 +65,9 @@ def read_endpoints(settings: KsbSettings) -> dict[str, Endpoint]:
     return latest
 
 
-def read_errors(settings: KsbSettings) -> list[dict[str, Any]]:
-    """Every record of the error topic, oldest first, with its offset."""
+def read_errors(settings: KsbSettings, principal: str | None = None) -> list[dict[str, Any]]:
+    """Every error record of `principal`'s requests (default: this process's own; the shared
+    topic without security), oldest first, with its offset."""
     out: list[dict[str, Any]] = []
 
     def keep(m: Message) -> None:
@@ -79,7 +80,8 @@ def read_errors(settings: KsbSettings) -> list[dict[str, Any]]:
             record = {"code": "unreadable", "reason": value[:200].decode(errors="replace")}
         out.append({"offset": m.offset(), **record})
 
-    read_topic(settings, Names(settings.instance).errors, keep)
+    topic = Names(settings.instance).errors_for(principal or settings.sender)
+    read_topic(settings, topic, keep)
     return out
 
 

@@ -36,23 +36,14 @@ Owners = Annotated[
         "--owner", help="a principal with the operator's rights that may RECEIVE from every queue"
     ),
 ]
-NoShared = Annotated[
-    bool,
-    typer.Option(
-        "--no-shared-requests",
-        help="do not allow the instance's unsuffixed requests topic (senders use their own)",
-    ),
-]
 Store = Annotated[
     Path | None,
     typer.Option("--store", help="credential store (default: the admin's password file's folder)"),
 ]
 
 
-def _plan(settings: CliSettings, owners: list[str] | None, no_shared: bool) -> SecurityPlan:
-    return plan_instance(
-        settings, load_catalog(settings), owners=owners or (), shared_requests=not no_shared
-    )
+def _plan(settings: CliSettings, owners: list[str] | None) -> SecurityPlan:
+    return plan_instance(settings, load_catalog(settings), owners=owners or ())
 
 
 def _store(settings: CliSettings, given: Path | None) -> CredentialStore:
@@ -67,11 +58,10 @@ def _store(settings: CliSettings, given: Path | None) -> CredentialStore:
 @reported
 def acl_plan(
     owner: Owners = None,
-    no_shared_requests: NoShared = False,
     as_json: Annotated[bool, typer.Option("--json", help="the plan as JSON")] = False,
 ) -> None:
     """The principals, topics, Kafka ACLs and Redis rules the catalog calls for."""
-    plan = _plan(cli_settings(), owner, no_shared_requests)
+    plan = _plan(cli_settings(), owner)
     if as_json:
         echo_json(
             {
@@ -88,12 +78,10 @@ def acl_plan(
 
 @acl_app.command("apply")
 @reported
-def acl_apply(
-    owner: Owners = None, no_shared_requests: NoShared = False, store: Store = None
-) -> None:
+def acl_apply(owner: Owners = None, store: Store = None) -> None:
     """Create the missing users and topics, add the missing ACLs, remove the stale ones."""
     settings = cli_settings()
-    plan = _plan(settings, owner, no_shared_requests)
+    plan = _plan(settings, owner)
     report = apply_plan(plan, settings, _store(settings, store))
     typer.echo("\n".join(report.lines()))
 

@@ -85,9 +85,13 @@ def _print_rows(title: str, rows: Sequence[dict[str, Any]]) -> None:
 def errors(
     as_json: Annotated[bool, typer.Option("--json", help="records as JSON")] = False,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="newest N records")] = 50,
+    principal: Annotated[
+        str | None,
+        typer.Option("--principal", help="whose requests (default: yours; operators may read all)"),
+    ] = None,
 ) -> None:
     """Requests the dispatcher could not carry out, newest last."""
-    records = read_errors(cli_settings())[-limit:]
+    records = read_errors(cli_settings(), principal)[-limit:]
     if as_json:
         echo_json(records)
         return
@@ -229,7 +233,7 @@ def dlq_replay(
     records = read_dead_letters(settings, queue)
     chosen = [r for r in records if not message_id or r.message.message_id in message_id]
     p = kafka.producer(settings)
-    topic = Names(settings.instance).requests
+    topic = Names(settings.instance).requests_for(settings.sender)
     for r in chosen:
         req = ReplayRequest(message=r.message)
         p.produce(topic, key=r.message.conversation_group_id.encode(), value=dumps(req))

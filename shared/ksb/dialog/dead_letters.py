@@ -32,6 +32,7 @@ __all__ = ["dead_letter", "replay"]
 
 def dead_letter(eng: Engine, stage: Stage, req: DeadLetterRequest, now: int) -> None:
     m = req.message
+    eng.permissions.check_receive(stage.principal, m.queue, "dead-letter a message")
     info = eng.inflight.get(m.message_id)
     if info is None or info.queue != m.queue:
         raise ConversationError(
@@ -60,6 +61,7 @@ def dead_letter(eng: Engine, stage: Stage, req: DeadLetterRequest, now: int) -> 
 
 def replay(eng: Engine, stage: Stage, req: ReplayRequest) -> None:
     m = req.message
+    eng.permissions.check_receive(stage.principal, m.queue, "replay a dead letter")
     if m.message_id in eng.inflight:
         raise ConversationError(
             f"message {m.message_id} is already in its queue", code="duplicate_message"

@@ -25,6 +25,7 @@ from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.fences import Fences
 from ksb.dialog.membership import Membership
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
+from ksb.dialog.permissions import OPEN
 from ksb.dialog.receipts import commit, outcome_key, refused_outcome
 from ksb.dialog.remote import RemoteWindows, inbound
 from ksb.dialog.send import send
@@ -67,6 +68,8 @@ class Engine:
         self.instance = instance
         self.max_body_bytes = max_body_bytes
         self.ownership = ownership or Ownership(1)
+        self.permissions = OPEN
+        """Who may act for which service and queue; the dispatcher sets the catalog's."""
         self.endpoints: dict[str, Endpoint] = {}
         self.inflight = Membership(self.endpoints, self._partitions)
         """Every message waiting in a queue, by id: what a receipt needs (`ksb.dialog.membership`)."""
@@ -126,10 +129,18 @@ class Engine:
         self.fences.drop(lambda group: self.ownership.shard(group) == shard)
 
     # ------------------------------------------------------------------ requests
-    def handle(self, request: AnyRequest, now_ms: int, *, sent_ms: int | None = None) -> Outputs:
-        """Apply one request. ``sent_ms``, the request record's timestamp, is stamped on the
-        messages it enqueues so that end-to-end latency can be measured when they are received."""
-        stage = Stage(self, sent_ms)
+    def handle(
+        self,
+        request: AnyRequest,
+        now_ms: int,
+        *,
+        sent_ms: int | None = None,
+        principal: str | None = None,
+    ) -> Outputs:
+        """Apply one request of `principal` (None: a client without one). ``sent_ms``, the request
+        record's timestamp, is stamped on the messages it enqueues so that end-to-end latency can
+        be measured when they are received."""
+        stage = Stage(self, sent_ms, principal)
         try:
             if isinstance(request, CommitRequest):
                 commit(self, stage, request, now_ms)
@@ -142,18 +153,19 @@ class Engine:
             else:
                 self.apply_action(stage, request, now_ms)
         except KsbError as exc:
-            return self._refused(request, exc)
+            return self._refused(request, exc, principal)
         self.merge(stage)
+        stage.out.principal = principal
         return stage.out
 
     def handle_relayed(self, record: RelayAction, now_ms: int) -> Outputs:
         """Apply a commit's action that another dispatcher relayed to the owner of its group; a
         refusal is reported under the commit's request id."""
-        stage = Stage(self)
+        stage = Stage(self, principal=record.principal)
         try:
             self.apply_action(stage, record.action, now_ms)
         except KsbError as exc:
-            out = Outputs()
+            out = Outputs(principal=record.principal)
             out.errors.append(
                 ErrorRecord(
                     request_id=record.request_id,
@@ -164,6 +176,7 @@ class Engine:
             )
             return out
         self.merge(stage)
+        stage.out.principal = record.principal
         return stage.out
 
     def apply_action(
@@ -172,7 +185,9 @@ class Engine:
         req: BeginRequest | SendRequest | EndRequest | TimerRequest,
         now: int,
     ) -> None:
-        """One action, alone or inside a commit."""
+        """One action, alone or inside a commit, if its sender may act for the service."""
+        if stage.principal is not None:
+            self._check_send(stage, req)
         if isinstance(req, BeginRequest):
             begin(self, stage, req, now)
         elif isinstance(req, SendRequest):
@@ -182,8 +197,19 @@ class Engine:
         else:
             set_timer(stage, req, now)
 
-    def _refused(self, request: AnyRequest, exc: KsbError) -> Outputs:
-        out = Outputs()
+    def _check_send(
+        self, stage: Stage, req: BeginRequest | SendRequest | EndRequest | TimerRequest
+    ) -> None:
+        if isinstance(req, BeginRequest):
+            self.permissions.check_send(stage.principal, req.from_service, "BEGIN a dialog")
+            return
+        handles = req.handles if isinstance(req, SendRequest) else (req.handle,)
+        for h in handles:
+            service = stage.endpoint(h).local_service
+            self.permissions.check_send(stage.principal, service, f"{req.kind.upper()} on {h!r}")
+
+    def _refused(self, request: AnyRequest, exc: KsbError, principal: str | None) -> Outputs:
+        out = Outputs(principal=principal)
         out.errors.append(
             ErrorRecord(
                 request_id=request.request_id,

@@ -70,6 +70,8 @@ class Outputs:
     """Acknowledgements of inbound messages: written to ``ksb.<to_instance>.acks``."""
     relays: list[RelayRecord] = field(default_factory=list)
     """Work for the owners of other shards: written to the relay topic, keyed by group."""
+    principal: str | None = None
+    """Who sent the request: its `errors` go to that principal's errors topic."""
 
     def extend(self, other: Outputs) -> None:
         self.queue.extend(other.queue)

@@ -38,6 +38,7 @@ __all__ = ["apply_receipt", "commit", "outcome_key", "refused_outcome"]
 
 def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
     if req.receipt is not None:
+        eng.permissions.check_receive(stage.principal, req.receipt.queue, "commit a receipt")
         apply_receipt(eng, stage, req.receipt, now)
     begun: dict[str, str] = {}
     for action in req.actions:
@@ -48,7 +49,12 @@ def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
             # A conversation of a group another dispatcher owns: carried out there, after this
             # commit, exactly once; a refusal is reported under this commit's request id.
             stage.out.relays.append(
-                RelayAction(action=action, group=group, request_id=req.request_id)
+                RelayAction(
+                    action=action,
+                    group=group,
+                    request_id=req.request_id,
+                    principal=stage.principal,
+                )
             )
     if req.receipt is None:
         return

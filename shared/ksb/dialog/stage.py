@@ -23,8 +23,12 @@ __all__ = ["Stage"]
 class Stage:
     """Copy-on-write view of the engine's state for one request."""
 
-    def __init__(self, engine: Engine, sent_ms: int | None = None) -> None:
+    def __init__(
+        self, engine: Engine, sent_ms: int | None = None, principal: str | None = None
+    ) -> None:
         self.engine = engine
+        self.principal = principal
+        """Who sent the request (its requests topic's principal): what it may do is checked."""
         self.endpoints: dict[str, Endpoint] = {}
         self.new_inflight: dict[str, Inflight] = {}
         self.gone_inflight: set[str] = set()

@@ -56,6 +56,7 @@ class KsbClient:
     def __init__(self, settings: ClientSettings | None = None) -> None:
         self.settings = settings or ClientSettings.from_env()
         self.names = Names(self.settings.instance)
+        self._requests_topic = self.names.requests_for(self.settings.sender)
         self._producer = kafka.producer(self.settings, extra={"linger.ms": 2})
         self._offsets = CommittedOffsets(self.settings)
         self.backpressure = Backpressure(self.settings, self._offsets)
@@ -105,7 +106,10 @@ class KsbClient:
         pressure.before_send()
         try:
             self._producer.produce(
-                self.names.requests, key=key.encode(), value=dumps(request), on_delivery=on_delivery
+                self._requests_topic,
+                key=key.encode(),
+                value=dumps(request),
+                on_delivery=on_delivery,
             )
         except BaseException:
             pressure.failed()

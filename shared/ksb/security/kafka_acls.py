@@ -22,9 +22,9 @@ create core topics, users or ACLs: `ksb acl apply` does, as ``admin``. Kafka 4.2
 IDEMPOTENT_WRITE for idempotent or transactional producers that may WRITE some topic; the forwarder,
 which may have none before its routes, has IDEMPOTENT_WRITE on the cluster (no topic right).
 
-While the SDK writes the instance's shared ``requests`` topic (the dispatcher reads it beside the
-per-principal ones), everyone who sends may write it too, and the dispatcher read it
-(`shared_requests`).
+Nobody may write the instance's unsuffixed ``requests`` topic on a secured stack (only a stack
+without security uses it): a request there would carry no principal, and the dispatcher trusts a
+request without one (`ksb.dialog.permissions`).
 """
 
 from __future__ import annotations
@@ -96,18 +96,18 @@ R, W, D, C = Operation.READ, Operation.WRITE, Operation.DESCRIBE, Operation.CREA
 
 
 def instance_acls(
-    names: Names, accesses: Iterable[Access], peers: Iterable[Peer], *, shared_requests: bool
+    names: Names, accesses: Iterable[Access], peers: Iterable[Peer]
 ) -> list[KafkaAcl]:
     """Every binding of the instance, sorted and without duplicates."""
     acls: set[KafkaAcl] = set()
     for a in accesses:
-        acls.update(_principal_acls(names, a, shared_requests))
+        acls.update(_principal_acls(names, a))
     for peer in peers:
         acls.update(_peer_acls(names, peer))
     return sorted(acls)
 
 
-def _principal_acls(names: Names, a: Access, shared_requests: bool) -> Iterator[KafkaAcl]:
+def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
     p = a.principal
     yield _acl(p, D, names.reader_group, kind=Resource.GROUP)
     if a.role is not None or a.owner:
@@ -116,26 +116,22 @@ def _principal_acls(names: Names, a: Access, shared_requests: bool) -> Iterator[
         yield _acl(p, W, names.requests_of(p))
         yield _acl(p, R, names.errors_of(p))
         yield _acl(p, W, names.audit)
-        if shared_requests:
-            yield _acl(p, W, names.requests)
     if a.receives_all:
         yield _acl(p, R, f"{names.prefix}.queue.", prefixed=True)
     else:
         for q in sorted(a.receives - {ALL_QUEUES}):
             yield _acl(p, R, names.queue(q))
     if a.owner:
-        yield from _role_acls(names, p, Role.OPERATOR, shared_requests)
+        yield from _role_acls(names, p, Role.OPERATOR)
     if a.role is not None:
-        yield from _role_acls(names, p, a.role, shared_requests)
+        yield from _role_acls(names, p, a.role)
 
 
-def _role_acls(names: Names, p: str, role: Role, shared_requests: bool) -> Iterator[KafkaAcl]:
+def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
     n = names
     if role is Role.DISPATCHER:
         yield from (_acl(p, R, t) for t in (n.relay, n.inbound, n.endpoints, n.catalog))
         yield _acl(p, R, f"{n.prefix}.requests.", prefixed=True)
-        if shared_requests:
-            yield _acl(p, R, n.requests)
         yield from (
             _acl(p, R, f"{n.prefix}.queue.", prefixed=True),
             _acl(p, W, f"{n.prefix}.queue.", prefixed=True),

@@ -73,18 +73,15 @@ def plan_instance(
     catalog: Catalog,
     *,
     owners: Iterable[str] = (),
-    shared_requests: bool = True,
 ) -> SecurityPlan:
     """The plan of `settings.instance` for `catalog`.
 
-    `owners` may do all the operator does and RECEIVE from every queue. `shared_requests` keeps
-    the instance's unsuffixed ``requests`` topic writable by every sender (and readable by the
-    dispatcher) while the SDK still writes it instead of its principal's topic.
+    `owners` may do all the operator does and RECEIVE from every queue.
     """
     names = Names(settings.instance)
     accesses = tuple(access_of(settings.instance, catalog, owners))
     peers = tuple(peers_of(settings.instance, catalog))
-    acls = instance_acls(names, accesses, peers, shared_requests=shared_requests)
+    acls = instance_acls(names, accesses, peers)
     principals = sorted({a.principal for a in accesses} | {a.principal for a in acls})
     return SecurityPlan(
         instance=settings.instance,
