@@ -37,7 +37,7 @@ def test_without_a_dispatcher_a_client_stops_at_its_limit_then_resumes(
         started = time.monotonic()
         with pytest.raises(BackpressureTimeout, match="is a dispatcher running"):
             client.send(h, "//t/Request", json.dumps({"n": 4}))
-        assert 0.9 <= time.monotonic() - started < 5
+        assert time.monotonic() - started >= 0.9  # it waited its timeout out before failing
         d = ThreadDispatcher(limited)
         try:
             client.send(h, "//t/Request", json.dumps({"n": 4}))  # waits until the five apply

@@ -187,9 +187,12 @@ def test_endpoints_leaked_errors_and_queue_peek(
     idle = json.loads(ok(ksb(settings, "endpoints", "--leaked", "--idle-s", "1", "--json")))
     assert healthy in {row["handle"] for row in idle}
 
-    [error] = json.loads(ok(ksb(settings, "errors", "--json")))
+    # The refusals go to the sender's errors topic: the operator reads the owner's by name.
+    sender = settings.sender or ""
+    whose = ["--principal", sender] if sender else []
+    [error] = json.loads(ok(ksb(settings, "errors", "--json", *whose)))
     assert error["code"] == "unknown_service"
-    assert "unknown_service" in ok(ksb(settings, "errors"))
+    assert "unknown_service" in ok(ksb(settings, "errors", *whose))
 
     ready = json.loads(ok(ksb(settings, "queue", "peek", "TargetQueue", "--json")))
     by_conversation: dict[str, list[str]] = {}

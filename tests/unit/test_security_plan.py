@@ -119,7 +119,10 @@ def test_the_dispatcher_reads_every_requests_topic_and_writes_every_errors_topic
 def test_nobody_may_write_the_unsuffixed_requests_topic() -> None:
     """A request there would carry no principal, which the dispatcher trusts (no security)."""
     plan = _plan(owners=["own"])
-    assert not any(a.name == N.requests for a in plan.kafka_acls)
+    assert not any(
+        a.name == N.requests and a.operation is not Operation.READ for a in plan.kafka_acls
+    )
+    assert {a.principal for a in plan.kafka_acls if a.name == N.requests} == {svc(Role.DISPATCHER)}
 
 
 def test_requests_relay_and_inbound_have_the_shard_count() -> None:

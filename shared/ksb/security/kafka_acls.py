@@ -13,7 +13,7 @@ transactional ids it uses, read off the services (`ksb.names` has every name):
 | external activator | activation, notified queues | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
 | spark | audit, catalog | sla | group ``ksb.<i>.spark*`` |
 | operator | everything of the instance | catalog, requests; creates queue and dead-letter topics | — |
-| application | its RECEIVE queues, its errors topic | its requests topic, audit | — |
+| application | its RECEIVE queues, its errors topic | its requests topic, audit | DESCRIBE group ``ksb.<i>.dispatcher`` (back-pressure reads its offsets) |
 
 Every principal of the instance may DESCRIBE the group ``ksb.<i>.unused`` (librdkafka looks up
 the coordinator of a consumer that only assigns partitions); services and the operator may
@@ -114,6 +114,8 @@ def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
         yield _acl(p, D, f"{names.prefix}.", prefixed=True)
     if a.sends:
         yield _acl(p, W, names.requests_of(p))
+        # Back-pressure (`ksb.sdk.backpressure`) reads how far the dispatchers have committed.
+        yield _acl(p, D, names.dispatcher_group, kind=Resource.GROUP)
         yield _acl(p, R, names.errors_of(p))
         yield _acl(p, W, names.audit)
     if a.receives_all:
@@ -131,7 +133,8 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
     n = names
     if role is Role.DISPATCHER:
         yield from (_acl(p, R, t) for t in (n.relay, n.inbound, n.endpoints, n.catalog))
-        yield _acl(p, R, f"{n.prefix}.requests.", prefixed=True)
+        # The unsuffixed topic too (one regex subscription, secured or not); no one writes it.
+        yield from (_acl(p, R, f"{n.prefix}.requests.", prefixed=True), _acl(p, R, n.requests))
         yield from (
             _acl(p, R, f"{n.prefix}.queue.", prefixed=True),
             _acl(p, W, f"{n.prefix}.queue.", prefixed=True),
