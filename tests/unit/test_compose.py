@@ -103,7 +103,15 @@ def test_prometheus_scrapes_every_ksb_service_and_the_spark_exporter() -> None:
     services = _compose()["services"]
     prom = yaml.safe_load((ROOT / "infra/prometheus/prometheus.yml").read_text())
     targets = {
-        t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+        t
+        for job in prom["scrape_configs"]
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    } | {
+        f"{name}:{sd['port']}"
+        for job in prom["scrape_configs"]
+        for sd in job.get("dns_sd_configs", [])
+        for name in sd["names"]
     }
     for name in [*_service_packages(), "spark"]:
         port = services[name]["environment"]["KSB_METRICS_PORT"]
