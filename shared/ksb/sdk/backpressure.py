@@ -12,10 +12,11 @@ whatever the queue in front of it (docs/protocol.md).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from ksb.clock import Clock, SystemClock
 from ksb.errors import BackpressureTimeout
@@ -25,6 +26,8 @@ from ksb.sdk.inflight import InflightRequests, TopicPartitionKey
 from ksb.settings import ClientSettings
 
 __all__ = ["Backpressure", "CommittedOffsets", "OffsetQuery"]
+
+log = logging.getLogger("ksb.sdk.backpressure")
 
 OffsetQuery = Callable[[Sequence[TopicPartitionKey], float], dict[TopicPartitionKey, int]]
 """(partitions, timeout in seconds) -> the committed offset of each one that has one."""
@@ -49,7 +52,13 @@ class CommittedOffsets:
             # holds newer ones pending (those are not applied yet either).
             self._consumer = kafka.consumer(self._settings, group=group, read_committed=False)
         tps = [TopicPartition(t, p) for t, p in partitions]
-        got = self._consumer.committed(tps, timeout=timeout_s)
+        try:
+            got = self._consumer.committed(tps, timeout=timeout_s)
+        except KafkaException as exc:
+            # A slow or refused answer is no answer: the caller asks again until its timeout,
+            # which names the limit, instead of failing the send on one lost question.
+            log.warning("committed offsets of the dispatchers unknown: %s", exc)
+            return {}
         return {
             (tp.topic, tp.partition): tp.offset for tp in got if tp.error is None and tp.offset >= 0
         }
