@@ -1,6 +1,8 @@
 # One Makefile: CI, hooks and people all call these targets.
 SHELL := /bin/bash
 VENV ?= .venv
+# pyproject asks for Python 3.11: python3.11 where it is installed beside another python3.
+PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CACHE := .cache
@@ -18,32 +20,37 @@ FUZZ_RUNS ?= 10000
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
 
 $(STAMP_PY): pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev,spark,faust]'
 	touch $@
 
-$(STAMP_KAFKA): infra/kafka/pom.xml
+# Maven may come from apt (below): the jars are fetched after it.
+$(STAMP_KAFKA): infra/kafka/pom.xml | $(STAMP_APT)
 	mkdir -p $(KAFKA_LIBS)
 	mvn -q -B -f infra/kafka/pom.xml dependency:copy-dependencies \
 	    -DincludeScope=runtime -DoutputDirectory=$(abspath $(KAFKA_LIBS))
 	touch $@
 
-$(STAMP_SPARK): infra/spark/pom.xml
+$(STAMP_SPARK): infra/spark/pom.xml | $(STAMP_APT)
 	mkdir -p $(SPARK_JARS)
 	mvn -q -B -f infra/spark/pom.xml dependency:copy-dependencies \
 	    -DincludeScope=runtime -DoutputDirectory=$(abspath $(SPARK_JARS))
 	touch $@
 
-# Debian packages the local stack runs: redis-server (locks, timers), prometheus (panel checks), kcat (protocol example),
-# chromium (the report's headless-browser test).
+# Debian packages, each installed when its command is missing: redis-server (the stack's locks and
+# timers), maven (fetches the Kafka and Spark jars; brings a Java runtime), prometheus (panel
+# checks), kcat (protocol example), chromium (the report's headless-browser test). Non-interactive,
+# also through sudo (which would drop a DEBIAN_FRONTEND set in front of it).
 $(STAMP_APT):
 	mkdir -p $(CACHE)
-	@missing=""; for b in redis-server:redis-server prometheus:prometheus kcat:kcat chromium:chromium; do \
+	@missing=""; for b in redis-server:redis-server mvn:maven prometheus:prometheus kcat:kcat chromium:chromium; do \
 	    command -v $${b%%:*} >/dev/null || missing="$$missing $${b##*:}"; done; \
 	if [ -n "$$missing" ]; then \
+	    echo "installing with apt:$$missing"; \
 	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	    $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	    $$SUDO apt-get update -qq && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing </dev/null; \
 	fi
 	touch $@
 

@@ -1,9 +1,11 @@
 """`python -m devtools.demo` (`make run`): the whole system on this machine, end to end.
 
 Starts a fresh local stack under ``var/demo/``, every service of two broker instances as child
-processes (`devtools.demo.processes`), applies their catalogs, and runs the two scenarios: order
-processing on one instance (`devtools.demo.orders`) and dialogs between the instances
-(`devtools.demo.cross_instance`). The exit code says whether it all worked.
+processes (`devtools.demo.processes`), the first instance's requests sharded between two
+dispatchers, applies their catalogs, and runs the two scenarios: order processing on one instance
+(`devtools.demo.orders`) and dialogs between the instances (`devtools.demo.cross_instance`). The
+exit code says whether it all worked: every message, reply and `CLOSED` endpoint there, every
+shard owned, every service still running.
 
 Ctrl-C (or SIGTERM) at any moment stops the services, then the stack: nothing is left running.
 """
@@ -25,6 +27,9 @@ from devtools.demo.processes import (
     available_services,
     check_catalogs,
     defer_interrupts,
+    dispatcher_pool,
+    dispatchers_applied,
+    dispatchers_summary,
     guard_workdir,
     interrupt,
     print_env,
@@ -67,6 +72,7 @@ def demo(opts: DemoOptions) -> int:
                 {
                     **base,
                     "instance": INSTANCE,
+                    "request_partitions": opts.dispatchers,
                     "spark_checkpoint_dir": str(opts.workdir / "spark" / "checkpoints"),
                     "spark_output_dir": str(opts.workdir / "spark"),
                 }
@@ -81,22 +87,27 @@ def demo(opts: DemoOptions) -> int:
                 f"  security: {stack.security.protocol}, principals and ACLs of both instances made"
             )
         logs = opts.workdir / "logs"
-        procs = service_processes(
-            settings, available_services() + ([SPARK_JOB] if opts.spark else []), logs
-        )
+        # The first instance's dispatchers share its shards; every other service runs once.
+        pool = dispatcher_pool(settings, opts.dispatchers, logs)
+        others = [n for n in available_services() if n != "dispatcher"]
+        procs = list(pool.members.values())
+        procs += service_processes(settings, others + ([SPARK_JOB] if opts.spark else []), logs)
         procs += service_processes(settings_b, available_services(SERVICE_NAMES_B), logs, SUFFIX_B)
         say(f"starting services: {', '.join(p.name for p in procs)}")
         with running_services(procs) as services:
             pids = [f"kafka={stack.kafka_pid}", f"redis={stack.redis_pid}"]
             pids += [f"{s.name}={s.proc.pid}" for s in services if s.proc is not None]
             say("pids: " + " ".join(pids))
+            readers_b = [s for s in services if s.name == f"dispatcher{SUFFIX_B}"]
             apply_catalogs(
                 [
-                    (settings, catalog, opts.catalog, "dispatcher"),
-                    (settings_b, catalog_b, opts.catalog_b, f"dispatcher{SUFFIX_B}"),
-                ],
-                services,
+                    (settings, catalog, opts.catalog, list(pool.members.values())),
+                    (settings_b, catalog_b, opts.catalog_b, readers_b),
+                ]
             )
+            # A dispatcher joins its consumer group once its broker has started on the catalog.
+            settle_s = pool.wait_settled(timeout_s=90)
+            say(f"  {dispatchers_summary(pool)}, settled in {settle_s:.1f}s")
             outcome = run_dialogs(opts, settings, catalog, services)
             print(outcome.summary, flush=True)
             queues = (_queue_of(catalog, STOCK_CLIENT), _queue_of(catalog_b, WAREHOUSE))
@@ -104,13 +115,18 @@ def demo(opts: DemoOptions) -> int:
             print(cross.summary, flush=True)
             if opts.spark:
                 report_sla(opts.workdir / "spark" / INSTANCE)
-            ok = outcome.ok and cross.ok
+            print(dispatchers_summary(pool), flush=True)
+            dead = [s.name for s in services if not s.alive()]
+            if dead:
+                say(f"service(s) exited during the demo: {', '.join(dead)}")
+            ok = outcome.ok and cross.ok and pool.settled() and not dead
             say("demo OK" if ok else "demo FAILED")
             if opts.keep_running:
                 print_env(stack, settings)
                 if not wait_until_interrupted(services):
                     return EXIT_FAILED
-            return EXIT_OK if ok else EXIT_FAILED
+        say(dispatchers_applied(pool))
+        return EXIT_OK if ok else EXIT_FAILED
     finally:
         defer_interrupts()
         say("stopping the stack")

@@ -28,6 +28,8 @@ class DemoOptions:
     spark: bool = True
     cross_dialogs: int = 10
     catalog_b: Path = DEFAULT_CATALOG_B
+    dispatchers: int = 2
+    """Dispatcher processes of the first instance, which gets as many shards: each owns one."""
 
 
 def parse_args(argv: list[str] | None) -> DemoOptions:
@@ -63,6 +65,12 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
         help=f"dialogs from {INSTANCE} to {INSTANCE_B} (default 10)",
     )
     parser.add_argument(
+        "--dispatchers",
+        type=int,
+        default=2,
+        help=f"dispatcher processes of {INSTANCE}, one shard each (default 2)",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=180.0, help="seconds the dialogs may take (default 180)"
     )
     parser.add_argument(
@@ -72,7 +80,7 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
         help="do not run the Spark audit/SLA job (local mode) beside the services",
     )
     a = parser.parse_args(argv)
-    for name in ("dialogs", "messages_per_dialog", "window", "cross_dialogs"):
+    for name in ("dialogs", "messages_per_dialog", "window", "cross_dialogs", "dispatchers"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     return DemoOptions(
@@ -86,4 +94,5 @@ def parse_args(argv: list[str] | None) -> DemoOptions:
         timeout_s=a.timeout,
         cross_dialogs=a.cross_dialogs,
         catalog_b=a.catalog_b.resolve(),
+        dispatchers=a.dispatchers,
     )

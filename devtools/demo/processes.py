@@ -1,4 +1,5 @@
-"""The demo's processes: the services of both instances, the Spark job, the catalogs, signals."""
+"""The demo's processes: the services of both instances, the first instance's dispatchers (one
+per shard, `devtools.dispatchers.DispatcherPool`), the Spark job, the catalogs, signals."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from devtools.demo.cross_instance import (
 )
 from devtools.demo.orders import CLIENT_SERVICE, CONTRACT, LINE_ACCEPTED, ORDER_LINE, ORDER_SERVICE
 from devtools.deployment import Deployment
+from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStack, LocalStackError
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog
@@ -40,6 +42,9 @@ __all__ = [
     "available_services",
     "check_catalogs",
     "defer_interrupts",
+    "dispatcher_pool",
+    "dispatchers_applied",
+    "dispatchers_summary",
     "guard_workdir",
     "interrupt",
     "print_env",
@@ -75,6 +80,49 @@ def service_processes(
             ServiceProcess(f"{name}{suffix}", settings, logs / f"{name}{suffix}.log", module=module)
         )
     return procs
+
+
+def dispatcher_pool(settings: Deployment, count: int, logs: Path) -> DispatcherPool:
+    """The instance's `count` dispatchers (not yet started: `running_services` starts them with
+    the rest), members ``d1``, ``d2``, ... of its consumer group, each to own its share of the
+    instance's `request_partitions` shards. Each process is named ``dispatcher/<member>``."""
+    members = {
+        f"d{n}": ServiceProcess(
+            f"dispatcher/d{n}",
+            settings,
+            logs / f"dispatcher-d{n}.log",
+            extra_env={"KSB_MEMBER": f"d{n}"},
+            module="services.dispatcher",
+        )
+        for n in range(1, count + 1)
+    }
+    return DispatcherPool(settings, logs, members=members)
+
+
+def dispatchers_summary(pool: DispatcherPool) -> str:
+    """Which shards each dispatcher owns now, as their logs say (the summary's line)."""
+    owned = pool.owned()
+    parts = [f"{name} owns {_shards(owned[name])}" for name in sorted(owned)]
+    parts += [f"{name} not running" for name in sorted(set(pool.members) - set(owned))]
+    shards = f"{pool.shards} shard" + ("" if pool.shards == 1 else "s")
+    return f"dispatchers: {pool.settings.instance}'s {shards}, " + ", ".join(parts)
+
+
+def dispatchers_applied(pool: DispatcherPool) -> str:
+    """What each dispatcher applied (requests and relayed records), from the count it logs when
+    it stops."""
+    parts = []
+    for name, proc in sorted(pool.members.items()):
+        found = [ln for ln in proc.log_text().splitlines() if f"dispatcher {name}: " in ln]
+        count = found[-1].rsplit(": ", 1)[1].removesuffix(" applied") if found else "?"
+        parts.append(f"{name} {count}")
+    return "records applied per dispatcher: " + ", ".join(parts)
+
+
+def _shards(owned: set[int]) -> str:
+    if not owned:
+        return "no shard"
+    return ("shard " if len(owned) == 1 else "shards ") + ", ".join(map(str, sorted(owned)))
 
 
 @contextlib.contextmanager
@@ -118,10 +166,8 @@ def guard_workdir(workdir: Path) -> None:
     pid_file.write_text(f"{os.getpid()}\n")
 
 
-def _wait_for_catalog(dispatcher: ServiceProcess | None, version: int) -> None:
+def _wait_for_catalog(dispatcher: ServiceProcess, version: int) -> None:
     """The dispatcher was running before the catalog existed: wait until it has hot-loaded it."""
-    if dispatcher is None:
-        return
     deadline = time.monotonic() + 30
     markers = (f"catalog v{version} applied", f", catalog v{version}, ")
     while time.monotonic() < deadline:
@@ -129,19 +175,22 @@ def _wait_for_catalog(dispatcher: ServiceProcess | None, version: int) -> None:
         if any(mark in text for mark in markers):
             return
         if not dispatcher.alive():
-            raise KsbError(f"dispatcher exited:\n{dispatcher.tail()}")
+            raise KsbError(f"{dispatcher.name} exited:\n{dispatcher.tail()}")
         time.sleep(0.05)
-    raise KsbError(f"dispatcher did not load catalog v{version} in 30s:\n{dispatcher.tail()}")
+    raise KsbError(
+        f"{dispatcher.name} did not load catalog v{version} in 30s:\n{dispatcher.tail()}"
+    )
 
 
 def apply_catalogs(
-    catalogs: list[tuple[Deployment, Catalog, Path, str]], services: list[ServiceProcess]
+    catalogs: list[tuple[Deployment, Catalog, Path, list[ServiceProcess]]],
 ) -> None:
-    """Apply each instance's catalog, then wait for its dispatcher (the name last in each tuple)
-    to have loaded it: all are applied first, so the dispatchers load them in the same wait."""
+    """Apply each instance's catalog, then wait for its dispatchers (last in each tuple) to have
+    loaded it: all are applied first, so the dispatchers load them in the same wait."""
     versions = [apply_catalog(settings, catalog).version for settings, catalog, _, _ in catalogs]
-    for (settings, catalog, path, reader), version in zip(catalogs, versions, strict=True):
-        _wait_for_catalog(next((s for s in services if s.name == reader), None), version)
+    for (settings, catalog, path, readers), version in zip(catalogs, versions, strict=True):
+        for reader in readers:
+            _wait_for_catalog(reader, version)
         say(
             f"catalog v{version} applied to {settings.instance} from {path.name}: "
             f"{len(catalog.message_types)} message types, "

@@ -32,9 +32,15 @@ CROSS_INSTANCE = re.compile(
     r"exactly once and in order, endpoints 20/20 CLOSED, transmission queues drained, "
     r"connection demo -> demo-b CONNECTED, 0 errors$"
 )
+# The first instance's two dispatchers (one per shard), each shard owned by one of them.
+DISPATCHERS = re.compile(
+    r"^dispatchers: demo's 2 shards, "
+    r"(d1 owns shard 0, d2 owns shard 1|d1 owns shard 1, d2 owns shard 0)$"
+)
 # What each recorded pid must still be running if it were leaked (guards against pid reuse).
 PID_COMMANDS = {"kafka": b"kafka.Kafka", "redis": b"redis-server"}
-# The second instance's processes run the same service modules under names ending in this.
+# The second instance's processes run the same service modules under names ending in this; a
+# dispatcher of the first is named after its member (``dispatcher/d1``).
 SUFFIX_B = "-b"
 
 
@@ -75,7 +81,7 @@ def _running(name: str, pid: int) -> bool:
         return False
     if stat.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
-    module = f"services.{name.removesuffix(SUFFIX_B)}".encode()
+    module = f"services.{name.split('/')[0].removesuffix(SUFFIX_B)}".encode()
     return PID_COMMANDS.get(name, module) in cmdline
 
 
@@ -141,9 +147,10 @@ def test_demo_runs_clean_and_reports(demo_dir: Path) -> None:
     lines = result.stdout.splitlines()
     assert any(SUMMARY.match(line) for line in lines), out
     assert any(CROSS_INSTANCE.match(line) for line in lines), out
+    assert any(DISPATCHERS.match(line) for line in lines), out
     assert "demo OK" in lines, out
     pids = _parse_pids(lines)
-    assert {"kafka", "redis", "dispatcher"} <= set(pids), out
+    assert {"kafka", "redis", "dispatcher/d1", "dispatcher/d2"} <= set(pids), out
     assert {"dispatcher-b", "transmitter-b", "transport-b"} <= set(pids), out
     assert [name for name, pid in pids.items() if _running(name, pid)] == [], out
 
