@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 VENV ?= .venv
 # pyproject asks for Python 3.11: python3.11 where it is installed beside another python3.
-PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
+SYSTEM_PYTHON ?= $(shell command -v python3.11 2>/dev/null || echo python3)
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 CACHE := .cache
@@ -20,7 +20,7 @@ FUZZ_RUNS ?= 10000
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
 
 $(STAMP_PY): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(SYSTEM_PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev,spark,faust]'
 	touch $@
