@@ -86,6 +86,7 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
                 if tally.done.is_set():
                     raise RuntimeError("the run ended before the kill")
                 kill["owned"] = pool.owned()
+                kill["logged"] = {n: len(p.log_text()) for n, p in pool.members.items()}
                 kill["ns"] = now_ns()
                 kill["delivered"] = tally.delivered
                 pool.kill(opts.victim)
@@ -111,9 +112,9 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
         injector.join(130)
         pool.stop()
         applied = applied_by(pool)
-        rebuilds = _rebuilds(pool, opts.victim)
     if failures:
         raise RuntimeError("the kill failed") from failures[0]
+    rebuilds = _rebuilds(pool, opts.victim, kill["logged"])
     lost = kill["owned"][opts.victim]
     shard = [shard_of(h, opts.shards) for h in tally.handles]
     live = sorted(t for t, d in tally.times if shard[d] not in lost)
@@ -170,14 +171,14 @@ def delivery_gaps(times: list[int], kill_ns: int) -> dict[str, Any]:
     return {"max_gap_ms": gap / 1e6, "resumed_ns": end}
 
 
-def _rebuilds(pool: DispatcherPool, victim: str) -> list[dict[str, Any]]:
-    """What each survivor logged on taking shards after the start (the killed one's)."""
+def _rebuilds(pool: DispatcherPool, victim: str, logged: dict[str, int]) -> list[dict[str, Any]]:
+    """The shards each survivor logged taking after the kill (``logged``: each one's log length
+    then), with the records it rebuilt them from and how long that took."""
     out = []
     for name, proc in pool.members.items():
         if name == victim:
             continue
-        found = _ASSIGNED.findall(proc.log_text())
-        for shards, records, seconds in found[1:]:  # the first is its share at the start
+        for shards, records, seconds in _ASSIGNED.findall(proc.log_text()[logged.get(name, 0) :]):
             out.append(
                 {
                     "member": name,
