@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from bench.activation import ActivationOptions
+from bench.backlog import BacklogOptions
 from bench.cross_instance import CrossOptions
-from bench.cross_instance import format_lines as cross_lines
+from bench.failover import FailoverOptions
 from bench.priorities import PriorityOptions
 from bench.report import format_table, write_json
+from bench.scaling import ScalingOptions
+from bench.security import SecurityOptions
 from bench.spark_audit import SparkOptions
 from bench.suite import Options, run
 from bench.transmission import SchedulerOptions
@@ -21,58 +26,77 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "var" / "bench" / "results.json"
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(","))
+
+
 def _options(argv: list[str] | None) -> tuple[Options, Path]:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--messages", type=int, help="KSB messages in total (default 20000)")
-    parser.add_argument("--dialogs", type=int, help="KSB dialogs (default 1000)")
-    parser.add_argument("--raw-messages", type=int, help="raw Kafka messages (default: --messages)")
-    parser.add_argument("--body-bytes", type=int, default=1024, help="message size (default 1024)")
-    parser.add_argument("--partitions", type=int, default=4, help="target queue partitions")
-    parser.add_argument("--receivers", type=int, default=2, help="receiver threads (default 2)")
-    parser.add_argument("--window", type=int, default=64, help="commits in flight per receiver")
-    parser.add_argument("--top", type=int, default=0, help="RECEIVE TOP (n); 0 = the whole group")
-    parser.add_argument(
-        "--probes", type=int, help="one-at-a-time latency round trips (default 100)"
-    )
-    parser.add_argument("--timeout", type=float, help="seconds each phase may take (default 180)")
-    parser.add_argument(
-        "--no-activation", action="store_true", help="skip the activation section (run by default)"
-    )
-    parser.add_argument(
-        "--activation-dialogs",
-        type=int,
-        help="conversation groups in the activation burst (default 200)",
-    )
-    parser.add_argument(
-        "--no-priority", action="store_true", help="skip the priorities section (run by default)"
-    )
-    parser.add_argument(
-        "--no-spark", action="store_true", help="skip the Spark audit section (run by default)"
-    )
-    parser.add_argument(
-        "--no-cross-instance",
-        action="store_true",
-        help="skip the cross-instance section (run by default)",
-    )
     parser.add_argument("--quick", action="store_true", help="small counts, for a CI smoke run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the JSON")
+    parser.add_argument("--timeout", type=float, help="seconds each phase may take (default 180)")
+    g = parser.add_argument_group("raw Kafka and KSB by dispatcher count")
+    g.add_argument("--messages", type=int, help="KSB messages per run (default 20000)")
+    g.add_argument("--dialogs", type=int, help="KSB dialogs (default 1000)")
+    g.add_argument("--raw-messages", type=int, help="raw Kafka messages (default: --messages)")
+    g.add_argument("--body-bytes", type=int, default=1024, help="message size (default 1024)")
+    g.add_argument("--dispatchers", default="1,2,4", help="dispatcher counts (default 1,2,4)")
+    g.add_argument("--shards", type=int, default=8, help="requests partitions (default 8)")
+    g.add_argument("--partitions", type=int, help="target queue partitions (default: --shards)")
+    g.add_argument("--receivers", type=int, default=2, help="receiver threads (default 2)")
+    g.add_argument("--window", type=int, default=64, help="commits in flight per receiver")
+    g.add_argument("--top", type=int, default=0, help="RECEIVE TOP (n); 0 = the whole group")
+    g.add_argument("--max-inflight", type=int, default=2_000, help="back-pressure (0: off)")
+    g.add_argument("--probes", type=int, help="one-at-a-time round trips (default 100)")
+    g = parser.add_argument_group("sections (each on by default)")
+    g.add_argument("--no-failover", action="store_true", help="skip the failover section")
+    g.add_argument("--failover-messages", type=int, help="messages per failover run (60000)")
+    g.add_argument(
+        "--failover-limits", help="back-pressure limit of each failover run (default 0,2000)"
+    )
+    g.add_argument("--no-backlog", action="store_true", help="skip the backlog section")
+    g.add_argument("--backlog-messages", type=int, help="messages queued (default 1000000)")
+    g.add_argument("--no-security", action="store_true", help="skip the security on/off section")
+    g.add_argument("--no-activation", action="store_true", help="skip the activation section")
+    g.add_argument(
+        "--activation-dialogs", type=int, help="groups in the activation burst (default 200)"
+    )
+    g.add_argument("--no-priority", action="store_true", help="skip the priorities section")
+    g.add_argument("--no-spark", action="store_true", help="skip the Spark audit section")
+    g.add_argument(
+        "--no-cross-instance", action="store_true", help="skip the cross-instance section"
+    )
     a = parser.parse_args(argv)
     messages = a.messages or (400 if a.quick else 20_000)
     dialogs = a.dialogs or (50 if a.quick else 1_000)
     if messages < dialogs:
         parser.error("--messages must be at least --dialogs")
-    opts = Options(
+    timeout_s = a.timeout or (60.0 if a.quick else 180.0)
+    probes = a.probes if a.probes is not None else (10 if a.quick else 100)
+    scaling = ScalingOptions(
+        counts=_counts(a.dispatchers),
+        shards=a.shards,
+        queue_partitions=a.partitions or a.shards,
         messages=messages,
         dialogs=dialogs,
-        raw_messages=a.raw_messages or messages,
         body_bytes=a.body_bytes,
-        partitions=a.partitions,
         receivers=a.receivers,
         window=a.window,
         top=a.top or None,
-        probes=a.probes if a.probes is not None else (10 if a.quick else 100),
-        timeout_s=a.timeout or (60.0 if a.quick else 180.0),
+        probes=probes,
+        max_inflight_requests=a.max_inflight,
+        timeout_s=timeout_s,
+    )
+    opts = Options(
+        raw_messages=a.raw_messages or messages,
+        body_bytes=a.body_bytes,
+        probes=probes,
+        timeout_s=timeout_s,
         log_dir=a.out.parent,
+        scaling=scaling,
+        failover=None if a.no_failover else _failover_options(a),
+        backlog=None if a.no_backlog else _backlog_options(a),
+        security=None if a.no_security else _security_options(a.quick),
         activation=None
         if a.no_activation
         else ActivationOptions(rounds=1 if a.quick else 3, dialogs=a.activation_dialogs or 200),
@@ -81,6 +105,36 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         cross_instance=None if a.no_cross_instance else _cross_options(a),
     )
     return opts, a.out
+
+
+def _failover_options(a: argparse.Namespace) -> FailoverOptions:
+    d = FailoverOptions()
+    return FailoverOptions(
+        messages=a.failover_messages or (3_000 if a.quick else d.messages),
+        dialogs=100 if a.quick else d.dialogs,
+        body_bytes=a.body_bytes,
+        receivers=a.receivers,
+        window=a.window,
+        limits=_counts(a.failover_limits) if a.failover_limits else ((0,) if a.quick else d.limits),
+    )
+
+
+def _backlog_options(a: argparse.Namespace) -> BacklogOptions:
+    d = BacklogOptions()
+    return BacklogOptions(
+        messages=a.backlog_messages or (5_000 if a.quick else d.messages),
+        dialogs=100 if a.quick else d.dialogs,
+        body_bytes=a.body_bytes,
+        timeout_s=600.0 if a.quick else d.timeout_s,
+    )
+
+
+def _security_options(quick: bool) -> SecurityOptions:
+    return (
+        SecurityOptions(starts=1, applies=2, records=2_000, trials=1)
+        if quick
+        else SecurityOptions()
+    )
 
 
 def _priority_options(quick: bool) -> tuple[PriorityOptions, SchedulerOptions]:
@@ -113,7 +167,7 @@ def _cross_options(a: argparse.Namespace) -> CrossOptions:
     """Its own counts (a few thousand messages: it starts four services), the suite's shape."""
     shape = {
         "body_bytes": a.body_bytes,
-        "partitions": a.partitions,
+        "partitions": a.partitions or 4,
         "receivers": a.receivers,
         "window": a.window,
     }
@@ -131,26 +185,35 @@ def _terminate(signum: int, _frame: FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     opts, out = _options(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     results = run(opts)
     write_json(results, out)
     print(format_table(results))
-    cross = results["cross_instance"]
-    if cross is not None:
-        if "error" in cross:
-            print(f"cross-instance: FAILED: {cross['error']}")
-        else:
-            print("\n".join(cross_lines(cross)))
     print(f"results written to {out}")
+    return 0 if verified(results) else 1
+
+
+def verified(results: dict[str, Any]) -> bool:
+    """Every run delivered exactly once and in order, and no section failed."""
+    ok = all(r["verified_exactly_once_in_order"] for r in results["scaling"]["runs"])
+    for key in ("failover", "activation", "cross_instance", "priorities", "spark_audit"):
+        section = results[key]
+        if section is not None and "error" in section:
+            ok = False
+    failover = results["failover"]
+    if failover is not None and "runs" in failover:
+        ok = ok and all(r["verified_exactly_once_in_order"] for r in failover["runs"])
     activation = results["activation"]
-    verified = results["ksb"]["verified_exactly_once_in_order"]
-    if activation is not None and not activation["verified_exactly_once"]:
-        verified = False
-    for section in ("priorities", "spark_audit", "cross_instance"):
-        if results[section] is not None and "error" in results[section]:
-            verified = False
+    if activation is not None and not activation.get("verified_exactly_once", False):
+        ok = False
+    cross = results["cross_instance"]
     if cross is not None and not cross.get("verified", False):
-        verified = False
-    return 0 if verified else 1
+        ok = False
+    backlog = results["backlog"]
+    if backlog is not None and not backlog.get("verified_exactly_once_in_order", False):
+        ok = False
+    security = results["security"]
+    return ok and not (security is not None and "error" in security)
 
 
 if __name__ == "__main__":

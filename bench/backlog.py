@@ -2,13 +2,14 @@
 queue drained; what each process holds per waiting message.
 
 `python -m bench.backlog [--messages 1000000]` starts its own stack; `run_backlog` runs the same
-on a stack that is already up (bench/suite.py). The sender BEGINs ``dialogs`` dialogs and SENDs
-round-robin over them (every conversation spread over its whole partition, the hard case for a
-reader that reads bodies back) through the SDK, back-pressure on, and waits until the dispatchers
-have applied every request. Then a reader in a process of its own (bench/backlog_reader.py)
+on a stack that is already up (bench/suite.py, `make bench`). A pool of dispatcher processes shares
+the instance's shards. The sender BEGINs ``dialogs`` dialogs and SENDs round-robin over them (every
+conversation spread over its whole partition, the hard case for a reader that reads bodies back)
+through the SDK, back-pressure on, and waits until the dispatchers have applied every request. Then a reader in a process of its own (bench/backlog_reader.py)
 follows the queue until its index holds every message, and drains it with RECEIVE + commit,
 checking exactly-once and per-dialog order. Peak RSS is VmHWM; bytes per queued message is the
-peak's growth over the process's resident size before the backlog, divided by N.
+peak's growth over the process's resident size before the backlog, divided by the messages it
+holds (a dispatcher: those of its shards' dialogs; the reader: all N).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from bench.e2e import CONTRACT, INITIATOR, MESSAGE_TYPE, TARGET, bench_catalog
+from bench.scaling import sharded_instance
 from bench.stats import make_body, now_ns, peak_rss_kb, rss_kb
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, stack_fields
+from devtools.dispatchers import DispatcherPool
 from devtools.localstack import start_stack
-from devtools.runner import REPO_ROOT, ServiceProcess
+from devtools.runner import REPO_ROOT
+from ksb.dialog.shards import shard_of
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
@@ -50,7 +54,11 @@ class BacklogOptions:
     messages: int = 1_000_000
     dialogs: int = 1_000
     body_bytes: int = 1024
+    dispatchers: int = 2
+    """Dispatcher processes sharing the backlog (each holds its shards' share)."""
+    shards: int = 4
     partitions: int = 4
+    """Target queue partitions (a multiple of the shards)."""
     top: int = 100
     """RECEIVE TOP (n) while draining; 0: whole groups."""
     window: int = 16
@@ -59,28 +67,41 @@ class BacklogOptions:
     timeout_s: float = 3600.0
 
 
-def run_backlog(settings: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
-    """The backlog on a running stack: its own catalog, dispatcher process and reader process."""
+def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
+    """The backlog on a running stack: an instance of its own with ``opts.shards`` shards, a pool
+    of ``opts.dispatchers`` dispatcher processes and one reader process."""
     load_at_start = round(os.getloadavg()[0], 2)
+    settings = sharded_instance(base, "bl", opts.shards)
     apply_catalog(settings, bench_catalog(opts.partitions))
-    dispatcher = ServiceProcess("dispatcher", settings, workdir / "backlog-dispatcher.log").start()
-    try:
-        dispatcher.wait_ready("dispatcher ready")
-        assert dispatcher.proc is not None
-        pid = dispatcher.proc.pid
-        base_kb = rss_kb(pid) or 0
+    per_dialog = max(1, opts.messages // opts.dialogs)
+    n = per_dialog * opts.dialogs
+    with DispatcherPool(settings, workdir / "backlog") as pool:
+        pool.start(opts.dispatchers)
+        owned = pool.owned()
+        pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
+        base_kb = {name: rss_kb(pid) or 0 for name, pid in pids.items()}
         started = time.monotonic()
-        per_dialog = max(1, opts.messages // opts.dialogs)
-        _push(settings, opts.dialogs, per_dialog, opts.body_bytes)
+        handles = _push(settings, opts.dialogs, per_dialog, opts.body_bytes)
         sent_s = time.monotonic() - started
         _wait_applied(settings, opts.timeout_s)
         applied_s = time.monotonic() - started
-        queued_peak_kb = peak_rss_kb(pid) or 0
-        reader = _read_and_drain(settings, opts, per_dialog * opts.dialogs)
-        dispatcher_peak_kb = peak_rss_kb(pid) or 0
-    finally:
-        dispatcher.stop()
-    n = per_dialog * opts.dialogs
+        queued_kb = {name: peak_rss_kb(pid) or 0 for name, pid in pids.items()}
+        reader = _read_and_drain(settings, opts, n)
+        peak_kb = {name: peak_rss_kb(pid) or 0 for name, pid in pids.items()}
+    shard = [shard_of(h, opts.shards) for h in handles]
+    dispatchers = {}
+    for name, shards in sorted(owned.items()):
+        held = per_dialog * sum(1 for s in shard if s in shards)
+        dispatchers[name] = {
+            "shards": sorted(shards),
+            "queued_messages": held,
+            "base_rss_kb": base_kb[name],
+            "peak_rss_kb_queued": queued_kb[name],
+            "peak_rss_kb": peak_kb[name],
+            "bytes_per_queued_message": (queued_kb[name] - base_kb[name]) * 1024 / held
+            if held
+            else None,
+        }
     indexed = reader.get("indexed", {})
     drained = reader.get("drained", {})
     reader_peak = indexed.get("peak_rss_kb", 0)
@@ -92,12 +113,7 @@ def run_backlog(settings: Deployment, opts: BacklogOptions, workdir: Path) -> di
             "applied_seconds": applied_s,
             "applied_per_s": n / applied_s if applied_s else None,
         },
-        "dispatcher": {
-            "base_rss_kb": base_kb,
-            "peak_rss_kb_queued": queued_peak_kb,
-            "peak_rss_kb": dispatcher_peak_kb,
-            "bytes_per_queued_message": (queued_peak_kb - base_kb) * 1024 / n,
-        },
+        "dispatchers": dispatchers,
         "reader": {
             "base_rss_kb": indexed.get("base_rss_kb"),
             "peak_rss_kb_indexed": reader_peak,
@@ -121,9 +137,9 @@ def run_backlog(settings: Deployment, opts: BacklogOptions, workdir: Path) -> di
     }
 
 
-def _push(settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int) -> None:
+def _push(settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int) -> list[str]:
     """SEND round-robin over the dialogs through the SDK (back-pressure holds it to the pace the
-    dispatchers apply), then wait until Kafka has stored every request."""
+    dispatchers apply), then wait until Kafka has stored every request; the dialogs' handles."""
     with KsbClient(settings) as client:
         handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
         step = max(1, per_dialog // 10)
@@ -133,10 +149,12 @@ def _push(settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int) 
             if seq % step == 0:
                 log.info("backlog: sent %d of %d", (seq + 1) * dialogs, per_dialog * dialogs)
         client.flush(120)
+    return handles
 
 
 def _wait_applied(settings: Deployment, timeout_s: float) -> None:
-    """Until the dispatchers' committed offsets reach the end of every requests partition."""
+    """Until the dispatchers' committed offsets reach the end of every partition of the requests
+    topic the sender wrote."""
     names = Names(settings.instance)
     offsets = CommittedOffsets(settings.narrow(ClientSettings))
     probe = kafka.consumer(settings)
@@ -193,25 +211,34 @@ def _mb(kb: float | None) -> str:
 
 
 def format_lines(r: dict[str, Any]) -> list[str]:
-    cfg, d, rd, dr, push = r["config"], r["dispatcher"], r["reader"], r["drain"], r["push"]
+    cfg, rd, dr, push = r["config"], r["reader"], r["drain"], r["push"]
     bpm = rd["bytes_per_queued_message"]
-    return [
+    lines = [
         f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs, "
-        f"{cfg['partitions']} queue partitions, {cfg['cpus']} CPUs, load average "
-        f"{r['load_average_1m']['start']} at start, {r['load_average_1m']['end']} at end",
-        f"  {'':12}{'base RSS':>10}{'peak RSS':>10}{'bytes/queued msg':>18}",
-        f"  {'dispatcher':12}{_mb(d['base_rss_kb']):>10}{_mb(d['peak_rss_kb_queued']):>10}"
-        f"{d['bytes_per_queued_message']:>18,.0f}",
-        f"  {'reader':12}{_mb(rd['base_rss_kb']):>10}{_mb(rd['peak_rss_kb_indexed']):>10}"
-        f"{'n/a' if bpm is None else f'{bpm:,.0f}':>18}",
+        f"{cfg['dispatchers']} dispatchers over {cfg['shards']} shards, {cfg['partitions']} queue "
+        f"partitions, {cfg['cpus']} CPUs, load average {r['load_average_1m']['start']} at start, "
+        f"{r['load_average_1m']['end']} at end",
+        f"  {'':16}{'queued':>10}{'base RSS':>10}{'peak RSS':>10}{'bytes/queued msg':>18}"
+        f"{'peak draining':>15}",
+    ]
+    for name, d in r["dispatchers"].items():
+        per = d["bytes_per_queued_message"]
+        lines.append(
+            f"  {'dispatcher ' + name:16}{d['queued_messages']:>10,}{_mb(d['base_rss_kb']):>10}"
+            f"{_mb(d['peak_rss_kb_queued']):>10}{'n/a' if per is None else f'{per:,.0f}':>18}"
+            f"{_mb(d['peak_rss_kb']):>15}"
+        )
+    lines += [
+        f"  {'reader':16}{cfg['messages']:>10,}{_mb(rd['base_rss_kb']):>10}"
+        f"{_mb(rd['peak_rss_kb_indexed']):>10}{'n/a' if bpm is None else f'{bpm:,.0f}':>18}"
+        f"{_mb(rd['peak_rss_kb']):>15}",
         f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s']:,.0f} msg/s); "
         f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained in "
         f"{dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} msg/s, TOP {cfg['top'] or 'all'}, "
-        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back)",
-        f"  peak RSS while draining: dispatcher {_mb(d['peak_rss_kb'])}, reader "
-        f"{_mb(rd['peak_rss_kb'])}; exactly once in order: "
-        + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
+        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back); exactly once in "
+        "order: " + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
     ]
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=d.messages)
     parser.add_argument("--dialogs", type=int, default=d.dialogs)
     parser.add_argument("--body-bytes", type=int, default=d.body_bytes)
+    parser.add_argument("--dispatchers", type=int, default=d.dispatchers)
+    parser.add_argument("--shards", type=int, default=d.shards)
     parser.add_argument("--partitions", type=int, default=d.partitions)
     parser.add_argument("--top", type=int, default=d.top, help="RECEIVE TOP while draining; 0: all")
     parser.add_argument("--window", type=int, default=d.window)
@@ -231,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         messages=a.messages,
         dialogs=a.dialogs,
         body_bytes=a.body_bytes,
+        dispatchers=a.dispatchers,
+        shards=a.shards,
         partitions=a.partitions,
         top=a.top,
         window=a.window,
@@ -241,10 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ksb-backlog-") as tmp:
         stack = start_stack(Path(tmp) / "stack")
         try:
-            settings = Deployment(
-                instance=f"backlog{uuid.uuid4().hex[:8]}",
-                kafka_bootstrap=stack.kafka_bootstrap,
-                redis_url=stack.redis_url,
+            settings = Deployment.model_validate(
+                {
+                    "instance": f"backlog{uuid.uuid4().hex[:8]}",
+                    "kafka_bootstrap": stack.kafka_bootstrap,
+                    "redis_url": stack.redis_url,
+                    **stack_fields(stack.security),
+                }
             )
             result = run_backlog(settings, opts, Path(tmp))
         finally:

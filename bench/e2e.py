@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections import deque
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,13 +173,14 @@ def _receive_loop(
     top: int | None,
     errors: list[BaseException],
 ) -> None:
-    outstanding: deque[Future[Any]] = deque()
+    # Any outcome frees a place in the window, not only the oldest: a commit waiting on a shard
+    # whose dispatcher was lost must not hold up commits that other dispatchers apply.
+    outstanding: set[Future[Any]] = set()
     try:
         while not stop.is_set() and not tally.done.is_set():
-            while outstanding and outstanding[0].done():
-                outstanding.popleft()
+            outstanding = {f for f in outstanding if not f.done()}
             if len(outstanding) >= window:
-                _settle(client, outstanding.popleft(), 30)
+                wait(outstanding, timeout=30, return_when=FIRST_COMPLETED)
                 continue
             tx = client.transaction()
             msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=100)
@@ -194,7 +195,7 @@ def _receive_loop(
                     tally.lock_lost += 1
                 continue
             fut.add_done_callback(functools.partial(_record_outcome, tally, batch))
-            outstanding.append(fut)
+            outstanding.add(fut)
         for fut in outstanding:
             _settle(client, fut, 30)
     except BaseException as exc:
@@ -255,11 +256,14 @@ def run_ksb(
     timeout_s: float,
     receiver_settings: Deployment | None = None,
     tally: Tally | None = None,
+    on_load: Callable[[bool], None] | None = None,
 ) -> KsbResult:
     """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run.
 
     ``receiver_settings`` names another instance to RECEIVE on (the target service's, across a
-    route); by default sender and receiver are on ``settings``' instance."""
+    route); by default sender and receiver are on ``settings``' instance. ``on_load`` is called
+    with True just before the first BEGIN and with False once the last message is delivered (or
+    the run gave up), so a caller can measure the loaded phase alone (CPU time, say)."""
     per_dialog = max(1, messages // dialogs)
     expected = per_dialog * dialogs
     tally = tally or Tally(expected=expected)
@@ -277,6 +281,8 @@ def run_ksb(
             receiver, tally, stop, errors, receivers=receivers, window=window, top=top
         )
         marks: list[int] = []
+        if on_load is not None:
+            on_load(True)
         try:
             _send_all(sender, dialogs, per_dialog, body_bytes, marks, tally.handles)
             if not tally.done.wait(timeout_s):
@@ -284,6 +290,8 @@ def run_ksb(
                     f"only {tally.delivered} of {expected} messages received in {timeout_s:.0f}s"
                 )
         finally:
+            if on_load is not None:
+                on_load(False)
             stop.set()
             for t in threads:
                 t.join(35)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,13 +114,15 @@ def run_raw(
     probes: int,
     timeout_s: float,
     warmup_messages: int = 0,
+    on_load: Callable[[bool], None] | None = None,
 ) -> RawResult:
     """Produce ``messages`` as fast as possible while a read_committed consumer follows, then
     ``probes`` single round trips.
 
     ``warmup_messages`` go through first, unmeasured: a fresh JVM broker is several times slower
     until its JIT has compiled the produce and fetch paths, and the KSB run after this one would
-    otherwise get a warm broker that the baseline did not have."""
+    otherwise get a warm broker that the baseline did not have. ``on_load`` is called with True
+    before the first measured message and with False once the consumer has them all."""
     topic = f"bench.raw.{uuid.uuid4().hex[:8]}"
     kafka.ensure_topics(kafka.admin(settings), [kafka.TopicSpec(topic, 1)])
     collector = _Collector(settings, topic)
@@ -135,12 +138,16 @@ def run_raw(
             collector.wait_for(warmup_messages + i + 1, timeout_s)
         collector.latencies_ns.clear()
         collector.seen = 0
+        if on_load is not None:
+            on_load(True)
         started = now_ns()
         for i in range(messages):
             _produce(p, topic, make_body(body_bytes, now_ns(), f"r{i}").encode())
         if p.flush(timeout_s) != 0:
             raise TimeoutError("raw producer could not deliver in time")
         collector.wait_for(messages, timeout_s)
+        if on_load is not None:
+            on_load(False)
         rate = Rate(messages, (collector.last_ns - started) / 1e9)
         loaded = summarize(collector.latencies_ns[:messages])
         for i in range(probes):

@@ -21,6 +21,7 @@ import statistics
 import tempfile
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from ksb.catalog.model import Catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 
-__all__ = ["main"]
+__all__ = ["SecurityOptions", "format_lines", "main", "run_security"]
 
 OUT = REPO_ROOT / "var" / "bench" / "security.json"
 
@@ -110,15 +111,21 @@ def _throughput(who: Deployment, topic: str, records: int, body: bytes) -> float
     return records / (time.monotonic() - t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.security", description=__doc__)
-    parser.add_argument("--starts", type=int, default=2, help="stack starts per mode")
-    parser.add_argument("--applies", type=int, default=10, help="instances secured")
-    parser.add_argument("--records", type=int, default=20_000)
-    parser.add_argument("--trials", type=int, default=3, help="throughput trials per mode")
-    opts = parser.parse_args(argv)
+@dataclass(frozen=True)
+class SecurityOptions:
+    starts: int = 2
+    """Stack starts per mode."""
+    applies: int = 10
+    """Instances secured."""
+    records: int = 20_000
+    trials: int = 3
+    """Throughput trials per mode."""
+
+
+def run_security(opts: SecurityOptions) -> dict[str, Any]:
+    """Every figure of the section; starts and stops its own stacks (one per mode at a time)."""
     body = b"x" * 1024
-    result: dict[str, Any] = {"start_s": {m: [] for m in MODES}, "produce_msg_s": {}}
+    result: dict[str, Any] = {"config": asdict(opts), "start_s": {m: [] for m in MODES}}
     with tempfile.TemporaryDirectory(prefix="ksb-bench-security-") as tmp:
         root = Path(tmp)
         for _ in range(opts.starts):  # interleaved: each round starts every mode once
@@ -126,8 +133,10 @@ def main(argv: list[str] | None = None) -> int:
                 stack, took = _start(root, mode)
                 result["start_s"][mode].append(round(took, 1))
                 stack.stop()
-        stacks = {m: _start(root, m)[0] for m in MODES}
+        stacks: dict[SecurityMode, LocalStack] = {}
         try:
+            for m in MODES:
+                stacks[m] = _start(root, m)[0]
             result["apply"] = _applies(stacks["sasl"], opts.applies)
             targets = {m: _producer_target(s) for m, s in stacks.items()}
             rates: dict[str, list[float]] = {m: [] for m in MODES}
@@ -138,30 +147,49 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for s in stacks.values():
                 s.stop()
-    _print(result)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.security", description=__doc__)
+    d = SecurityOptions()
+    parser.add_argument("--starts", type=int, default=d.starts, help="stack starts per mode")
+    parser.add_argument("--applies", type=int, default=d.applies, help="instances secured")
+    parser.add_argument("--records", type=int, default=d.records)
+    parser.add_argument("--trials", type=int, default=d.trials, help="throughput trials per mode")
+    a = parser.parse_args(argv)
+    result = run_security(
+        SecurityOptions(starts=a.starts, applies=a.applies, records=a.records, trials=a.trials)
+    )
+    print("\n".join(format_lines(result)))
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(f"results in {OUT}")
     return 0
 
 
-def _print(result: dict[str, Any]) -> None:
+def format_lines(result: dict[str, Any]) -> list[str]:
     starts, rates = result["start_s"], result["produce_msg_s"]
+    cfg = result["config"]
     base = statistics.median(rates["plaintext"])
-    print(
-        f"{'mode':<10} {'stack start (s)':>18} {'produce msg/s (median)':>24} {'vs plaintext':>13}"
-    )
+    lines = [
+        f"security on/off: {cfg['starts']} stack start(s) per mode, {cfg['trials']} producer "
+        f"trial(s) of {cfg['records']:,} x 1 KiB per mode as an application principal, "
+        f"{cfg['applies']} instances secured",
+        f"  {'mode':<10} {'stack start (s)':>18} {'produce msg/s (median)':>24} {'vs plaintext':>13}",
+    ]
     for mode in MODES:
         rate = statistics.median(rates[mode])
-        print(
-            f"{mode:<10} {statistics.median(starts[mode]):>18.1f} {rate:>24,.0f} "
+        lines.append(
+            f"  {mode:<10} {statistics.median(starts[mode]):>18.1f} {rate:>24,.0f} "
             f"{rate / base:>12.2f}x"
         )
     a = result["apply"]
-    print(
-        f"one instance's principals + topics + ACLs + Redis users: p50 {a['apply_p50_s']} s "
+    lines.append(
+        f"  one instance's principals + topics + ACLs + Redis users: p50 {a['apply_p50_s']} s "
         f"(max {a['apply_max_s']} s); an apply that changes nothing: {a['reapply_p50_s']} s"
     )
+    return lines
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CpuMeter",
     "LatencySummary",
     "Rate",
+    "cpu_seconds",
     "fmt_ms",
     "fmt_x",
     "make_body",
@@ -104,6 +106,20 @@ class Rate:
         return {"messages": self.messages, "seconds": self.seconds, "per_s": self.per_s}
 
 
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None = None) -> float | None:
+    """User + system CPU time of ``pid`` (this process by default) so far, every thread counted
+    (utime + stime of /proc/<pid>/stat), or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{'self' if pid is None else pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # fields 14 and 15 of stat(5)
+
+
 def peak_rss_kb(pid: int | None = None) -> int | None:
     """VmHWM (peak resident set) of ``pid`` (this process by default), or None if unreadable."""
     return _status_kb(pid, "VmHWM:")
@@ -123,3 +139,26 @@ def _status_kb(pid: int | None, field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+@dataclass
+class CpuMeter:
+    """CPU seconds each named process spends over one phase: `mark` is the ``on_load`` hook of
+    `bench.raw_kafka.run_raw` and `bench.e2e.run_ksb` (True at the start, False at the end).
+    A pid of None is this process (the benchmark's own clients)."""
+
+    pids: dict[str, int | None]
+    spent_s: dict[str, float] = field(default_factory=dict)
+    """Per name, once the phase has ended (a process that died meanwhile is left out)."""
+    _start: dict[str, float | None] = field(default_factory=dict)
+
+    def mark(self, starting: bool) -> None:
+        now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        if starting:
+            self._start = now
+            return
+        self.spent_s = {
+            name: end - begin
+            for name, end in now.items()
+            if end is not None and (begin := self._start.get(name)) is not None
+        }

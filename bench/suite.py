@@ -1,4 +1,6 @@
-"""One benchmark run: its own stack, the raw baseline, then KSB through a dispatcher process.
+"""One benchmark run: its own stack, the raw baseline, KSB through 1, 2 and 4 dispatcher
+processes, failover, the other sections on the same stack, the backlog; then, with that stack
+stopped, security on and off on stacks of its own.
 
 Every process started here is stopped on the way out, including after an error or a SIGTERM
 (`__main__` turns SIGTERM into SystemExit so these `finally` blocks run).
@@ -19,18 +21,18 @@ from pathlib import Path
 from typing import Any
 
 from bench.activation import ActivationOptions, run_activation
-from bench.cross_instance import LOG_NAMES as CROSS_LOG_NAMES
+from bench.backlog import BacklogOptions, run_backlog
 from bench.cross_instance import CrossOptions, run_cross_instance
-from bench.e2e import bench_catalog, run_ksb
+from bench.failover import FailoverOptions, run_failover
 from bench.priorities import PriorityOptions, run_priorities
 from bench.raw_kafka import run_raw
+from bench.scaling import ScalingOptions, cpu_ms_per_message, ratios, run_scaling
+from bench.security import SecurityOptions, run_security
 from bench.spark_audit import SparkOptions, run_spark_audit
-from bench.stats import peak_rss_kb
+from bench.stats import CpuMeter, peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import start_stack
-from devtools.runner import ServiceProcess
-from ksb.runtime.catalog_store import apply_catalog
 from ksb.security.principals import ADMIN
 
 __all__ = ["Options", "run"]
@@ -40,17 +42,20 @@ log = logging.getLogger("bench")
 
 @dataclass(frozen=True)
 class Options:
-    messages: int
-    dialogs: int
     raw_messages: int
     body_bytes: int
-    partitions: int
-    receivers: int
-    window: int
-    top: int | None
     probes: int
     timeout_s: float
     log_dir: Path
+    scaling: ScalingOptions
+    """Raw Kafka's peer: KSB through 1, 2 and 4 dispatchers (bench/scaling.py)."""
+    failover: FailoverOptions | None = None
+    """One of three dispatchers SIGKILLed under load (bench/failover.py); None skips it."""
+    backlog: BacklogOptions | None = None
+    """A million messages queued, then drained (bench/backlog.py); None skips it."""
+    security: SecurityOptions | None = None
+    """Secured against plaintext stacks (bench/security.py), after this run's stack has stopped;
+    None skips it."""
     activation: ActivationOptions | None = None
     """The activation section (bench/activation.py) on the same stack; None skips it."""
     priorities: tuple[PriorityOptions, SchedulerOptions] | None = None
@@ -65,7 +70,7 @@ def run(opts: Options) -> dict[str, Any]:
     """Run the benchmarks and return every figure as a JSON-able dict."""
     started = time.monotonic()
     # Other work on the machine skews every figure; the load average says how much there was.
-    load_at_start = round(os.getloadavg()[0], 2)
+    load_at_start = os.getloadavg()
     rss_kb: dict[str, int | None] = {}
     phases: dict[str, float] = {}
     mark = time.monotonic()
@@ -75,15 +80,21 @@ def run(opts: Options) -> dict[str, Any]:
         now = time.monotonic()
         phases[name] = round(now - mark, 2)
         mark = now
+        log.info("bench: %s done in %.1f s", name, phases[name])
 
+    sections: dict[str, dict[str, Any] | None] = {
+        "failover": None,
+        "activation": None,
+        "cross_instance": None,
+        "priorities": None,
+        "spark_audit": None,
+        "backlog": None,
+        "security": None,
+    }
     with tempfile.TemporaryDirectory(prefix="ksb-bench-") as tmp:
-        stack = start_stack(Path(tmp) / "stack")
+        workdir = Path(tmp)
+        stack = start_stack(workdir / "stack")
         phase("stack_start")
-        dispatcher: ServiceProcess | None = None
-        activation: dict[str, Any] | None = None
-        priorities: dict[str, Any] | None = None
-        spark: dict[str, Any] | None = None
-        cross: dict[str, Any] | None = None
         try:
             settings = secure_instance(
                 Deployment.model_validate(
@@ -96,6 +107,8 @@ def run(opts: Options) -> dict[str, Any]:
                 )
             )
             phase("secure")
+            stack_pids = {"kafka": stack.kafka_pid, "redis": stack.redis_pid}
+            raw_cpu = CpuMeter({"kafka": stack.kafka_pid, "client": None})
             raw = run_raw(
                 settings.as_principal(ADMIN),  # its topic is nobody's: the admin may write it
                 messages=opts.raw_messages,
@@ -103,110 +116,101 @@ def run(opts: Options) -> dict[str, Any]:
                 probes=opts.probes,
                 timeout_s=opts.timeout_s,
                 warmup_messages=opts.raw_messages // 2,
+                on_load=raw_cpu.mark,
             )
+            raw_j = {
+                **raw.as_json(),
+                "cpu_s": raw_cpu.spent_s,
+                "cpu_ms_per_message": {
+                    **{n: c * 1000 / raw.rate.messages for n, c in raw_cpu.spent_s.items()},
+                    "all": cpu_ms_per_message(raw_cpu.spent_s, raw.rate.messages),
+                },
+            }
             rss_kb["bench_after_raw"] = peak_rss_kb()
             phase("raw")
-            apply_catalog(settings, bench_catalog(opts.partitions))
-            # A fresh log file: wait_ready looks for its marker anywhere in the file.
-            log_path = Path(tmp) / "dispatcher.log"
-            dispatcher = ServiceProcess("dispatcher", settings, log_path).start()
-            dispatcher.wait_ready("dispatcher ready")
-            assert dispatcher.proc is not None
-            phase("dispatcher_start")
-            ksb = run_ksb(
-                settings,
-                dialogs=opts.dialogs,
-                messages=opts.messages,
-                body_bytes=opts.body_bytes,
-                receivers=opts.receivers,
-                window=opts.window,
-                top=opts.top,
-                probes=opts.probes,
-                timeout_s=opts.timeout_s,
-            )
-            rss_kb["dispatcher"] = peak_rss_kb(dispatcher.proc.pid)
-            phase("ksb")
+            scaling = run_scaling(settings, opts.scaling, workdir, stack_pids)
+            phase("scaling")
+            if opts.failover is not None:
+                failover_opts = opts.failover
+                sections["failover"] = _section(
+                    lambda: run_failover(settings, failover_opts, workdir)
+                )
+                phase("failover")
             if opts.activation is not None:
-                dispatcher.stop()  # idle from here on: keep it out of the activation figures
-                activation = run_activation(settings, opts.activation, Path(tmp)).as_json()
+                activation_opts = opts.activation
+                sections["activation"] = _section(
+                    lambda: run_activation(settings, activation_opts, workdir).as_json()
+                )
                 phase("activation")
-            dispatcher.stop()  # the later sections run their own: keep this one out of them
             if opts.cross_instance is not None:
-                cross_opts, raw_j = opts.cross_instance, raw.as_json()
-                cross = _section(
-                    lambda: run_cross_instance(settings, cross_opts, Path(tmp), raw=raw_j)
+                cross_opts = opts.cross_instance
+                sections["cross_instance"] = _section(
+                    lambda: run_cross_instance(settings, cross_opts, workdir, raw=raw_j)
                 )
                 phase("cross_instance")
             if opts.priorities is not None:
                 receive_opts, scheduler_opts = opts.priorities
-                priorities = _section(
+                sections["priorities"] = _section(
                     lambda: {
-                        "receive": run_priorities(settings, receive_opts, Path(tmp)),
+                        "receive": run_priorities(settings, receive_opts, workdir),
                         "transmission_scheduler": run_scheduler(scheduler_opts),
                     }
                 )
                 phase("priorities")
             if opts.spark is not None:
                 spark_opts = opts.spark
-                spark = _section(
-                    lambda: run_spark_audit(settings, spark_opts, Path(tmp) / "spark", Path(tmp))
+                sections["spark_audit"] = _section(
+                    lambda: run_spark_audit(settings, spark_opts, workdir / "spark", workdir)
                 )
                 phase("spark")
+            if opts.backlog is not None:  # last: it leaves a large queue behind on the broker
+                backlog_opts = opts.backlog
+                sections["backlog"] = _section(lambda: run_backlog(settings, backlog_opts, workdir))
+                phase("backlog")
         finally:
-            if dispatcher is not None:
-                if dispatcher.proc is not None and "dispatcher" not in rss_kb:
-                    rss_kb["dispatcher"] = peak_rss_kb(dispatcher.proc.pid)
-                dispatcher.stop()
-                opts.log_dir.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(dispatcher.log_path, opts.log_dir / "dispatcher.log")
-            for name in (
-                "activation.log",
-                "act-dispatcher.log",
-                "prio-dispatcher.log",
-                "spark-job.log",
-                *CROSS_LOG_NAMES,
-            ):
-                if (Path(tmp) / name).exists():
-                    opts.log_dir.mkdir(parents=True, exist_ok=True)
-                    shutil.copyfile(Path(tmp) / name, opts.log_dir / name)
+            _keep_logs(workdir, opts.log_dir)
             rss_kb["kafka"] = peak_rss_kb(stack.kafka_pid)
             rss_kb["redis"] = peak_rss_kb(stack.redis_pid)
             stack.stop()
             phase("stop")
+    if opts.security is not None:  # stacks of its own, with this one's stopped
+        security_opts = opts.security
+        sections["security"] = _section(lambda: run_security(security_opts))
+        phase("security")
     rss_kb["bench"] = peak_rss_kb()
+    load_at_end = os.getloadavg()
+    s = opts.scaling
     return {
         "config": {
             "raw_messages": opts.raw_messages,
-            "messages": ksb.rate.messages,
-            "dialogs": opts.dialogs,
             "body_bytes": opts.body_bytes,
-            "target_partitions": opts.partitions,
-            "receivers": opts.receivers,
-            "window": opts.window,
-            "top": opts.top,
             "probes": opts.probes,
+            "dispatcher_counts": list(s.counts),
+            "shards": s.shards,
             "cpus": _cpus(),
             "python": platform.python_version(),
-            "load_average_1m_at_start": load_at_start,
-            "load_average_1m_at_end": round(os.getloadavg()[0], 2),
+            "load_average_at_start": [round(v, 2) for v in load_at_start],
+            "load_average_at_end": [round(v, 2) for v in load_at_end],
         },
-        "raw": raw.as_json(),
-        "ksb": ksb.as_json(),
-        "ratio_ksb_over_raw": {
-            "throughput": ksb.rate.per_s / raw.rate.per_s,
-            "latency_loaded_p50": ksb.latency.p50_ms / raw.latency.p50_ms,
-            "latency_loaded_p99": ksb.latency.p99_ms / raw.latency.p99_ms,
-            "latency_unloaded_p50": ksb.probe.p50_ms / raw.probe.p50_ms,
-            "latency_unloaded_p99": ksb.probe.p99_ms / raw.probe.p99_ms,
-        },
-        "activation": activation,
-        "priorities": priorities,
-        "spark_audit": spark,
-        "cross_instance": cross,
+        "raw": raw_j,
+        "scaling": scaling,
+        "ratio_ksb_over_raw": {str(r["dispatchers"]): ratios(r, raw_j) for r in scaling["runs"]},
+        **sections,
         "peak_rss_kb": rss_kb,
         "phase_seconds": phases,
         "wall_seconds": time.monotonic() - started,
     }
+
+
+def _keep_logs(workdir: Path, log_dir: Path) -> None:
+    """Every service log of the run (not the stack's own) into ``log_dir``, by the same path."""
+    for path in workdir.rglob("*.log"):
+        rel = path.relative_to(workdir)
+        if rel.parts[0] in ("stack", "spark"):
+            continue
+        dest = log_dir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, dest)
 
 
 def _section(run_it: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,313 @@
+"""KSB through 1, 2 and 4 dispatcher processes beside raw Kafka: what more members buy, what a
+message costs in CPU, and how evenly the members share the work.
+
+Each count runs the e2e load (bench/e2e.py: BEGIN + SEND round-robin over many dialogs, RECEIVE +
+commit by reader threads, then one message at a time) on an instance of its own, so no run
+rebuilds another's state, with the same shards (partitions of the requests topics,
+`KsbSettings.request_partitions`) and a target queue co-partitioned with them (its partition count a
+multiple of the shards, so a member's transactions touch only its own queue partitions). The SDK's
+back-pressure is on (`ClientSettings.max_inflight_requests`).
+
+CPU is utime + stime from /proc/<pid>/stat over the loaded phase alone (first BEGIN to the last
+commit outcome) of each dispatcher, of the Kafka broker, of Redis and of this process (the SDK
+clients), divided by the messages delivered; the raw baseline is measured the same way (broker and
+this process), so "all processes" compares like with like. Messages per dispatcher are the messages
+of the dialogs whose shards it owned (the pool has settled before the run and nothing changes it),
+beside the records each member says it applied (requests and relayed records, warm-up and probes
+included) when it stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.e2e import Tally, bench_catalog, run_ksb
+from bench.stats import CpuMeter, fmt_ms, peak_rss_kb
+from devtools.deployment import Deployment, secure_instance
+from devtools.dispatchers import DispatcherPool
+from ksb.dialog.shards import shard_of
+from ksb.runtime.catalog_store import apply_catalog
+
+__all__ = [
+    "ScalingOptions",
+    "applied_by",
+    "cpu_ms_per_message",
+    "format_lines",
+    "ratios",
+    "run_scaling",
+    "sharded_instance",
+]
+
+log = logging.getLogger("bench.scaling")
+
+_APPLIED = re.compile(r"dispatcher (\S+): (\d+) applied")
+
+
+@dataclass(frozen=True)
+class ScalingOptions:
+    counts: tuple[int, ...] = (1, 2, 4)
+    """Dispatcher processes of each run."""
+    shards: int = 8
+    queue_partitions: int = 8
+    messages: int = 20_000
+    dialogs: int = 1_000
+    body_bytes: int = 1024
+    receivers: int = 2
+    window: int = 64
+    top: int | None = None
+    probes: int = 100
+    max_inflight_requests: int = 2_000
+    """The sender's back-pressure limit (0 would turn it off)."""
+    timeout_s: float = 180.0
+
+
+def sharded_instance(base: Deployment, suffix: str, shards: int, **update: Any) -> Deployment:
+    """A secured instance of its own (`base`'s name + `suffix`) with `shards` shards."""
+    return secure_instance(
+        base.model_copy(
+            update={"instance": f"{base.instance}{suffix}", "request_partitions": shards, **update}
+        )
+    )
+
+
+def applied_by(pool: DispatcherPool) -> dict[str, int]:
+    """The records each stopped member says it applied (its last words)."""
+    counts: dict[str, int] = {}
+    for proc in pool.members.values():
+        for found in _APPLIED.finditer(proc.log_text()):
+            counts[found[1]] = int(found[2])
+    return counts
+
+
+def cpu_ms_per_message(spent_s: dict[str, float], messages: int) -> float:
+    return sum(spent_s.values()) * 1000 / messages if messages else float("nan")
+
+
+def run_scaling(
+    base: Deployment, opts: ScalingOptions, workdir: Path, stack_pids: dict[str, int]
+) -> dict[str, Any]:
+    """One e2e run per dispatcher count; ``stack_pids`` names the broker's and Redis's pids."""
+    runs = [_run_one(base, n, opts, workdir, stack_pids) for n in opts.counts]
+    return {"config": asdict(opts), "runs": runs}
+
+
+def _run_one(
+    base: Deployment, count: int, opts: ScalingOptions, workdir: Path, stack_pids: dict[str, int]
+) -> dict[str, Any]:
+    settings = sharded_instance(
+        base, f"x{count}", opts.shards, max_inflight_requests=opts.max_inflight_requests
+    )
+    apply_catalog(settings, bench_catalog(opts.queue_partitions))
+    tally = Tally(expected=opts.messages)
+    with DispatcherPool(settings, workdir / f"scaling-{count}") as pool:
+        started = time.monotonic()
+        pool.start(count)
+        start_s = time.monotonic() - started
+        owned = pool.owned()
+        pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
+        meter = CpuMeter({**pids, **stack_pids, "client": None})
+        log.info("scaling: %d dispatcher(s) own %s", count, owned)
+        result = run_ksb(
+            settings,
+            dialogs=opts.dialogs,
+            messages=opts.messages,
+            body_bytes=opts.body_bytes,
+            receivers=opts.receivers,
+            window=opts.window,
+            top=opts.top,
+            probes=opts.probes,
+            timeout_s=opts.timeout_s,
+            tally=tally,
+            on_load=meter.mark,
+        )
+        rss = {name: peak_rss_kb(pid) for name, pid in pids.items()}
+        pool.stop()
+        applied = applied_by(pool)
+    delivered = result.rate.messages
+    per_dialog = delivered // opts.dialogs
+    shard_dialogs = [shard_of(h, opts.shards) for h in tally.handles]
+    members = {
+        name: {
+            "shards": sorted(shards),
+            "messages": per_dialog * sum(1 for s in shard_dialogs if s in shards),
+            "applied": applied.get(name),
+            "cpu_s": meter.spent_s.get(name),
+            "peak_rss_kb": rss.get(name),
+        }
+        for name, shards in sorted(owned.items())
+    }
+    dispatcher_cpu = {n: s for n, s in meter.spent_s.items() if n in pids}
+    return {
+        "dispatchers": count,
+        "pool_start_s": start_s,
+        **result.as_json(),
+        "cpu_s": meter.spent_s,
+        "cpu_ms_per_message": {
+            "dispatchers": cpu_ms_per_message(dispatcher_cpu, delivered),
+            **{
+                n: meter.spent_s[n] * 1000 / delivered
+                for n in (*stack_pids, "client")
+                if n in meter.spent_s
+            },
+            "all": cpu_ms_per_message(meter.spent_s, delivered),
+        },
+        "members": members,
+    }
+
+
+def ratios(run: dict[str, Any], raw: dict[str, Any]) -> dict[str, float | None]:
+    """A KSB run's figures over raw Kafka's (throughput up is good, the rest down)."""
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    cpu = run["cpu_ms_per_message"]["all"]
+    return {
+        "throughput": over(run["throughput"]["per_s"], raw["throughput"]["per_s"]),
+        "latency_loaded_p50": over(
+            run["latency_loaded"]["p50_ms"], raw["latency_loaded"]["p50_ms"]
+        ),
+        "latency_loaded_p99": over(
+            run["latency_loaded"]["p99_ms"], raw["latency_loaded"]["p99_ms"]
+        ),
+        "latency_unloaded_p50": over(
+            run["latency_unloaded"]["p50_ms"], raw["latency_unloaded"]["p50_ms"]
+        ),
+        "latency_unloaded_p99": over(
+            run["latency_unloaded"]["p99_ms"], raw["latency_unloaded"]["p99_ms"]
+        ),
+        "cpu_all": over(cpu, raw.get("cpu_ms_per_message", {}).get("all")),
+    }
+
+
+def _count(n: int | None) -> str:
+    return "?" if n is None else f"{n:,}"
+
+
+def _x(v: float | None, digits: int = 2) -> str:
+    return "" if v is None else f" ({v:.{digits}f}x)"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+
+
+def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    """The table: raw Kafka, then each dispatcher count, every figure with its ratio to raw."""
+    cfg, runs = s["config"], s["runs"]
+    rx = [ratios(r, raw) for r in runs]
+    raw_cpu = raw.get("cpu_ms_per_message", {})
+    head = ["", "raw kafka", *(f"KSB {r['dispatchers']} dispatcher(s)" for r in runs)]
+    rows: list[list[str]] = [head]
+    rows.append(
+        [
+            "throughput",
+            f"{raw['throughput']['per_s']:,.0f} msg/s",
+            *(
+                f"{r['throughput']['per_s']:,.0f} msg/s{_x(x['throughput'], 3)}"
+                for r, x in zip(runs, rx, strict=True)
+            ),
+        ]
+    )
+    for label, key, kind in (
+        ("p50 latency (loaded)", "latency_loaded", "p50_ms"),
+        ("p99 latency (loaded)", "latency_loaded", "p99_ms"),
+        ("p50 latency (1 at a time)", "latency_unloaded", "p50_ms"),
+        ("p99 latency (1 at a time)", "latency_unloaded", "p99_ms"),
+    ):
+        rows.append(
+            [
+                label,
+                fmt_ms(raw[key][kind]),
+                *(
+                    f"{fmt_ms(r[key][kind])}{_x(x[f'{key}_{kind[:3]}'], 1)}"
+                    for r, x in zip(runs, rx, strict=True)
+                ),
+            ]
+        )
+    one = runs[0]["cpu_ms_per_message"]["dispatchers"] if runs else None
+    rows.append(
+        [
+            "dispatcher CPU per message",
+            "-",
+            *(
+                f"{fmt_ms(r['cpu_ms_per_message']['dispatchers'], 3)}"
+                + (
+                    f" ({r['cpu_ms_per_message']['dispatchers'] / one:.2f}x of 1)"
+                    if one and r is not runs[0]
+                    else ""
+                )
+                for r in runs
+            ),
+        ]
+    )
+    rows.append(
+        [
+            "CPU per message, all processes",
+            fmt_ms(raw_cpu.get("all"), 3),
+            *(
+                f"{fmt_ms(r['cpu_ms_per_message']['all'], 3)}{_x(x['cpu_all'], 1)}"
+                for r, x in zip(runs, rx, strict=True)
+            ),
+        ]
+    )
+    for part, label in (("kafka", "  of which Kafka broker"), ("client", "  of which SDK clients")):
+        rows.append(
+            [
+                label,
+                fmt_ms(raw_cpu.get(part), 3),
+                *(fmt_ms(r["cpu_ms_per_message"].get(part), 3) for r in runs),
+            ]
+        )
+    rows.append(
+        [
+            "exactly once, in order",
+            "",
+            *(
+                f"yes, {r['refused_commits']} refused"
+                if r["verified_exactly_once_in_order"]
+                else "NO"
+                for r in runs
+            ),
+        ]
+    )
+    lines = [
+        f"raw Kafka and KSB by dispatcher count: {cfg['messages']:,} x {cfg['body_bytes']} B over "
+        f"{cfg['dialogs']:,} dialogs, {cfg['shards']} shards, target queue "
+        f"{cfg['queue_partitions']} partitions, {cfg['receivers']} receiver threads x window "
+        f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight",
+        *_table(rows),
+        "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
+        "warm-up and probes included; CPU over the loaded phase):",
+    ]
+    for r in runs:
+        members = r["members"]
+        counts = [m["messages"] for m in members.values()]
+        spread = max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else None
+        parts = [
+            f"{name} {m['messages']:,} msgs [shards {','.join(map(str, m['shards']))}] "
+            f"{_count(m['applied'])} applied "
+            f"{m['cpu_s'] or 0:.1f} s CPU"
+            for name, m in members.items()
+        ]
+        lines.append(
+            f"  {r['dispatchers']}: "
+            + "; ".join(parts)
+            + (f"; max/mean {spread:.2f}" if spread is not None and len(counts) > 1 else "")
+        )
+    for r in runs:
+        for problem in r["problems"]:
+            lines.append(f"  problem ({r['dispatchers']} dispatchers): {problem}")
+    return lines
