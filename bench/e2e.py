@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -285,10 +286,7 @@ def run_ksb(
             on_load(True)
         try:
             _send_all(sender, dialogs, per_dialog, body_bytes, marks, tally.handles)
-            if not tally.done.wait(timeout_s):
-                raise TimeoutError(
-                    f"only {tally.delivered} of {expected} messages received in {timeout_s:.0f}s"
-                )
+            _wait_done(tally, stop, timeout_s)
         finally:
             if on_load is not None:
                 on_load(False)
@@ -322,6 +320,19 @@ def run_ksb(
         },
         problems=tuple(problems),
     )
+
+
+def _wait_done(tally: Tally, stop: threading.Event, timeout_s: float) -> None:
+    """Until every message is delivered; a receiver that failed (it sets `stop`) ends the wait
+    at once, so its error is reported instead of a timeout minutes later."""
+    deadline = time.monotonic() + timeout_s
+    while not tally.done.wait(0.2):
+        if stop.is_set():
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"only {tally.delivered} of {tally.expected} messages received in {timeout_s:.0f}s"
+            )
 
 
 def start_receivers(
