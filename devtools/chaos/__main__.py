@@ -15,10 +15,12 @@ import logging
 import os
 import random
 import shutil
+import signal
 import sys
 import time
 import uuid
 from pathlib import Path
+from types import FrameType
 
 from devtools.chaos.report import HEADER, as_json, details, table
 from devtools.chaos.round import RoundOptions, RoundResult, run_round
@@ -88,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / "var" / "chaos")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every fault as it hits")
     args = parser.parse_args(argv)
+    # SIGTERM (`timeout`, CI) unwinds like Ctrl-C, so every process this run started is stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
@@ -111,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print("every round kept every invariant")
     return 0
+
+
+def _interrupt(_signum: int, _frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":
