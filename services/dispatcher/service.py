@@ -372,8 +372,12 @@ class Dispatcher(Service):
             positions = [
                 tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0
             ]
-            p.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata())
-        p.commit_transaction(30)
+            # With a time limit: without one, librdkafka waits forever while the coordinator
+            # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
+            p.send_offsets_to_transaction(
+                positions, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
+            )
+        p.commit_transaction(_TXN_CALL_TIMEOUT_S)
         self.applied += len(records)
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)
@@ -496,6 +500,9 @@ class Dispatcher(Service):
         assert self.engine is not None
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
 
+
+_TXN_CALL_TIMEOUT_S = 30.0
+"""How long one transaction call may block the loop; a failure is recovered (`_recover`)."""
 
 _NOT_A_MEMBER = frozenset(
     {
