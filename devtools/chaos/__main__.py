@@ -29,8 +29,8 @@ from devtools.processes import REPO_ROOT
 
 __all__ = ["main", "run"]
 
-DEFAULT_ROUNDS = 5
-DEFAULT_MESSAGES = 6_000
+DEFAULT_ROUNDS = 4
+DEFAULT_MESSAGES = 4_000
 
 
 def run(

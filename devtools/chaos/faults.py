@@ -50,7 +50,7 @@ class Injector:
     _started: float = field(default_factory=time.monotonic)
 
     def start(self) -> Injector:
-        self._thread = threading.Thread(target=self.run, name="chaos-injector")
+        self._thread = threading.Thread(target=self.run, name="chaos-injector", daemon=True)
         self._thread.start()
         return self
 
@@ -140,7 +140,10 @@ class Injector:
         else:
             heal = self._zombie
         thread = threading.Thread(
-            target=self._heal, args=(fault, resource, heal), name=f"chaos-heal-{k.value}"
+            target=self._heal,
+            args=(fault, resource, heal),
+            name=f"chaos-heal-{k.value}",
+            daemon=True,  # an interrupted run must not wait for it
         )
         self._heals.append(thread)
         thread.start()

@@ -57,9 +57,9 @@ class RoundOptions:
     faults: int = 12
     shards: int = 2
     lock_ttl_ms: int = 3_000
-    flow_timeout_s: float = 900.0
+    flow_timeout_s: float = 300.0
     """How long the workload may take to reach A before the round stops waiting."""
-    drain_timeout_s: float = 240.0
+    drain_timeout_s: float = 120.0
     kinds: tuple[FaultKind, ...] = tuple(FaultKind)
 
 
@@ -287,5 +287,5 @@ def run_round(
     )
 
 
-MAX_SCHEDULE_S = 600.0
+MAX_SCHEDULE_S = 300.0
 """How long the rest of the schedule may take to fire once the workload has reached A."""

@@ -298,6 +298,8 @@ class Topology:
 
     def restart(self, name: str) -> None:
         with self._lock:
+            if self._stop.is_set():
+                return  # the round is over: nothing is started again
             m = self.members[name]
             if not m.alive():
                 m.start()
@@ -340,6 +342,8 @@ class Topology:
     def _supervise(self) -> None:
         while not self._stop.wait(0.5):
             with self._lock:
+                if self._stop.is_set():
+                    return
                 for name, m in self.members.items():
                     if name in self.down or m.alive():
                         continue
@@ -352,13 +356,22 @@ class Topology:
         self._stop.set()
         if self._supervisor is not None:
             self._supervisor.join(10)
-        for name in [*READERS, *reversed(SERVICES)]:
-            m = self.members.get(name)
-            if m is not None:
-                try:
-                    m.stop(10)
-                except Exception:
-                    log.exception("stopping %s", name)
+        # All at once: one by one, a few that drain slowly would add up to minutes.
+        threads = [
+            threading.Thread(target=self._stop_one, args=(name, m), name=f"stop-{name}")
+            for name, m in self.members.items()
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+
+    @staticmethod
+    def _stop_one(name: str, m: Member) -> None:
+        try:
+            m.stop(10)
+        except Exception:
+            log.exception("stopping %s", name)
 
     def processes(self) -> Iterator[tuple[str, Member]]:
         yield from self.members.items()
