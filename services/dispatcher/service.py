@@ -378,8 +378,12 @@ class Dispatcher(Service):
             positions = [
                 tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0
             ]
-            p.send_offsets_to_transaction(positions, self._consumer.consumer_group_metadata())
-        p.commit_transaction(30)
+            # With a time limit: without one, librdkafka waits forever while the coordinator
+            # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
+            p.send_offsets_to_transaction(
+                positions, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
+            )
+        p.commit_transaction(_TXN_CALL_TIMEOUT_S)
         self.applied += len(records)
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)
@@ -455,16 +459,29 @@ class Dispatcher(Service):
         log.warning("transaction failed (%s); its work is dropped and redone from Kafka", err)
         assert self._producer is not None and self._writer is not None
         self._writer.discard()
-        if err.fatal():
+        if err.fatal() or not self._abort():
             self._discard_clients()
             self.try_start(self.ticker.tick)
             return
-        if err.txn_requires_abort():
-            self._producer.abort_transaction(30)
         if err.code() in _NOT_A_MEMBER:
             self._rejoin()
         else:
             self._reset()
+
+    def _abort(self) -> bool:
+        """Abort whatever transaction is open, whatever the error was: a retriable one (an
+        offsets commit that timed out while Kafka was down) leaves it open, and every later
+        begin would fail in state InTransaction (found by the chaos harness). Nothing open is
+        fine; an abort Kafka does not answer yet is tried again by the next failure. False when
+        the producer is fenced or broken for good (start over)."""
+        assert self._producer is not None
+        try:
+            self._producer.abort_transaction(30)
+        except KafkaException as exc:
+            if exc.args[0].fatal():
+                return False
+            log.info("abort after a failed transaction: %s", exc.args[0])
+        return True
 
     def _rejoin(self) -> None:
         """The group no longer counts this dispatcher in (it was paused past its session): its
@@ -493,6 +510,9 @@ class Dispatcher(Service):
         assert self.engine is not None
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
 
+
+_TXN_CALL_TIMEOUT_S = 30.0
+"""How long one transaction call may block the loop; a failure is recovered (`_recover`)."""
 
 _NOT_A_MEMBER = frozenset(
     {

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 
 from ksb.clock import ManualClock
 from ksb.errors import BackpressureTimeout, KsbError
@@ -131,3 +132,24 @@ def test_a_client_that_cannot_send_fails_with_a_clear_error_after_its_timeout() 
     assert clock.now_ms() - start == 1_000
     assert len(dispatchers.asked_at) == 50  # every 20 ms for 1 s, never more often
     assert bp.rule.inflight == 2  # the refused request was not counted
+
+
+def test_an_offset_query_kafka_does_not_answer_is_asked_again_not_raised() -> None:
+    """Found by the chaos harness: a committed-offsets query that timed out (a loaded machine,
+    a broker restarting) escaped from `send` as a KafkaException long before the timeout."""
+    clock = ManualClock()
+    answers = _Dispatchers(clock, step=1)
+    failures = [KafkaException(KafkaError(KafkaError._TIMED_OUT)) for _ in range(3)]
+
+    def flaky(
+        partitions: Sequence[TopicPartitionKey], timeout_s: float
+    ) -> dict[TopicPartitionKey, int]:
+        if failures:
+            clock.advance(2.0)
+            raise failures.pop()
+        return answers(partitions, timeout_s)
+
+    bp = Backpressure(_client(limit=1, timeout_s=30), flaky, clock)
+    _send(bp, 0)
+    _send(bp, 1)  # three unanswered questions, then offset 1: request 0 is applied
+    assert failures == [] and bp.rule.inflight == 1

@@ -4,7 +4,9 @@
 delivery. While the client is over its limit (`ClientSettings.max_inflight_requests`), the caller's
 thread asks Kafka how far the dispatchers' consumer group has committed (one consumer with the
 group's id that never joins it, so it only reads offsets) and sleeps between questions; after
-`ClientSettings.backpressure_timeout_s` it gives up with `BackpressureTimeout`.
+`ClientSettings.backpressure_timeout_s` it gives up with `BackpressureTimeout`. A question Kafka
+does not answer (a broker restarting, a coordinator moving, a slow machine) is asked again at the
+next interval: only the timeout ends the wait.
 
 Only the SDK slows down this way: a request produced by any other Kafka client (kcat) is applied
 whatever the queue in front of it (docs/protocol.md).
@@ -111,7 +113,11 @@ class Backpressure:
             if partitions is None:
                 self._clock.sleep(self.rule.query_every_ms / 1000)
                 continue
-            offsets = self._query(partitions, _QUERY_TIMEOUT_S)
+            try:
+                offsets = self._query(partitions, _QUERY_TIMEOUT_S)
+            except KafkaException as exc:
+                log.warning("committed offsets not read (%s); asking again", exc)
+                continue
             with self._lock:
                 self.rule.committed(offsets)
 

@@ -158,7 +158,14 @@ class QueueReader:
         if pending is None:
             return
         lease, fut = pending
-        self.locks.release(lease, (partition, offset), committed=outcome.applied)
+        try:
+            self.locks.release(lease, (partition, offset), committed=outcome.applied)
+        except redis.RedisError as exc:
+            # The outcome is read and gone from the consumer: it must still reach its commit.
+            # The lock expires after its TTL instead, and the next holder, finding no position
+            # in it, catches up with the partition's end (found by the chaos harness: a Redis
+            # restart left commits waiting forever for outcomes already applied).
+            log.warning("lock of group %s not released (%s); it expires instead", lease.group, exc)
         with self._cond:
             self.held.discard(lease.group)
             self._leases.pop(lease.group, None)

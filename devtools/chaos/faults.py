@@ -1,0 +1,187 @@
+"""Injecting a round's fault schedule into its topology and stack, and healing each fault.
+
+`Injector.run` walks the schedule on its own thread: each fault fires once the round's progress
+reaches its point (or `MAX_GAP_S` after the previous one), is injected at once, and is healed on a
+thread of its own after its duration, so faults overlap when the next one comes first. A fault
+whose target is already under another fault goes to the next free one of its kind, or is
+skipped. Healing is retried until it succeeds (a catalog cannot be applied while Kafka is down),
+and `heal_all` waits for every heal before the round drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from devtools.chaos.schedule import MAX_GAP_S, READERS, SERVICES, Fault, FaultKind
+from devtools.chaos.stack import ChaosStack
+from devtools.chaos.topology import Topology
+from devtools.chaos.workload import TARGET_QUEUE
+from devtools.chaos.zombie import zombie_commit
+
+__all__ = ["Injector"]
+
+log = logging.getLogger("devtools.chaos")
+HEAL_RETRY_S = 300.0
+
+
+@dataclass
+class Injector:
+    topology: Topology
+    stack: ChaosStack
+    schedule: list[Fault]
+    progress: Callable[[], float]
+    """The share of the round's expected replies delivered so far."""
+    injected: Counter[FaultKind] = field(default_factory=Counter)
+    skipped: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    zombies: list[str] = field(default_factory=list)
+    """What became of each zombie commit (`devtools.chaos.zombie`)."""
+    heal_failures: list[str] = field(default_factory=list)
+    _busy: set[str] = field(default_factory=set)
+    _heals: list[threading.Thread] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+    _started: float = field(default_factory=time.monotonic)
+
+    def start(self) -> Injector:
+        self._thread = threading.Thread(target=self.run, name="chaos-injector", daemon=True)
+        self._thread.start()
+        return self
+
+    def run(self) -> None:
+        last = time.monotonic()
+        for fault in self.schedule:
+            while not self._stop.is_set():
+                if self.progress() >= fault.at or time.monotonic() - last > MAX_GAP_S:
+                    break
+                time.sleep(0.05)
+            if self._stop.is_set():
+                self.skipped.append(f"{fault.describe()}: the round ended first")
+                continue
+            try:
+                self._inject(fault)
+            except Exception as exc:
+                log.exception("injecting %s", fault.describe())
+                self.skipped.append(f"{fault.describe()}: {type(exc).__name__}: {exc}")
+            last = time.monotonic()
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def finish(self, timeout_s: float) -> None:
+        """Let the schedule run out (no longer than `timeout_s`), then wait for every heal."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+        for t in list(self._heals):
+            t.join(HEAL_RETRY_S + 60)
+
+    # ----------------------------------------------------------------- injection
+    def _note(self, text: str) -> None:
+        at = time.monotonic() - self._started
+        self.events.append(f"{at:7.1f}s {text}")
+        log.info("chaos: %s", text)
+
+    def _claim(self, fault: Fault) -> str | None:
+        """The fault's target, or the next free one of its kind; None when all are busy."""
+        pool: tuple[str, ...] = (fault.target,)
+        if fault.kind in (FaultKind.KILL, FaultKind.PAUSE):
+            pool = SERVICES
+        elif fault.kind in (FaultKind.READER_KILL, FaultKind.READER_PAUSE):
+            pool = READERS
+        start = pool.index(fault.target) if fault.target in pool else 0
+        with self._lock:
+            for name in pool[start:] + pool[:start]:
+                resource = f"link.{name}" if fault.kind is FaultKind.LINK else name
+                if resource not in self._busy:
+                    self._busy.add(resource)
+                    return name
+        return None
+
+    def _inject(self, fault: Fault) -> None:
+        target = self._claim(fault)
+        if target is None:
+            self.skipped.append(f"{fault.describe()}: every target busy")
+            return
+        resource = f"link.{target}" if fault.kind is FaultKind.LINK else target
+        self.injected[fault.kind] += 1
+        self._note(f"{fault.kind.value} {target} for {fault.duration_s:.1f}s")
+        t, k = self.topology, fault.kind
+        heal: Callable[[], None]
+        if k in (FaultKind.KILL, FaultKind.READER_KILL):
+            t.kill(target)
+            heal = lambda: t.restart(target)  # noqa: E731
+        elif k in (FaultKind.PAUSE, FaultKind.READER_PAUSE):
+            t.pause(target)
+            heal = lambda: t.resume(target)  # noqa: E731
+        elif k is FaultKind.KAFKA:
+            self.stack.kill_kafka()
+            heal = self._restart_kafka
+        elif k is FaultKind.KAFKA_STALL:
+            self.stack.pause_kafka()
+            heal = self.stack.resume_kafka
+        elif k is FaultKind.REDIS:
+            self.stack.kill_redis()
+            heal = self._restart_redis
+        elif k is FaultKind.REDIS_STALL:
+            self.stack.pause_redis()
+            heal = self.stack.resume_redis
+        elif k is FaultKind.LINK:
+            t.cut_link(target)
+            heal = lambda: t.restore_link(target)  # noqa: E731
+        else:
+            heal = self._zombie
+        thread = threading.Thread(
+            target=self._heal,
+            args=(fault, resource, heal),
+            name=f"chaos-heal-{k.value}",
+            daemon=True,  # an interrupted run must not wait for it
+        )
+        self._heals.append(thread)
+        thread.start()
+
+    def _heal(self, fault: Fault, resource: str, heal: Callable[[], None]) -> None:
+        time.sleep(fault.duration_s)
+        deadline = time.monotonic() + HEAL_RETRY_S
+        try:
+            while True:
+                try:
+                    heal()
+                    self._note(f"healed {fault.kind.value} {resource}")
+                    return
+                except Exception as exc:
+                    if time.monotonic() > deadline:
+                        self.heal_failures.append(f"{fault.describe()}: {exc}")
+                        log.exception("could not heal %s", fault.describe())
+                        return
+                    log.warning("healing %s failed (%s); retrying", fault.describe(), exc)
+                    time.sleep(1.0)
+        finally:
+            with self._lock:
+                self._busy.discard(resource)
+
+    def _restart_kafka(self) -> None:
+        took = self.stack.start_kafka()
+        self._note(f"kafka back on its data in {took:.1f}s")
+
+    def _restart_redis(self) -> None:
+        self.stack.start_redis()
+        self.topology.secure()  # an empty Redis has no ACL users: the instances' plans again
+
+    def _zombie(self) -> None:
+        owner = self.topology.owner["b"]
+        queue = next(q for q in self.topology.catalogs["b"].queues if q.name == TARGET_QUEUE)
+        try:
+            result = zombie_commit(owner, TARGET_QUEUE, queue.partitions)
+        except Exception as exc:
+            result = f"skipped: {type(exc).__name__}: {exc}"
+        self.zombies.append(result)
+        self._note(f"zombie commit: {result}")

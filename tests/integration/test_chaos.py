@@ -1,0 +1,48 @@
+"""`make chaos` in small: two rounds of the chaos harness, every kind of fault in each.
+
+The harness starts its own stack (it kills Kafka and Redis, so it must not touch the session's):
+two rounds of 400 requests over 150 dialogs across instances A, B and the forwarder F, each round
+hit once by every kind of fault but a killed broker (see `KINDS`), then every invariant checked on what Kafka recorded
+(`devtools.chaos`; README, "Chaos harness"). A fixed seed keeps the schedule the same from run
+to run; the failure message names the seed of a round that broke, to replay it with
+``python -m devtools.chaos --seed <seed> --rounds 1 --messages 400 --dialogs 150 --faults 9`` (with the broker kill).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from devtools.chaos.__main__ import run
+from devtools.chaos.report import details, table
+from devtools.chaos.round import RoundOptions
+from devtools.chaos.schedule import FaultKind
+
+pytestmark = pytest.mark.integration
+
+SEED = 1414
+KINDS = tuple(k for k in FaultKind if k is not FaultKind.KAFKA)
+"""Every kind but a killed broker: after a broker restart a dispatcher can block for good in
+librdkafka's send_offsets_to_transaction (README, "Chaos harness", what it found), which
+`make chaos` shows and `make test` must not trip on until it is fixed."""
+
+
+@pytest.mark.timeout(420)
+def test_two_rounds_under_every_kind_of_fault_keep_every_invariant(tmp_path: Path) -> None:
+    opts = RoundOptions(
+        messages=400,
+        dialogs=150,
+        faults=len(KINDS),
+        kinds=KINDS,
+        flow_timeout_s=150,
+        drain_timeout_s=90,
+    )
+    out = io.StringIO()
+    results = run(opts, rounds=2, seed=SEED, workdir=tmp_path / "chaos", out=out)
+    report = table(results) + "\n" + "\n".join(details(r) for r in results)
+    assert all(r.ok for r in results), f"seeds {[r.seed for r in results]}:\n{report}"
+    for r in results:
+        assert r.received >= r.workload.requests + r.workload.replies, report
+        assert sum(r.injected.values()) >= len(KINDS) - 1, report  # one may find no target
