@@ -54,13 +54,7 @@ class CommittedOffsets:
             # holds newer ones pending (those are not applied yet either).
             self._consumer = kafka.consumer(self._settings, group=group, read_committed=False)
         tps = [TopicPartition(t, p) for t, p in partitions]
-        try:
-            got = self._consumer.committed(tps, timeout=timeout_s)
-        except KafkaException as exc:
-            # A slow or refused answer is no answer: the caller asks again until its timeout,
-            # which names the limit, instead of failing the send on one lost question.
-            log.warning("committed offsets of the dispatchers unknown: %s", exc)
-            return {}
+        got = self._consumer.committed(tps, timeout=timeout_s)  # raises: `Backpressure` asks again
         return {
             (tp.topic, tp.partition): tp.offset for tp in got if tp.error is None and tp.offset >= 0
         }
