@@ -72,6 +72,7 @@ from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaPr
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import ShardKeeper
 from services.dispatcher.routing import Router
+from services.dispatcher.watchdog import Watchdog
 from services.dispatcher.writer import OutputWriter
 
 __all__ = ["START_TIMEOUT_S", "Dispatcher"]
@@ -118,6 +119,7 @@ class Dispatcher(Service):
         self.engine: Engine | None = None
         self.audit = Audit()
         self.applied = 0
+        self.watchdog = Watchdog(settings.stuck_txn_s)
         """Requests and relayed records applied by this dispatcher (the bench compares members)."""
         self._queue_metrics = QueueMetrics()
         self._requests, self._errors = Children(REQUESTS), Children(ERRORS)
@@ -380,10 +382,12 @@ class Dispatcher(Service):
             ]
             # With a time limit: without one, librdkafka waits forever while the coordinator
             # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
-            p.send_offsets_to_transaction(
-                positions, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
-            )
-        p.commit_transaction(_TXN_CALL_TIMEOUT_S)
+            with self.watchdog.guard("send_offsets_to_transaction"):
+                p.send_offsets_to_transaction(
+                    positions, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
+                )
+        with self.watchdog.guard("commit_transaction"):
+            p.commit_transaction(_TXN_CALL_TIMEOUT_S)
         self.applied += len(records)
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)

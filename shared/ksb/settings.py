@@ -191,6 +191,9 @@ class DispatcherSettings(ServiceSettings):
     """A large inbound message still missing fragments this long after its first is forgotten."""
     broker_retry_every: int = Field(5, ge=1)
     """A broker that failed to start is retried every this many ticks."""
+    stuck_txn_s: float = Field(120.0, gt=0)
+    """A Kafka transaction call still running after this long ends the process, so a fresh
+    dispatcher takes its shards over (`services.dispatcher.watchdog`)."""
     owners: str = ""
     """Principals, comma-separated, that may act for every service and queue without grants
     (the deployment's owners, as `ksb acl apply --owner` gave them Kafka's rights;
