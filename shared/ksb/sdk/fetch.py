@@ -47,19 +47,19 @@ class RecordFetcher:
         positions: Iterable[tuple[int, int]],
         passed: Callable[[list[Message]], None] | None = None,
         *,
-        timeout_s: float = 10.0,
+        timeout_s: float = 30.0,
     ) -> dict[tuple[int, int], Message]:
         """The records at `positions`; one missing from the result is no longer in the topic
         (compacted away after a newer record with its key). `passed` gets the other records read
-        on the way, a batch at a time."""
+        on the way, a batch at a time. Fails when Kafka gives no record for `timeout_s` (a long
+        read-back on a busy machine is slow, not stuck)."""
         wanted: dict[int, set[int]] = {}
         for p, off in positions:
             wanted.setdefault(p, set()).add(off)
         out: dict[tuple[int, int], Message] = {}
-        deadline = time.monotonic() + timeout_s
         with self._lock:
             for p in sorted(wanted):
-                self._read_partition(p, wanted[p], out, passed, deadline)
+                self._read_partition(p, wanted[p], out, passed, timeout_s)
         return out
 
     def _read_partition(
@@ -68,9 +68,10 @@ class RecordFetcher:
         offsets: set[int],
         out: dict[tuple[int, int], Message],
         passed: Callable[[list[Message]], None] | None,
-        deadline: float,
+        stall_s: float,
     ) -> None:
         todo = sorted(offsets, reverse=True)  # the next wanted offset is todo[-1]
+        deadline = time.monotonic() + stall_s
         while todo:
             self._position(p, todo[-1])
             if time.monotonic() > deadline:
@@ -94,6 +95,7 @@ class RecordFetcher:
                     continue  # read ahead for an earlier assignment
                 self._at = (p, off + 1)
                 self.records_read += 1
+                deadline = time.monotonic() + stall_s  # progress
                 while todo and todo[-1] < off:
                     todo.pop()  # compacted away: a newer record with its key exists
                 if todo and todo[-1] == off:
