@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from confluent_kafka import TopicPartition
@@ -54,6 +56,10 @@ class BacklogOptions:
     messages: int = 1_000_000
     dialogs: int = 1_000
     body_bytes: int = 1024
+    burst: int = 1
+    """Messages SENT to one dialog before the next: 1 spreads each conversation over its whole
+    partition (the hard case for a reader that reads bodies back); ``top`` keeps each RECEIVE's
+    messages side by side."""
     dispatchers: int = 2
     """Dispatcher processes sharing the backlog (each holds its shards' share)."""
     shards: int = 4
@@ -81,7 +87,7 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
         pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
         base_kb = {name: rss_kb(pid) or 0 for name, pid in pids.items()}
         started = time.monotonic()
-        handles = _push(settings, opts.dialogs, per_dialog, opts.body_bytes)
+        handles = _push(settings, opts.dialogs, per_dialog, opts.body_bytes, opts.burst)
         sent_s = time.monotonic() - started
         _wait_applied(settings, opts.timeout_s)
         applied_s = time.monotonic() - started
@@ -123,12 +129,21 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
             if indexed
             else None,
             "cache_bytes": indexed.get("cache_bytes"),
+            "bytes_per_queued_message_without_cache": (
+                reader_peak - indexed.get("base_rss_kb", 0) - indexed.get("cache_bytes", 0) / 1024
+            )
+            * 1024
+            / n
+            if indexed
+            else None,
         },
         "drain": {
             "seconds": drained.get("seconds"),
             "per_s": n / drained["seconds"] if drained.get("seconds") else None,
             "commits": drained.get("commits"),
             "refused": drained.get("refused"),
+            "receive_errors": drained.get("receive_errors"),
+            "last_receive_error": drained.get("last_receive_error"),
             "seeks": drained.get("seeks"),
             "records_read_back": drained.get("records_read_back"),
             "problems": drained.get("problems", reader.get("failed", ["reader failed"])),
@@ -137,17 +152,20 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
     }
 
 
-def _push(settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int) -> list[str]:
-    """SEND round-robin over the dialogs through the SDK (back-pressure holds it to the pace the
-    dispatchers apply), then wait until Kafka has stored every request; the dialogs' handles."""
+def _push(
+    settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int, burst: int
+) -> list[str]:
+    """SEND round-robin over the dialogs, ``burst`` messages to each in turn, through the SDK
+    (back-pressure holds it to the pace the dispatchers apply), then wait until Kafka has stored
+    every request; the dialogs' handles."""
     with KsbClient(settings) as client:
         handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
-        step = max(1, per_dialog // 10)
-        for seq in range(per_dialog):
+        for first in range(0, per_dialog, burst):
+            seqs = range(first, min(per_dialog, first + burst))
             for d, h in enumerate(handles):
-                client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
-            if seq % step == 0:
-                log.info("backlog: sent %d of %d", (seq + 1) * dialogs, per_dialog * dialogs)
+                for seq in seqs:
+                    client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
+            log.info("backlog: sent %d of %d", seqs.stop * dialogs, per_dialog * dialogs)
         client.flush(120)
     return handles
 
@@ -235,10 +253,21 @@ def format_lines(r: dict[str, Any]) -> list[str]:
         f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s']:,.0f} msg/s); "
         f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained in "
         f"{dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} msg/s, TOP {cfg['top'] or 'all'}, "
-        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back); exactly once in "
-        "order: " + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
+        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back, "
+        f"{dr.get('receive_errors') or 0} RECEIVEs failed and retried); exactly once in order: "
+        + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
     ]
+    if rd.get("cache_bytes") is not None and rd.get("bytes_per_queued_message_without_cache"):
+        lines.append(
+            f"  the reader's peak includes its body cache ({rd['cache_bytes'] / 2**20:,.0f} MB, "
+            "bounded by KSB_READER_CACHE_BYTES): without it "
+            f"{rd['bytes_per_queued_message_without_cache']:,.0f} bytes per queued message"
+        )
     return lines
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the `finally` blocks that stop processes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=d.messages)
     parser.add_argument("--dialogs", type=int, default=d.dialogs)
     parser.add_argument("--body-bytes", type=int, default=d.body_bytes)
+    parser.add_argument("--burst", type=int, default=d.burst, help="messages per dialog in a row")
     parser.add_argument("--dispatchers", type=int, default=d.dispatchers)
     parser.add_argument("--shards", type=int, default=d.shards)
     parser.add_argument("--partitions", type=int, default=d.partitions)
@@ -260,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         messages=a.messages,
         dialogs=a.dialogs,
         body_bytes=a.body_bytes,
+        burst=a.burst,
         dispatchers=a.dispatchers,
         shards=a.shards,
         partitions=a.partitions,
@@ -269,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout_s=a.timeout,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="ksb-backlog-") as tmp:
         stack = start_stack(Path(tmp) / "stack")
         try:

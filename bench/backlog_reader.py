@@ -44,6 +44,9 @@ class _Drained:
     delivered: int = 0
     commits: int = 0
     refused: int = 0
+    receive_errors: int = 0
+    """RECEIVEs that failed (bodies not read back in time), rolled back and tried again."""
+    last_error: str = ""
     problems: list[str] = field(default_factory=list)
 
     def outcome(self, batch: list[tuple[int, int]], fut: Future[Any]) -> None:
@@ -64,6 +67,17 @@ class _Drained:
 
 
 def _drain(client: KsbClient, tally: _Drained, *, top: int | None, window: int) -> None:
+    """`_drain_until_done`; a failure ends the drain as a problem instead of leaving the process
+    waiting for messages nobody receives."""
+    try:
+        _drain_until_done(client, tally, top=top, window=window)
+    except Exception as exc:
+        with tally.lock:
+            tally.problems.append(f"a drain thread failed: {type(exc).__name__}: {exc}")
+        tally.done.set()
+
+
+def _drain_until_done(client: KsbClient, tally: _Drained, *, top: int | None, window: int) -> None:
     """RECEIVE and commit with up to `window` commits in flight, until every message came."""
     outstanding: deque[Future[Any]] = deque()
     while not tally.done.is_set():
@@ -74,7 +88,14 @@ def _drain(client: KsbClient, tally: _Drained, *, top: int | None, window: int) 
                 outstanding.popleft().result(60)
             continue
         tx = client.transaction()
-        msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=200)
+        try:
+            msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=200)
+        except KsbError as exc:  # its messages are still there: counted, rolled back, again
+            tx.rollback()
+            with tally.lock:
+                tally.receive_errors += 1
+                tally.last_error = str(exc)
+            continue
         if not msgs:
             tx.rollback()
             continue
@@ -150,6 +171,8 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
             delivered=tally.delivered,
             commits=tally.commits,
             refused=tally.refused,
+            receive_errors=tally.receive_errors,
+            last_receive_error=tally.last_error,
             problems=problems,
             peak_rss_kb=peak_rss_kb(),
             seeks=sum(f.seeks for f in fetchers),
