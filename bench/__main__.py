@@ -59,8 +59,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     g.add_argument(
         "--backlog-burst",
         type=int,
-        help="backlog messages SENT to a dialog in a row (default 100; 1: the hard case for "
-        "the reader's read-back, far slower to drain)",
+        default=0,
+        help="backlog messages SENT to a dialog in a row (default 0: dialog by dialog; 1: the "
+        "hard case for the reader's read-back, far slower to drain)",
+    )
+    g.add_argument(
+        "--backlog-drain-timeout", type=float, help="seconds the drain may take (default 900)"
     )
     g.add_argument("--no-security", action="store_true", help="skip the security on/off section")
     g.add_argument("--no-activation", action="store_true", help="skip the activation section")
@@ -131,8 +135,9 @@ def _backlog_options(a: argparse.Namespace) -> BacklogOptions:
         messages=a.backlog_messages or (5_000 if a.quick else d.messages),
         dialogs=100 if a.quick else d.dialogs,
         body_bytes=a.body_bytes,
-        burst=a.backlog_burst or 100,
+        burst=a.backlog_burst,
         timeout_s=600.0 if a.quick else d.timeout_s,
+        drain_timeout_s=a.backlog_drain_timeout or (300.0 if a.quick else 900.0),
     )
 
 

@@ -56,10 +56,12 @@ class BacklogOptions:
     messages: int = 1_000_000
     dialogs: int = 1_000
     body_bytes: int = 1024
-    burst: int = 1
-    """Messages SENT to one dialog before the next: 1 spreads each conversation over its whole
-    partition (the hard case for a reader that reads bodies back); ``top`` keeps each RECEIVE's
-    messages side by side."""
+    burst: int = 0
+    """Messages SENT to one dialog before the next; 0: all of them (dialog by dialog). RECEIVE
+    drains the group that became ready first until it is empty, so dialog by dialog each RECEIVE
+    reads on where the last one stopped; with smaller bursts each conversation is spread over its
+    whole partition and every RECEIVE seeks to read its bodies back (far slower: 1 is the hard
+    case)."""
     dispatchers: int = 2
     """Dispatcher processes sharing the backlog (each holds its shards' share)."""
     shards: int = 4
@@ -71,6 +73,9 @@ class BacklogOptions:
     """Commits in flight per draining thread."""
     receivers: int = 1
     timeout_s: float = 3600.0
+    """How long the dispatchers may take to apply the backlog, and the reader to index it."""
+    drain_timeout_s: float = 3600.0
+    """How long the drain may take before it stops and reports how far it got."""
 
 
 def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
@@ -139,7 +144,8 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
         },
         "drain": {
             "seconds": drained.get("seconds"),
-            "per_s": n / drained["seconds"] if drained.get("seconds") else None,
+            "delivered": drained.get("delivered"),
+            "per_s": drained["delivered"] / drained["seconds"] if drained.get("seconds") else None,
             "commits": drained.get("commits"),
             "refused": drained.get("refused"),
             "receive_errors": drained.get("receive_errors"),
@@ -158,6 +164,7 @@ def _push(
     """SEND round-robin over the dialogs, ``burst`` messages to each in turn, through the SDK
     (back-pressure holds it to the pace the dispatchers apply), then wait until Kafka has stored
     every request; the dialogs' handles."""
+    burst = burst or per_dialog
     with KsbClient(settings) as client:
         handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
         for first in range(0, per_dialog, burst):
@@ -165,7 +172,10 @@ def _push(
             for d, h in enumerate(handles):
                 for seq in seqs:
                     client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
-            log.info("backlog: sent %d of %d", seqs.stop * dialogs, per_dialog * dialogs)
+                if burst == per_dialog and d % max(1, dialogs // 10) == 0:
+                    log.info("backlog: sent %d of %d", (d + 1) * per_dialog, per_dialog * dialogs)
+            if burst < per_dialog:
+                log.info("backlog: sent %d of %d", seqs.stop * dialogs, per_dialog * dialogs)
         client.flush(120)
     return handles
 
@@ -206,6 +216,7 @@ def _read_and_drain(settings: Deployment, opts: BacklogOptions, expected: int) -
         f"--window={opts.window}",
         f"--receivers={opts.receivers}",
         f"--timeout={opts.timeout_s}",
+        f"--drain-timeout={opts.drain_timeout_s}",
     ]
     env = settings_env(settings.narrow(ClientSettings))
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -228,11 +239,16 @@ def _mb(kb: float | None) -> str:
     return "n/a" if kb is None else f"{kb / 1024:,.0f} MB"
 
 
+def _pattern(burst: int) -> str:
+    return "dialog by dialog" if not burst else f"{burst:,} to a dialog in turn"
+
+
 def format_lines(r: dict[str, Any]) -> list[str]:
     cfg, rd, dr, push = r["config"], r["reader"], r["drain"], r["push"]
     bpm = rd["bytes_per_queued_message"]
     lines = [
-        f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs, "
+        f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs "
+        f"({_pattern(cfg['burst'])}), "
         f"{cfg['dispatchers']} dispatchers over {cfg['shards']} shards, {cfg['partitions']} queue "
         f"partitions, {cfg['cpus']} CPUs, load average {r['load_average_1m']['start']} at start, "
         f"{r['load_average_1m']['end']} at end",
@@ -251,8 +267,9 @@ def format_lines(r: dict[str, Any]) -> list[str]:
         f"{_mb(rd['peak_rss_kb_indexed']):>10}{'n/a' if bpm is None else f'{bpm:,.0f}':>18}"
         f"{_mb(rd['peak_rss_kb']):>15}",
         f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s']:,.0f} msg/s); "
-        f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained in "
-        f"{dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} msg/s, TOP {cfg['top'] or 'all'}, "
+        f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained "
+        f"{dr.get('delivered') or 0:,} in {dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} "
+        f"msg/s, TOP {cfg['top'] or 'all'}, "
         f"{dr['seeks']} seeks, {dr['records_read_back']} records read back, "
         f"{dr.get('receive_errors') or 0} RECEIVEs failed and retried); exactly once in order: "
         + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
@@ -276,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=d.messages)
     parser.add_argument("--dialogs", type=int, default=d.dialogs)
     parser.add_argument("--body-bytes", type=int, default=d.body_bytes)
-    parser.add_argument("--burst", type=int, default=d.burst, help="messages per dialog in a row")
+    parser.add_argument(
+        "--burst", type=int, default=d.burst, help="messages per dialog in a row; 0: all of them"
+    )
     parser.add_argument("--dispatchers", type=int, default=d.dispatchers)
     parser.add_argument("--shards", type=int, default=d.shards)
     parser.add_argument("--partitions", type=int, default=d.partitions)
@@ -284,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=d.window)
     parser.add_argument("--receivers", type=int, default=d.receivers)
     parser.add_argument("--timeout", type=float, default=d.timeout_s)
+    parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     a = parser.parse_args(argv)
     opts = BacklogOptions(
@@ -298,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         window=a.window,
         receivers=a.receivers,
         timeout_s=a.timeout,
+        drain_timeout_s=a.drain_timeout,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     signal.signal(signal.SIGTERM, _terminate)
