@@ -56,6 +56,16 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     )
     g.add_argument("--no-backlog", action="store_true", help="skip the backlog section")
     g.add_argument("--backlog-messages", type=int, help="messages queued (default 1000000)")
+    g.add_argument(
+        "--backlog-burst",
+        type=int,
+        default=0,
+        help="backlog messages SENT to a dialog in a row (default 0: dialog by dialog; 1: the "
+        "hard case for the reader's read-back, far slower to drain)",
+    )
+    g.add_argument(
+        "--backlog-drain-timeout", type=float, help="seconds the drain may take (default 900)"
+    )
     g.add_argument("--no-security", action="store_true", help="skip the security on/off section")
     g.add_argument("--no-activation", action="store_true", help="skip the activation section")
     g.add_argument(
@@ -125,16 +135,17 @@ def _backlog_options(a: argparse.Namespace) -> BacklogOptions:
         messages=a.backlog_messages or (5_000 if a.quick else d.messages),
         dialogs=100 if a.quick else d.dialogs,
         body_bytes=a.body_bytes,
+        burst=a.backlog_burst,
         timeout_s=600.0 if a.quick else d.timeout_s,
+        drain_timeout_s=a.backlog_drain_timeout or (300.0 if a.quick else 900.0),
     )
 
 
 def _security_options(quick: bool) -> SecurityOptions:
-    return (
-        SecurityOptions(starts=1, applies=2, records=2_000, trials=1)
-        if quick
-        else SecurityOptions()
-    )
+    """One stack start per mode (three): `python -m bench.security` alone does two each."""
+    if quick:
+        return SecurityOptions(starts=1, applies=2, records=2_000, trials=1)
+    return SecurityOptions(starts=1)
 
 
 def _priority_options(quick: bool) -> tuple[PriorityOptions, SchedulerOptions]:

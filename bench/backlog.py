@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from confluent_kafka import TopicPartition
@@ -54,6 +56,12 @@ class BacklogOptions:
     messages: int = 1_000_000
     dialogs: int = 1_000
     body_bytes: int = 1024
+    burst: int = 0
+    """Messages SENT to one dialog before the next; 0: all of them (dialog by dialog). RECEIVE
+    drains the group that became ready first until it is empty, so dialog by dialog each RECEIVE
+    reads on where the last one stopped; with smaller bursts each conversation is spread over its
+    whole partition and every RECEIVE seeks to read its bodies back (far slower: 1 is the hard
+    case)."""
     dispatchers: int = 2
     """Dispatcher processes sharing the backlog (each holds its shards' share)."""
     shards: int = 4
@@ -65,6 +73,9 @@ class BacklogOptions:
     """Commits in flight per draining thread."""
     receivers: int = 1
     timeout_s: float = 3600.0
+    """How long the dispatchers may take to apply the backlog, and the reader to index it."""
+    drain_timeout_s: float = 3600.0
+    """How long the drain may take before it stops and reports how far it got."""
 
 
 def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
@@ -81,7 +92,7 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
         pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
         base_kb = {name: rss_kb(pid) or 0 for name, pid in pids.items()}
         started = time.monotonic()
-        handles = _push(settings, opts.dialogs, per_dialog, opts.body_bytes)
+        handles = _push(settings, opts.dialogs, per_dialog, opts.body_bytes, opts.burst)
         sent_s = time.monotonic() - started
         _wait_applied(settings, opts.timeout_s)
         applied_s = time.monotonic() - started
@@ -123,12 +134,22 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
             if indexed
             else None,
             "cache_bytes": indexed.get("cache_bytes"),
+            "bytes_per_queued_message_without_cache": (
+                reader_peak - indexed.get("base_rss_kb", 0) - indexed.get("cache_bytes", 0) / 1024
+            )
+            * 1024
+            / n
+            if indexed
+            else None,
         },
         "drain": {
             "seconds": drained.get("seconds"),
-            "per_s": n / drained["seconds"] if drained.get("seconds") else None,
+            "delivered": drained.get("delivered"),
+            "per_s": drained["delivered"] / drained["seconds"] if drained.get("seconds") else None,
             "commits": drained.get("commits"),
             "refused": drained.get("refused"),
+            "receive_errors": drained.get("receive_errors"),
+            "last_receive_error": drained.get("last_receive_error"),
             "seeks": drained.get("seeks"),
             "records_read_back": drained.get("records_read_back"),
             "problems": drained.get("problems", reader.get("failed", ["reader failed"])),
@@ -137,17 +158,24 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
     }
 
 
-def _push(settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int) -> list[str]:
-    """SEND round-robin over the dialogs through the SDK (back-pressure holds it to the pace the
-    dispatchers apply), then wait until Kafka has stored every request; the dialogs' handles."""
+def _push(
+    settings: Deployment, dialogs: int, per_dialog: int, body_bytes: int, burst: int
+) -> list[str]:
+    """SEND round-robin over the dialogs, ``burst`` messages to each in turn, through the SDK
+    (back-pressure holds it to the pace the dispatchers apply), then wait until Kafka has stored
+    every request; the dialogs' handles."""
+    burst = burst or per_dialog
     with KsbClient(settings) as client:
         handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
-        step = max(1, per_dialog // 10)
-        for seq in range(per_dialog):
+        for first in range(0, per_dialog, burst):
+            seqs = range(first, min(per_dialog, first + burst))
             for d, h in enumerate(handles):
-                client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
-            if seq % step == 0:
-                log.info("backlog: sent %d of %d", (seq + 1) * dialogs, per_dialog * dialogs)
+                for seq in seqs:
+                    client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
+                if burst == per_dialog and d % max(1, dialogs // 10) == 0:
+                    log.info("backlog: sent %d of %d", (d + 1) * per_dialog, per_dialog * dialogs)
+            if burst < per_dialog:
+                log.info("backlog: sent %d of %d", seqs.stop * dialogs, per_dialog * dialogs)
         client.flush(120)
     return handles
 
@@ -188,6 +216,7 @@ def _read_and_drain(settings: Deployment, opts: BacklogOptions, expected: int) -
         f"--window={opts.window}",
         f"--receivers={opts.receivers}",
         f"--timeout={opts.timeout_s}",
+        f"--drain-timeout={opts.drain_timeout_s}",
     ]
     env = settings_env(settings.narrow(ClientSettings))
     proc = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, text=True)
@@ -210,11 +239,16 @@ def _mb(kb: float | None) -> str:
     return "n/a" if kb is None else f"{kb / 1024:,.0f} MB"
 
 
+def _pattern(burst: int) -> str:
+    return "dialog by dialog" if not burst else f"{burst:,} to a dialog in turn"
+
+
 def format_lines(r: dict[str, Any]) -> list[str]:
     cfg, rd, dr, push = r["config"], r["reader"], r["drain"], r["push"]
     bpm = rd["bytes_per_queued_message"]
     lines = [
-        f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs, "
+        f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs "
+        f"({_pattern(cfg['burst'])}), "
         f"{cfg['dispatchers']} dispatchers over {cfg['shards']} shards, {cfg['partitions']} queue "
         f"partitions, {cfg['cpus']} CPUs, load average {r['load_average_1m']['start']} at start, "
         f"{r['load_average_1m']['end']} at end",
@@ -233,12 +267,24 @@ def format_lines(r: dict[str, Any]) -> list[str]:
         f"{_mb(rd['peak_rss_kb_indexed']):>10}{'n/a' if bpm is None else f'{bpm:,.0f}':>18}"
         f"{_mb(rd['peak_rss_kb']):>15}",
         f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s']:,.0f} msg/s); "
-        f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained in "
-        f"{dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} msg/s, TOP {cfg['top'] or 'all'}, "
-        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back); exactly once in "
-        "order: " + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
+        f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained "
+        f"{dr.get('delivered') or 0:,} in {dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} "
+        f"msg/s, TOP {cfg['top'] or 'all'}, "
+        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back, "
+        f"{dr.get('receive_errors') or 0} RECEIVEs failed and retried); exactly once in order: "
+        + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
     ]
+    if rd.get("cache_bytes") is not None and rd.get("bytes_per_queued_message_without_cache"):
+        lines.append(
+            f"  the reader's peak includes its body cache ({rd['cache_bytes'] / 2**20:,.0f} MB, "
+            "bounded by KSB_READER_CACHE_BYTES): without it "
+            f"{rd['bytes_per_queued_message_without_cache']:,.0f} bytes per queued message"
+        )
     return lines
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the `finally` blocks that stop processes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=d.messages)
     parser.add_argument("--dialogs", type=int, default=d.dialogs)
     parser.add_argument("--body-bytes", type=int, default=d.body_bytes)
+    parser.add_argument(
+        "--burst", type=int, default=d.burst, help="messages per dialog in a row; 0: all of them"
+    )
     parser.add_argument("--dispatchers", type=int, default=d.dispatchers)
     parser.add_argument("--shards", type=int, default=d.shards)
     parser.add_argument("--partitions", type=int, default=d.partitions)
@@ -254,12 +303,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=d.window)
     parser.add_argument("--receivers", type=int, default=d.receivers)
     parser.add_argument("--timeout", type=float, default=d.timeout_s)
+    parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     a = parser.parse_args(argv)
     opts = BacklogOptions(
         messages=a.messages,
         dialogs=a.dialogs,
         body_bytes=a.body_bytes,
+        burst=a.burst,
         dispatchers=a.dispatchers,
         shards=a.shards,
         partitions=a.partitions,
@@ -267,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         window=a.window,
         receivers=a.receivers,
         timeout_s=a.timeout,
+        drain_timeout_s=a.drain_timeout,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    signal.signal(signal.SIGTERM, _terminate)
     with tempfile.TemporaryDirectory(prefix="ksb-backlog-") as tmp:
         stack = start_stack(Path(tmp) / "stack")
         try:

@@ -29,6 +29,10 @@ from ksb.settings import ClientSettings
 __all__ = ["main"]
 
 
+_PROGRESS_S = 30.0
+"""How often the drain reports how far it got."""
+
+
 def _emit(phase: str, **fields: Any) -> None:
     print(json.dumps({"phase": phase, **fields}), flush=True)
 
@@ -44,6 +48,9 @@ class _Drained:
     delivered: int = 0
     commits: int = 0
     refused: int = 0
+    receive_errors: int = 0
+    """RECEIVEs that failed (bodies not read back in time), rolled back and tried again."""
+    last_error: str = ""
     problems: list[str] = field(default_factory=list)
 
     def outcome(self, batch: list[tuple[int, int]], fut: Future[Any]) -> None:
@@ -64,6 +71,17 @@ class _Drained:
 
 
 def _drain(client: KsbClient, tally: _Drained, *, top: int | None, window: int) -> None:
+    """`_drain_until_done`; a failure ends the drain as a problem instead of leaving the process
+    waiting for messages nobody receives."""
+    try:
+        _drain_until_done(client, tally, top=top, window=window)
+    except Exception as exc:
+        with tally.lock:
+            tally.problems.append(f"a drain thread failed: {type(exc).__name__}: {exc}")
+        tally.done.set()
+
+
+def _drain_until_done(client: KsbClient, tally: _Drained, *, top: int | None, window: int) -> None:
     """RECEIVE and commit with up to `window` commits in flight, until every message came."""
     outstanding: deque[Future[Any]] = deque()
     while not tally.done.is_set():
@@ -74,7 +92,14 @@ def _drain(client: KsbClient, tally: _Drained, *, top: int | None, window: int) 
                 outstanding.popleft().result(60)
             continue
         tx = client.transaction()
-        msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=200)
+        try:
+            msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=200)
+        except KsbError as exc:  # its messages are still there: counted, rolled back, again
+            tx.rollback()
+            with tally.lock:
+                tally.receive_errors += 1
+                tally.last_error = str(exc)
+            continue
         if not msgs:
             tx.rollback()
             continue
@@ -126,30 +151,50 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
         ]
         for t in threads:
             t.start()
-        finished = tally.done.wait(a.timeout)
+        fetchers = reader.fetchers
+        drain_deadline = started + a.drain_timeout
+        while not tally.done.wait(min(_PROGRESS_S, max(0.0, drain_deadline - time.monotonic()))):
+            _emit(
+                "draining",
+                seconds=time.monotonic() - started,
+                delivered=tally.delivered,
+                receive_errors=tally.receive_errors,
+                seeks=sum(f.seeks for f in fetchers),
+                records_read_back=sum(f.records_read for f in fetchers),
+            )
+            if time.monotonic() >= drain_deadline:
+                break
+        finished = tally.delivered >= expected
+        tally.done.set()  # the drain threads stop here if the time ran out first
         drain_s = time.monotonic() - started
         for t in threads:
             t.join(70)
         problems = list(tally.problems)
-        if not finished:
-            problems.append(f"only {tally.delivered} of {expected} drained in {a.timeout:.0f}s")
-        incomplete = [
-            d for d in range(a.dialogs) if tally.next_seq.get(d, 0) != a.messages // a.dialogs
-        ]
-        if incomplete:
-            problems.append(f"{len(incomplete)} dialogs incomplete, e.g. dialog {incomplete[0]}")
-        tx = client.transaction()
-        leftover = tx.receive(TARGET_QUEUE, waitfor_ms=500)
-        tx.rollback()
-        if leftover:
-            problems.append(f"{len(leftover)} messages still receivable after the drain")
-        fetchers = reader.fetchers
+        if finished:
+            incomplete = [
+                d for d in range(a.dialogs) if tally.next_seq.get(d, 0) != a.messages // a.dialogs
+            ]
+            if incomplete:
+                problems.append(
+                    f"{len(incomplete)} dialogs incomplete, e.g. dialog {incomplete[0]}"
+                )
+            tx = client.transaction()
+            leftover = tx.receive(TARGET_QUEUE, waitfor_ms=500)
+            tx.rollback()
+            if leftover:
+                problems.append(f"{len(leftover)} messages still receivable after the drain")
+        else:
+            problems.append(
+                f"only {tally.delivered:,} of {expected:,} drained in {a.drain_timeout:.0f} s"
+            )
         _emit(
             "drained",
             seconds=drain_s,
             delivered=tally.delivered,
             commits=tally.commits,
             refused=tally.refused,
+            receive_errors=tally.receive_errors,
+            last_receive_error=tally.last_error,
             problems=problems,
             peak_rss_kb=peak_rss_kb(),
             seeks=sum(f.seeks for f in fetchers),
@@ -165,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=0, help="RECEIVE TOP (n); 0 = the whole group")
     parser.add_argument("--window", type=int, default=16, help="commits in flight per receiver")
     parser.add_argument("--receivers", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds to index all")
+    parser.add_argument(
+        "--drain-timeout", type=float, default=3600.0, help="seconds the drain may take"
+    )
     return run(ClientSettings.from_env(), parser.parse_args(argv))
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ __all__ = [
     "run_ksb",
     "start_receivers",
 ]
+
+log = logging.getLogger("bench.e2e")
 
 INITIATOR, TARGET, CONTRACT = "//bench/Initiator", "//bench/Target", "//bench/Contract"
 MESSAGE_TYPE = "//bench/Payload"
@@ -76,6 +79,8 @@ class KsbResult:
     commits: int
     refused: int
     lock_lost: int
+    receive_errors: int
+    """RECEIVEs that failed (a body not read back in time) and were rolled back and retried."""
     receivers: int
     window: int
     top: int | None
@@ -94,6 +99,7 @@ class KsbResult:
             "messages_per_commit": self.rate.messages / self.commits if self.commits else 0,
             "refused_commits": self.refused,
             "lock_lost": self.lock_lost,
+            "receive_errors": self.receive_errors,
             "receivers": self.receivers,
             "window": self.window,
             "top": self.top,
@@ -119,6 +125,7 @@ class Tally:
     commits: int = 0
     refused: int = 0
     lock_lost: int = 0
+    receive_errors: int = 0
     last_ns: int = 0
     problems: list[str] = field(default_factory=list)
     keep_times: bool = False
@@ -184,7 +191,14 @@ def _receive_loop(
                 wait(outstanding, timeout=30, return_when=FIRST_COMPLETED)
                 continue
             tx = client.transaction()
-            msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=100)
+            try:
+                msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=100)
+            except KsbError:  # its messages are still there: counted, rolled back, received again
+                log.warning("RECEIVE failed; rolled back", exc_info=True)
+                tx.rollback()
+                with tally.lock:
+                    tally.receive_errors += 1
+                continue
             if not msgs:
                 tx.rollback()
                 continue
@@ -308,6 +322,7 @@ def run_ksb(
         commits=tally.commits,
         refused=tally.refused,
         lock_lost=tally.lock_lost,
+        receive_errors=tally.receive_errors,
         receivers=receivers,
         window=window,
         top=top,

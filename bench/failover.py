@@ -9,7 +9,8 @@ to the member that owned them before the kill (`DispatcherPool.owned`). From tho
 
 * the longest gap between deliveries on the shards the killed member did NOT own, from the last
   one before the kill to their last one (beside the longest gap in the seconds before the kill:
-  what this machine's jitter gives anyway);
+  what this machine's jitter gives anyway), and apart, of any such shard the rebalance moved from
+  one survivor to another (the consumer group's assignor balances the survivors' shares);
 * the lost shards' resumption: their first delivery after their longest silence, minus the kill
   time (bounded by the session timeout, then each new owner's rebuild of its share, which the
   survivors' logs time);
@@ -110,14 +111,20 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
             tally=tally,
         )
         injector.join(130)
+        owned_after = pool.owned()
+        logged_at_end = {n: len(p.log_text()) for n, p in pool.members.items()}
         pool.stop()
         applied = applied_by(pool)
     if failures:
         raise RuntimeError("the kill failed") from failures[0]
-    rebuilds = _rebuilds(pool, opts.victim, kill["logged"])
+    rebuilds = _rebuilds(pool, opts.victim, kill["logged"], logged_at_end)
     lost = kill["owned"][opts.victim]
+    before = {s: n for n, shards in kill["owned"].items() for s in shards}
+    after = {s: n for n, shards in owned_after.items() for s in shards}
+    moved = sorted(s for s in before if s not in lost and after.get(s) != before[s])
     shard = [shard_of(h, opts.shards) for h in tally.handles]
     live = sorted(t for t, d in tally.times if shard[d] not in lost)
+    kept = sorted(t for t, d in tally.times if shard[d] not in lost and shard[d] not in moved)
     gone = sorted(t for t, d in tally.times if shard[d] in lost)
     k = kill["ns"]
     live_gap = delivery_gaps(live, k)
@@ -136,6 +143,18 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
             ),
             "last_delivery_after_kill_s": (live[-1] - k) / 1e9 if live else None,
             "messages": len(live),
+            "kept_max_gap_after_kill_ms": delivery_gaps(kept, k)["max_gap_ms"],
+            "moved": [
+                {
+                    "shard": s,
+                    "from": before[s],
+                    "to": after.get(s),
+                    "max_gap_after_kill_ms": delivery_gaps(
+                        sorted(t for t, d in tally.times if shard[d] == s), k
+                    )["max_gap_ms"],
+                }
+                for s in moved
+            ],
         },
         "lost_shards": {
             "shards": sorted(lost),
@@ -171,14 +190,17 @@ def delivery_gaps(times: list[int], kill_ns: int) -> dict[str, Any]:
     return {"max_gap_ms": gap / 1e6, "resumed_ns": end}
 
 
-def _rebuilds(pool: DispatcherPool, victim: str, logged: dict[str, int]) -> list[dict[str, Any]]:
-    """The shards each survivor logged taking after the kill (``logged``: each one's log length
-    then), with the records it rebuilt them from and how long that took."""
+def _rebuilds(
+    pool: DispatcherPool, victim: str, start: dict[str, int], end: dict[str, int]
+) -> list[dict[str, Any]]:
+    """The shards each survivor logged taking between the kill and the end of the run (its log's
+    length at each), with the records it rebuilt them from and how long that took."""
     out = []
     for name, proc in pool.members.items():
         if name == victim:
             continue
-        for shards, records, seconds in _ASSIGNED.findall(proc.log_text()[logged.get(name, 0) :]):
+        logged = proc.log_text()[start.get(name, 0) : end.get(name)]
+        for shards, records, seconds in _ASSIGNED.findall(logged):
             out.append(
                 {
                     "member": name,
@@ -212,10 +234,22 @@ def format_lines(r: dict[str, Any]) -> list[str]:
             f"  back-pressure {'off' if not limit else f'{limit:,} in flight'}: killed "
             f"{run['killed']} (shards {lost['shards']}) after {run['killed_at_delivered']:,} "
             f"deliveries; the group settled {run['settled_after_kill_s']:.2f} s later; {rebuilt}",
-            f"    other shards: longest gap in deliveries {_opt(other['max_gap_after_kill_ms'], ',.0f', ' ms')}"
-            f" after the kill ({_opt(other['max_gap_before_kill_ms'], ',.0f', ' ms')} in the "
-            f"{_BEFORE_S:.0f} s before it); their last delivery "
-            f"{_opt(other['last_delivery_after_kill_s'], '.2f', ' s')} after the kill",
+            f"    other shards: longest gap in deliveries "
+            f"{_opt(other['max_gap_after_kill_ms'], ',.0f', ' ms')} after the kill "
+            f"({_opt(other['max_gap_before_kill_ms'], ',.0f', ' ms')} in the {_BEFORE_S:.0f} s "
+            f"before it), their last delivery "
+            f"{_opt(other['last_delivery_after_kill_s'], '.2f', ' s')} after the kill"
+            + "".join(
+                f"; shard {m['shard']} moved {m['from']} -> {m['to']} as the group rebalanced "
+                f"(its gap {_opt(m['max_gap_after_kill_ms'], ',.0f', ' ms')})"
+                for m in other["moved"]
+            )
+            + (
+                f"; on the shards that stayed with their owner "
+                f"{_opt(other['kept_max_gap_after_kill_ms'], ',.0f', ' ms')}"
+                if other["moved"]
+                else ""
+            ),
             f"    killed one's shards: delivering again {_opt(lost['resumed_after_kill_s'], '.2f', ' s')}"
             f" after the kill (silent {_opt(lost['silence_ms'], ',.0f', ' ms')}); "
             f"{run['throughput']['per_s']:,.0f} msg/s over the run; exactly once and in order: "

@@ -276,9 +276,9 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
             "exactly once, in order",
             "",
             *(
-                f"yes, {r['refused_commits']} refused"
-                if r["verified_exactly_once_in_order"]
-                else "NO"
+                ("yes" if r["verified_exactly_once_in_order"] else "NO")
+                + f", {r['refused_commits']} refused"
+                + (f", {r['receive_errors']} RECEIVE retried" if r["receive_errors"] else "")
                 for r in runs
             ),
         ]
