@@ -32,14 +32,14 @@ import prometheus_client
 import pytest
 
 import ksb.runtime.metrics  # noqa: F401  (registers the services' metrics in the default registry)
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, process_settings
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
-from ksb.settings import SparkSettings, settings_env
+from ksb.settings import settings_env
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import receive_all
 
@@ -157,7 +157,8 @@ class SparkExporter:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ksb.spark"],
                 cwd=log_path.parent,
-                env=settings_env(settings.narrow(SparkSettings)),
+                # As the Spark job's own principal (it may write the sla topic; the owner may not).
+                env=settings_env(process_settings(settings, "ksb.spark")),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
