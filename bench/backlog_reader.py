@@ -151,7 +151,6 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
         ]
         for t in threads:
             t.start()
-        fetchers = reader.fetchers
         drain_deadline = started + a.drain_timeout
         while not tally.done.wait(min(_PROGRESS_S, max(0.0, drain_deadline - time.monotonic()))):
             _emit(
@@ -159,8 +158,8 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
                 seconds=time.monotonic() - started,
                 delivered=tally.delivered,
                 receive_errors=tally.receive_errors,
-                seeks=sum(f.seeks for f in fetchers),
-                records_read_back=sum(f.records_read for f in fetchers),
+                seeks=sum(f.seeks for f in reader.fetchers),
+                records_read_back=sum(f.records_read for f in reader.fetchers),
             )
             if time.monotonic() >= drain_deadline:
                 break
@@ -197,8 +196,8 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
             last_receive_error=tally.last_error,
             problems=problems,
             peak_rss_kb=peak_rss_kb(),
-            seeks=sum(f.seeks for f in fetchers),
-            records_read_back=sum(f.records_read for f in fetchers),
+            seeks=sum(f.seeks for f in reader.fetchers),
+            records_read_back=sum(f.records_read for f in reader.fetchers),
         )
     return 0 if not problems else 1
 
