@@ -54,6 +54,20 @@ def test_group_priority_is_max_of_conversations_with_ready_messages() -> None:
     assert list(ix.candidates()) == ["g2", "g1"]
 
 
+def test_a_receive_naming_a_conversation_not_read_yet_waits_for_it_alone() -> None:
+    """Found by CI: a RECEIVE WHERE conversation_handle on a cold reader locked the best other
+    group and came back empty while the named conversation's message was still being read."""
+    ix = QueueIndex("Q")
+    ix.add(msg("g1", "a", 0, priority=9))
+    assert ix.lock_candidates(set(), 4, handle="b") == []
+    ix.add(msg("g2", "b", 0))
+    assert ix.lock_candidates(set(), 4, handle="b") == ["g2"]
+    assert ix.lock_candidates({"g2"}, 4, handle="b") == []
+    assert ix.lock_candidates(set(), 4, group="g3") == []
+    assert ix.lock_candidates(set(), 1) == ["g1"]
+    assert ix.lock_candidates({"g1"}, 4) == ["g2"]
+
+
 def test_within_group_highest_conversation_first_each_in_sequence() -> None:
     ix = QueueIndex("Q")
     for seq in (1, 0, 2):

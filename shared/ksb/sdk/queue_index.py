@@ -17,6 +17,7 @@ RECEIVE reads the chosen rows' records by partition and offset (`ksb.sdk.bodies`
 
 from __future__ import annotations
 
+import itertools
 from array import array
 from collections.abc import Container, Iterator
 from typing import NamedTuple
@@ -304,6 +305,29 @@ class QueueIndex:
             for group_id in sorted(self._levels[level], key=lambda g: groups[g].since):
                 if group_id not in exclude:
                     yield group_id
+
+    def lock_candidates(
+        self,
+        held: Container[str],
+        limit: int,
+        group: str | None = None,
+        handle: str | None = None,
+    ) -> list[str]:
+        """The groups a RECEIVE may try to lock now, best first.
+
+        A RECEIVE naming a group or a conversation waits for that one alone: a conversation the
+        index has not read yet has no candidate, never the best other group (locking another
+        group would answer a WHERE conversation_handle RECEIVE with nothing while its message
+        is still on its way).
+        """
+        target = group
+        if target is None and handle is not None:
+            target = self.group_of(handle)
+            if target is None:
+                return []
+        if target is not None:
+            return [target] if self.has_group(target) and target not in held else []
+        return list(itertools.islice(self.candidates(held), limit))
 
     def take(
         self,

@@ -210,18 +210,7 @@ class QueueReader:
 
     def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
         with self._cond:
-            target = group
-            if target is None and handle is not None:
-                target = self.index.group_of(handle)
-            if target is not None:
-                free = self.index.has_group(target) and target not in self.held
-                cands = [target] if free else []
-            else:
-                cands = []
-                for g in self.index.candidates(self.held):
-                    cands.append(g)
-                    if len(cands) >= _CANDIDATES_PER_TRY:
-                        break
+            cands = self.index.lock_candidates(self.held, _CANDIDATES_PER_TRY, group, handle)
         if not cands:
             return None
         lease = self.locks.acquire_first(cands)
