@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from confluent_kafka import Consumer, TopicPartition
 
@@ -23,7 +23,7 @@ from ksb.dialog.engine import Engine
 from ksb.names import Names
 from services.dispatcher.rebuild import load_shard
 
-__all__ = ["ShardKeeper"]
+__all__ = ["ShardKeeper", "fencing_offsets"]
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -47,6 +47,8 @@ class ShardKeeper:
         self._catalog = catalog
         self.loads = 0
         self.last_load_s = 0.0
+        self._committed: dict[tuple[str, int], int] = {}
+        """Offsets committed for the assigned partitions when they were assigned."""
 
     @property
     def owned(self) -> set[int]:
@@ -61,7 +63,11 @@ class ShardKeeper:
         if not new:
             return
         started = time.monotonic()
-        consumer.committed(partitions, timeout=STABLE_TIMEOUT_S)  # waits for stable offsets
+        for tp in consumer.committed(partitions, timeout=STABLE_TIMEOUT_S):  # waits until stable
+            if tp.offset >= 0:
+                self._committed[(tp.topic, tp.partition)] = tp.offset
+            else:
+                self._committed.pop((tp.topic, tp.partition), None)
         read = 0
         view = self._catalog()
         for shard in new:
@@ -83,7 +89,13 @@ class ShardKeeper:
     def on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._drop(partitions, "lost (this member was fenced)")
 
+    def fencing_offsets(self, positions: list[TopicPartition]) -> list[TopicPartition]:
+        """The offsets the next transaction commits (`fencing_offsets`)."""
+        return fencing_offsets(positions, self._committed)
+
     def _drop(self, partitions: list[TopicPartition], why: str) -> None:
+        for tp in partitions:
+            self._committed.pop((tp.topic, tp.partition), None)
         gone = sorted(
             tp.partition
             for tp in partitions
@@ -93,3 +105,23 @@ class ShardKeeper:
             self._engine.drop_shard(shard)
         if gone:
             log.info("shards %s %s; owning %s", gone, why, sorted(self.owned))
+
+
+def fencing_offsets(
+    positions: list[TopicPartition], committed: Mapping[tuple[str, int], int]
+) -> list[TopicPartition]:
+    """The offsets a transaction commits: every assigned partition's position, or the offset
+    committed when it was assigned where nothing has been read from it since.
+
+    Every transaction commits offsets, even one that only fires timers: the offsets commit is
+    what Kafka checks the member's generation on, so a dispatcher the group has moved on from
+    (paused past its session, cut off while Kafka restarted) cannot commit the timers of shards
+    that their new owner fires too (found by the chaos harness: a DialogTimer delivered twice
+    after a broker kill). Committing an offset again changes nothing.
+    """
+    out: list[TopicPartition] = []
+    for tp in positions:
+        offset = tp.offset if tp.offset >= 0 else committed.get((tp.topic, tp.partition))
+        if offset is not None:
+            out.append(TopicPartition(tp.topic, tp.partition, offset))
+    return out

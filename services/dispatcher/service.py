@@ -376,15 +376,14 @@ class Dispatcher(Service):
             self._write(self._handle(m, now), now)
         self._write(self.engine.tick(now), now)
         self._writer.flush()
-        if records:
-            positions = [
-                tp for tp in self._consumer.position(self._consumer.assignment()) if tp.offset >= 0
-            ]
+        assert self.shards is not None
+        offsets = self.shards.fencing_offsets(self._consumer.position(self._consumer.assignment()))
+        if offsets:
             # With a time limit: without one, librdkafka waits forever while the coordinator
             # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
             with self.watchdog.guard("send_offsets_to_transaction"):
                 p.send_offsets_to_transaction(
-                    positions, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
+                    offsets, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
                 )
         with self.watchdog.guard("commit_transaction"):
             p.commit_transaction(_TXN_CALL_TIMEOUT_S)

@@ -1,5 +1,6 @@
 """Several dispatcher processes share one instance: exactly once, in order, through membership
-changes (a member SIGKILLed, one SIGSTOPped until its shards moved, one added).
+changes (a member SIGKILLed, one SIGSTOPped until its shards moved, one added), and timers that
+fire once when their shard moves while they come due.
 
 Each test runs 100,000 messages over 1,000 dialogs through three dispatcher processes (six shards)
 with the SDK's readers committing what they receive, changes the group part way through, and
@@ -16,10 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
+from bench.e2e import (
+    CONTRACT,
+    INITIATOR,
+    INITIATOR_QUEUE,
+    TARGET,
+    KsbResult,
+    Tally,
+    bench_catalog,
+    run_ksb,
+)
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.sdk.client import KsbClient
+from tests.integration.support import endpoints, queue_receipts
 
 pytestmark = pytest.mark.integration
 
@@ -147,3 +159,39 @@ def test_a_fourth_dispatcher_joins_mid_stream_and_takes_a_share(
     pool.stop()
     counts = applied_by(pool)
     assert set(counts) == {"d1", "d2", "d3", "d4"} and counts["d4"] > 0, counts
+
+
+TIMED = 30
+TIMER_S = 12.0
+
+
+def test_a_timer_fires_once_when_its_dispatcher_is_paused_past_it(
+    scaled: Deployment, tmp_path: Path
+) -> None:
+    """d2 is paused while its shards' timers come due; d1 takes the shards and fires them. When
+    d2 wakes, its heap still holds them, due: its transaction must be refused, not committed
+    (found by the chaos harness as a DialogTimer delivered twice)."""
+    with DispatcherPool(scaled, tmp_path).start(2) as pool:
+        with KsbClient(scaled) as client:
+            handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(TIMED)]
+            for h in handles:
+                client.begin_conversation_timer(h, TIMER_S)
+            client.flush()
+        due = time.monotonic() + TIMER_S
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            eps = endpoints(scaled)
+            if all(h in eps and eps[h].timer_deadline_ms for h in handles):
+                break
+            time.sleep(0.2)
+        assert pool.owned()["d2"], pool.owned()
+        pool.pause("d2")
+        pool.wait_settled(60)
+        assert set(pool.owned()) == {"d1"}
+        time.sleep(max(0.0, due - time.monotonic()) + 3)  # d1 fires every timer
+        pool.resume("d2")
+        pool.wait_settled(60)  # d2 is back in the group: it tried whatever it had due first
+        assert set(pool.owned()) == {"d1", "d2"}
+        timers = queue_receipts(scaled, INITIATOR_QUEUE)
+        assert sorted(h for h, _n in (mid.rsplit(":", 1) for mid in timers)) == sorted(handles)
+        assert set(timers.values()) == {(1, 0)}, {m: c for m, c in timers.items() if c != (1, 0)}
