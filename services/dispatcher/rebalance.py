@@ -8,6 +8,14 @@ finishing one), so the state rebuilt next includes everything that transaction w
 rebuilds the shard from the compacted topics (`services.dispatcher.rebuild`). Giving a shard up,
 it forgets it: the transaction loop commits before it polls, so no open transaction holds work of
 a shard that moves.
+
+Two members must never work on one shard at once: both would commit the same work. The group
+coordinator promises that, but only as far as each member's heartbeats report what it owns. So a
+member takes its new partitions the moment it is told of them (a rebuild takes seconds, and
+heartbeats that report none of them meanwhile would tell the coordinator they were let go), and
+once a shard is rebuilt it asks the coordinator whether the shard is still its own. If not (the
+chaos harness caught a shard given to a second member while the first was rebuilding it, just
+after a broker restart) it takes none of them and rejoins the group.
 """
 
 from __future__ import annotations
@@ -16,19 +24,29 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from ksb.catalog.model import CatalogView
 from ksb.dialog.engine import Engine
 from ksb.names import Names
 from services.dispatcher.rebuild import load_shard
 
-__all__ = ["ShardKeeper", "fencing_offsets"]
+__all__ = ["AssignmentFailed", "ShardKeeper", "coordinator_shards", "fencing_offsets"]
 
 log = logging.getLogger("ksb.dispatcher")
 
 STABLE_TIMEOUT_S = 120.0
 """How long a new owner waits for the previous owner's last transaction to end."""
+
+
+class AssignmentFailed(RuntimeError):
+    """Shards just assigned cannot be taken safely (the coordinator no longer counts them as
+    this member's, or Kafka did not answer): the dispatcher rejoins the group."""
+
+
+HeldShards = Callable[[Consumer], set[int]]
+"""The shards the group coordinator counts as the given member's now."""
 
 
 class ShardKeeper:
@@ -40,11 +58,13 @@ class ShardKeeper:
         engine: Engine,
         loader: Consumer,
         catalog: Callable[[], CatalogView],
+        held: HeldShards,
     ) -> None:
         self._names = names
         self._engine = engine
         self._loader = loader
         self._catalog = catalog
+        self._held = held
         self.loads = 0
         self.last_load_s = 0.0
         self._committed: dict[tuple[str, int], int] = {}
@@ -55,6 +75,13 @@ class ShardKeeper:
         return self._engine.ownership.owned
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """The rebalance callback: take the partitions at once, then load their shards."""
+        consumer.incremental_assign(partitions)
+        self.load(consumer, partitions)
+
+    def load(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Rebuild the shards of assigned `partitions` this engine does not own yet, and own
+        them if the coordinator still counts them as this member's (else `AssignmentFailed`)."""
         # The relay topic is the anchor: its partition s comes and goes with shard s (the other
         # topics are co-partitioned with it; a requests topic created later only adds partitions).
         new = sorted(
@@ -63,16 +90,27 @@ class ShardKeeper:
         if not new:
             return
         started = time.monotonic()
-        for tp in consumer.committed(partitions, timeout=STABLE_TIMEOUT_S):  # waits until stable
-            if tp.offset >= 0:
-                self._committed[(tp.topic, tp.partition)] = tp.offset
-            else:
-                self._committed.pop((tp.topic, tp.partition), None)
-        read = 0
-        view = self._catalog()
-        for shard in new:
-            read += load_shard(self._loader, self._names, self._engine, view, shard)
-            self._engine.ownership.owned.add(shard)
+        try:
+            for tp in consumer.committed(partitions, timeout=STABLE_TIMEOUT_S):  # until stable
+                if tp.offset >= 0:
+                    self._committed[(tp.topic, tp.partition)] = tp.offset
+                else:
+                    self._committed.pop((tp.topic, tp.partition), None)
+            read = 0
+            view = self._catalog()
+            for shard in new:
+                read += load_shard(self._loader, self._names, self._engine, view, shard)
+            held = self._held(consumer)
+        except KafkaException as exc:
+            self._forget(new)
+            raise AssignmentFailed(f"shards {new} not rebuilt: {exc.args[0]}") from exc
+        taken = [shard for shard in new if shard not in held]
+        if taken:
+            self._forget(new)
+            raise AssignmentFailed(
+                f"shards {taken} are no longer this member's (the coordinator counts {sorted(held)})"
+            )
+        self._engine.ownership.owned.update(new)
         self.loads += 1
         self.last_load_s = time.monotonic() - started
         log.info(
@@ -82,6 +120,10 @@ class ShardKeeper:
             self.last_load_s,
             sorted(self.owned),
         )
+
+    def _forget(self, shards: list[int]) -> None:
+        for shard in shards:
+            self._engine.drop_shard(shard)
 
     def on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._drop(partitions, "revoked")
@@ -125,3 +167,18 @@ def fencing_offsets(
         if offset is not None:
             out.append(TopicPartition(tp.topic, tp.partition, offset))
     return out
+
+
+def coordinator_shards(admin: AdminClient, group: str, relay: str) -> HeldShards:
+    """`HeldShards` from the coordinator's description of the group: the relay partitions in
+    the member's current assignment (none when the group does not list the member)."""
+
+    def held(consumer: Consumer) -> set[int]:
+        member = consumer.memberid()
+        desc = admin.describe_consumer_groups([group], request_timeout=15)[group].result()
+        for m in desc.members:
+            if m.member_id == member:
+                return {tp.partition for tp in m.assignment.topic_partitions if tp.topic == relay}
+        return set()
+
+    return held

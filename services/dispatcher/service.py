@@ -70,7 +70,7 @@ from ksb.wire.protocol import (
 from ksb.wire.relay import RelayRequest
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
-from services.dispatcher.rebalance import ShardKeeper
+from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, coordinator_shards
 from services.dispatcher.routing import Router
 from services.dispatcher.watchdog import Watchdog
 from services.dispatcher.writer import OutputWriter
@@ -161,9 +161,13 @@ class Dispatcher(Service):
             time.sleep(max(0, min(wait_ms, 100)) / 1000)
             return
         try:
-            self.apply_batch()
-        except KafkaException as exc:
-            self._recover(exc)
+            try:
+                self.apply_batch()
+            except KafkaException as exc:
+                self._recover(exc)  # which may rebuild the shards (`_reset`)
+        except AssignmentFailed as exc:
+            log.warning("%s; rejoining the group", exc)
+            self._rejoin()
 
     def close(self) -> None:
         HEALTHY.labels("dispatcher").set(0)
@@ -205,7 +209,8 @@ class Dispatcher(Service):
         self._writer = OutputWriter(self._producer, self.names, shards, self.audit)
         self._router = Router(self.names, shards)
         self._loader = kafka.consumer(s)
-        self.shards = ShardKeeper(self.names, self.engine, self._loader, self._view)
+        held = coordinator_shards(admin, self.names.dispatcher_group, self.names.relay)
+        self.shards = ShardKeeper(self.names, self.engine, self._loader, self._view, held)
         self._pieces = Reassembler()
         self._queue_metrics.declare(view)
         self._subscribe()
@@ -493,7 +498,12 @@ class Dispatcher(Service):
         assert self._consumer is not None and self.engine is not None
         for shard in sorted(self.engine.ownership.owned):
             self.engine.drop_shard(shard)
-        self._consumer.close()
+        try:
+            self._consumer.close()
+        except KafkaException as exc:
+            # Leaving needs Kafka (committed offsets, the leave heartbeat); without it the old
+            # member expires with its session instead (found by the chaos harness).
+            log.warning("consumer not closed cleanly (%s); its membership expires", exc)
         self._pieces = Reassembler()
         self._subscribe()
 
@@ -505,7 +515,7 @@ class Dispatcher(Service):
         for shard in owned:
             self.engine.drop_shard(shard)
         relay = [tp for tp in assignment if tp.topic == self.names.relay]
-        self.shards.on_assign(self._consumer, relay)
+        self.shards.load(self._consumer, relay)
         for tp in self._consumer.committed(assignment, timeout=60):
             if tp.offset >= 0:
                 self._consumer.seek(tp)

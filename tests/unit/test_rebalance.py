@@ -1,10 +1,19 @@
-"""The offsets every dispatcher transaction commits, so that Kafka fences a left-behind member."""
+"""Taking shards from the consumer group, and the offsets every dispatcher transaction commits
+(so that Kafka fences a member the group left behind)."""
 
 from __future__ import annotations
 
-from confluent_kafka import OFFSET_INVALID, TopicPartition
+from typing import Any, cast
 
-from services.dispatcher.rebalance import fencing_offsets
+import pytest
+from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
+
+from ksb.catalog.model import CatalogView, parse_catalog
+from ksb.dialog.engine import Engine
+from ksb.dialog.shards import Ownership
+from ksb.names import Names
+from services.dispatcher import rebalance
+from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, fencing_offsets
 
 
 def _pairs(tps: list[TopicPartition]) -> list[tuple[str, int, int]]:
@@ -31,3 +40,78 @@ def test_a_timer_only_transaction_still_commits_offsets_the_generation_is_checke
 
 def test_a_partition_never_committed_nor_read_is_left_out() -> None:
     assert fencing_offsets([TopicPartition("relay", 2, OFFSET_INVALID)], {}) == []
+
+
+class _Consumer:
+    """What the shard keeper asks of the group's consumer."""
+
+    def __init__(self, committed: dict[tuple[str, int], int]) -> None:
+        self.assigned: list[tuple[str, int]] = []
+        self._committed = committed
+
+    def incremental_assign(self, partitions: list[TopicPartition]) -> None:
+        self.assigned += [(tp.topic, tp.partition) for tp in partitions]
+
+    def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+        if self._committed is None:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+        return [
+            TopicPartition(
+                tp.topic, tp.partition, self._committed.get((tp.topic, tp.partition), -1001)
+            )
+            for tp in partitions
+        ]
+
+
+NAMES = Names("u")
+
+
+def _keeper(
+    monkeypatch: pytest.MonkeyPatch, held: set[int]
+) -> tuple[ShardKeeper, Engine, list[int]]:
+    loaded: list[int] = []
+
+    def load_shard(_c: object, _n: Names, _e: Engine, _v: CatalogView, shard: int) -> int:
+        loaded.append(shard)
+        return 10
+
+    monkeypatch.setattr(rebalance, "load_shard", load_shard)
+    view = CatalogView(parse_catalog({}))
+    engine = Engine(view, instance="u", max_body_bytes=1000, ownership=Ownership(4, owned=()))
+    keeper = ShardKeeper(NAMES, engine, cast(Any, None), lambda: view, lambda _c: set(held))
+    return keeper, engine, loaded
+
+
+def _relay(*shards: int) -> list[TopicPartition]:
+    return [TopicPartition(NAMES.relay, s) for s in shards]
+
+
+def test_new_partitions_are_taken_at_once_then_owned_when_the_coordinator_agrees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keeper, engine, loaded = _keeper(monkeypatch, held={0, 1, 3})
+    consumer = _Consumer({(NAMES.relay, 1): 7})
+    keeper.on_assign(cast(Any, consumer), _relay(0, 1))
+    assert consumer.assigned == [(NAMES.relay, 0), (NAMES.relay, 1)]
+    assert loaded == [0, 1] and engine.ownership.owned == {0, 1}
+    assert _pairs(keeper.fencing_offsets([TopicPartition(NAMES.relay, 1, OFFSET_INVALID)])) == [
+        (NAMES.relay, 1, 7)
+    ]
+
+
+def test_a_shard_the_coordinator_gave_away_while_it_was_rebuilt_is_not_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the chaos harness: after a broker restart a shard went to a second member while
+    the first one was still rebuilding it, and both fired its timers."""
+    keeper, engine, loaded = _keeper(monkeypatch, held={1})
+    with pytest.raises(AssignmentFailed, match=r"shards \[0\] are no longer this member's"):
+        keeper.on_assign(cast(Any, _Consumer({})), _relay(0, 1))
+    assert loaded == [0, 1] and engine.ownership.owned == set()
+
+
+def test_a_rebuild_kafka_does_not_answer_owns_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    keeper, engine, _loaded = _keeper(monkeypatch, held={0})
+    with pytest.raises(AssignmentFailed, match="not rebuilt"):
+        keeper.load(cast(Any, _Consumer(cast(Any, None))), _relay(0))
+    assert engine.ownership.owned == set()
