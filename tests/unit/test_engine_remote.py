@@ -285,3 +285,33 @@ def test_records_between_instances_are_keyed_by_the_receiving_group(a: Engine, b
     assert b.endpoints[target_handle("c9")].far_group == "orders-7"
     [reply] = send(b, target_handle("c9"), "Rep", "r").transmissions
     assert (reply.to_group, reply.key, reply.from_group) == ("orders-7", "orders-7", None)
+
+
+def test_an_end_applied_in_an_aborted_transaction_closes_again_when_redelivered(
+    a: Engine, b: Engine
+) -> None:
+    """Found by the chaos harness: B's transaction that closed its ended endpoints was aborted
+    (the consumer group had moved on), B rebuilt the shard from Kafka and read A's EndDialog
+    again, but still remembered the endpoint as closed and only acknowledged it: its
+    DISCONNECTED_OUTBOUND record stayed for ever."""
+    begin(a)
+    out = b.handle(send(a, "c1", "Req", "{}").transmissions[0], NOW)
+    _receive_all(b, out)
+    th = target_handle("c1")
+    end_b = b.handle(EndRequest(handle=th), NOW)
+    committed = encode_endpoint(next(e for e in end_b.endpoints if e.handle == th))
+    a.handle(end_b.transmissions[0], NOW)
+    last = a.handle(EndRequest(handle="c1"), NOW).transmissions[0]
+    first = b.handle(last, NOW)
+    assert [e.state for e in first.endpoints if e.handle == th] == [State.CLOSED]
+    assert th not in b.endpoints
+    # the transaction is aborted: B gives the shard up and rebuilds it from what was committed
+    shard = b.ownership.shard(th)
+    b.drop_shard(shard)
+    b.ownership.owned.add(shard)
+    b.load_endpoint(decode_endpoint(committed))
+    b.finish_load()
+    assert b.endpoints[th].state is State.DISCONNECTED_OUTBOUND
+    again = b.handle(last, NOW)
+    assert [e.state for e in again.endpoints if e.handle == th] == [State.CLOSED]
+    assert th not in b.endpoints and again.acks[0].ack_seq == 1

@@ -14,7 +14,7 @@ no trace. The rules themselves live in one module each: `begin`, `send`, `end`, 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from ksb.catalog.model import CatalogView
 from ksb.dialog.begin import begin
@@ -125,8 +125,13 @@ class Engine:
             self.endpoints.pop(ep.handle, None)
             self.remote.windows.pop(ep.handle, None)
             self._group_sizes.pop((ep.queue, ep.group), None)
-        self.inflight.drop(lambda group: self.ownership.shard(group) == shard)
-        self.fences.drop(lambda group: self.ownership.shard(group) == shard)
+        in_shard = self._in_shard(shard)
+        self.inflight.drop(in_shard)
+        self.fences.drop(in_shard)
+        self.remote.drop(in_shard)
+
+    def _in_shard(self, shard: int) -> Callable[[str], bool]:
+        return lambda group: self.ownership.shard(group) == shard
 
     # ------------------------------------------------------------------ requests
     def handle(

@@ -13,6 +13,7 @@ picked up within the stale age (10 s by default, `DispatcherSettings.inbound_sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ksb.catalog.model import ERROR
@@ -53,7 +54,8 @@ class RemoteWindows:
 
     def __init__(self) -> None:
         self.windows: dict[str, ReceiveWindow[InboundMessage]] = {}
-        self.closed: set[str] = set()
+        self.closed: dict[str, str] = {}
+        """Handle -> conversation group of each closed endpoint of a remote dialog."""
         self.clock = _StepClock()
 
     def window(self, receiver: Endpoint, now: int) -> ReceiveWindow[InboundMessage]:
@@ -69,7 +71,15 @@ class RemoteWindows:
     def closed_endpoint(self, ep: Endpoint) -> None:
         self.windows.pop(ep.handle, None)
         if ep.far_instance is not None:
-            self.closed.add(ep.handle)
+            self.closed[ep.handle] = ep.group
+
+    def drop(self, gone: Callable[[str], bool]) -> None:
+        """Forget the closed endpoints of the groups `gone` names (a shard given up, or rebuilt
+        after an aborted transaction: what it closed may not have been committed, and the
+        rebuild knows again what was; found by the chaos harness, where remembering them kept
+        a redelivered EndDialog from closing endpoints whose CLOSED records were aborted)."""
+        for handle in [h for h, group in self.closed.items() if gone(group)]:
+            del self.closed[handle]
 
     def purge(self, now_ms: int, max_age_ms: int) -> int:
         """Drop early arrivals held longer than `max_age_ms` (the dispatcher's per-tick task).
@@ -84,7 +94,8 @@ def inbound(eng: Engine, stage: Stage, msg: InboundMessage, now: int) -> None:
     """A message from another instance: dedupe and order per direction, enqueue, acknowledge.
 
     Nothing here raises after the window has moved, so the window and the stage stay in step;
-    a failed Kafka transaction rebuilds the whole engine (and so every window) anyway.
+    a failed Kafka transaction rebuilds its shards, whose windows and closed endpoints are
+    forgotten first (`Engine.drop_shard`).
     """
     if msg.to_instance != eng.instance:
         # Passing through: the forwarder reads the same topic and sends it on; the final
