@@ -15,6 +15,11 @@ this process), so "all processes" compares like with like. Messages per dispatch
 of the dialogs whose shards it owned (the pool has settled before the run and nothing changes it),
 beside the records each member says it applied (requests and relayed records, warm-up and probes
 included) when it stops.
+
+Before the first count, ``warmup_messages`` go through KSB once, unmeasured, on an instance of
+their own: the raw baseline warms the broker's produce and fetch paths the same way, and without
+it the first count alone would pay the fresh JVM compiling transactions, compaction and group
+code (the broker's JIT compiler threads took more CPU than its request handlers in such a run).
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class ScalingOptions:
     max_inflight_requests: int = 2_000
     """The sender's back-pressure limit (0 would turn it off)."""
     timeout_s: float = 180.0
+    warmup_messages: int = 10_000
+    """Messages through KSB (one dispatcher) before the first count, unmeasured (0: none)."""
 
 
 def sharded_instance(base: Deployment, suffix: str, shards: int, **update: Any) -> Deployment:
@@ -92,8 +99,36 @@ def run_scaling(
     base: Deployment, opts: ScalingOptions, workdir: Path, stack_pids: dict[str, int]
 ) -> dict[str, Any]:
     """One e2e run per dispatcher count; ``stack_pids`` names the broker's and Redis's pids."""
+    warmup_s = _warm_up(base, opts, workdir)
     runs = [_run_one(base, n, opts, workdir, stack_pids) for n in opts.counts]
-    return {"config": asdict(opts), "runs": runs}
+    return {"config": asdict(opts), "warmup_s": warmup_s, "runs": runs}
+
+
+def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | None:
+    """Run `opts.warmup_messages` through one dispatcher, unmeasured; how long it took."""
+    if opts.warmup_messages <= 0:
+        return None
+    settings = sharded_instance(
+        base, "w", opts.shards, max_inflight_requests=opts.max_inflight_requests
+    )
+    apply_catalog(settings, bench_catalog(opts.queue_partitions))
+    started = time.monotonic()
+    with DispatcherPool(settings, workdir / "scaling-warmup") as pool:
+        pool.start(1)
+        run_ksb(
+            settings,
+            dialogs=min(opts.dialogs, opts.warmup_messages),
+            messages=opts.warmup_messages,
+            body_bytes=opts.body_bytes,
+            receivers=opts.receivers,
+            window=opts.window,
+            top=opts.top,
+            probes=0,
+            timeout_s=opts.timeout_s,
+        )
+    took = time.monotonic() - started
+    log.info("scaling: broker warmed with %d KSB messages in %.1f s", opts.warmup_messages, took)
+    return took
 
 
 def _run_one(
@@ -183,6 +218,15 @@ def ratios(run: dict[str, Any], raw: dict[str, Any]) -> dict[str, float | None]:
         ),
         "cpu_all": over(cpu, raw.get("cpu_ms_per_message", {}).get("all")),
     }
+
+
+def _warmed(cfg: dict[str, Any], seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    return (
+        f"; the broker warmed first with {cfg['warmup_messages']:,} KSB messages "
+        f"({seconds:.0f} s, unmeasured, as raw Kafka is warmed before its run)"
+    )
 
 
 def _count(n: int | None) -> str:
@@ -287,7 +331,8 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         f"raw Kafka and KSB by dispatcher count: {cfg['messages']:,} x {cfg['body_bytes']} B over "
         f"{cfg['dialogs']:,} dialogs, {cfg['shards']} shards, target queue "
         f"{cfg['queue_partitions']} partitions, {cfg['receivers']} receiver threads x window "
-        f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight",
+        f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight"
+        + _warmed(cfg, s.get("warmup_s")),
         *_table(rows),
         "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
         "warm-up and probes included; CPU over the loaded phase):",
