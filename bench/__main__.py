@@ -145,7 +145,7 @@ def _backlog_options(a: argparse.Namespace) -> BacklogOptions:
 def _security_options(quick: bool) -> SecurityOptions:
     """One stack start per mode (three): `python -m bench.security` alone does two each."""
     if quick:
-        return SecurityOptions(starts=1, applies=2, records=2_000, trials=1)
+        return SecurityOptions(starts=1, applies=2, records=2_000, trials=1, one_at_a_time=50)
     return SecurityOptions(starts=1)
 
 

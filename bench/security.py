@@ -8,7 +8,9 @@ modes alike:
   one ``ksb acl apply``), and an apply that changes nothing;
 * a producer's throughput, 1 KiB records with lz4, ``acks=all``, idempotent, as an application
   principal (not a super user: ACL checks are on the path) against PLAINTEXT, SASL_PLAINTEXT and
-  SASL_SSL stacks running side by side.
+  SASL_SSL stacks running side by side;
+* the same producer's latency one record at a time (produce to acknowledged, ``acks=all``), the
+  cost a request pays for authentication, encryption and ACL checks when nothing queues.
 
 Writes ``var/bench/security.json`` and prints a table.
 """
@@ -84,17 +86,37 @@ def _producer_target(stack: LocalStack) -> tuple[Deployment, str]:
     return owner, names.requests_of(owner.acting_principal)
 
 
-def _throughput(who: Deployment, topic: str, records: int, body: bytes) -> float:
-    p = Producer(
+def _producer(who: Deployment, linger_ms: int) -> Producer:
+    return Producer(
         {
             "bootstrap.servers": who.kafka_bootstrap,
             **kafka.client_security(who, who.kafka_bootstrap),
             "enable.idempotence": True,
             "acks": "all",
-            "linger.ms": 5,
+            "linger.ms": linger_ms,
             "compression.type": "lz4",
         }
     )
+
+
+def _latencies_ms(who: Deployment, topic: str, records: int, body: bytes) -> list[float]:
+    """Produce `records` one at a time, each flushed before the next: ms to acknowledged."""
+    p = _producer(who, 0)
+    for _ in range(20):  # connections and metadata are not what is measured
+        p.produce(topic, value=body)
+    p.flush(60)
+    out: list[float] = []
+    for _ in range(records):
+        t = time.perf_counter()
+        p.produce(topic, value=body)
+        left = p.flush(30)
+        assert left == 0, "a record was not acknowledged in 30 s"
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
+def _throughput(who: Deployment, topic: str, records: int, body: bytes) -> float:
+    p = _producer(who, 5)
     for _ in range(1000):  # connections and metadata are not what is measured
         p.produce(topic, value=body)
     p.flush(60)
@@ -120,6 +142,8 @@ class SecurityOptions:
     records: int = 20_000
     trials: int = 3
     """Throughput trials per mode."""
+    one_at_a_time: int = 200
+    """Records produced one at a time per mode and trial, for the latency."""
 
 
 def run_security(opts: SecurityOptions) -> dict[str, Any]:
@@ -140,14 +164,22 @@ def run_security(opts: SecurityOptions) -> dict[str, Any]:
             result["apply"] = _applies(stacks["sasl"], opts.applies)
             targets = {m: _producer_target(s) for m, s in stacks.items()}
             rates: dict[str, list[float]] = {m: [] for m in MODES}
+            waits: dict[str, list[float]] = {m: [] for m in MODES}
             for _ in range(opts.trials):
                 for mode in MODES:
                     rates[mode].append(_throughput(*targets[mode], opts.records, body))
+                    waits[mode] += _latencies_ms(*targets[mode], opts.one_at_a_time, body)
             result["produce_msg_s"] = {m: [round(r) for r in rs] for m, rs in rates.items()}
+            result["one_at_a_time_ms"] = {m: _percentiles(ws) for m, ws in waits.items()}
         finally:
             for s in stacks.values():
                 s.stop()
     return result
+
+
+def _percentiles(ms: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(ms, n=100, method="inclusive")
+    return {"p50": round(q[49], 2), "p99": round(q[98], 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,18 +204,28 @@ def format_lines(result: dict[str, Any]) -> list[str]:
     starts, rates = result["start_s"], result["produce_msg_s"]
     cfg = result["config"]
     base = statistics.median(rates["plaintext"])
+    waits = result.get("one_at_a_time_ms", {})
     lines = [
         f"security on/off: {cfg['starts']} stack start(s) per mode, {cfg['trials']} producer "
         f"trial(s) of {cfg['records']:,} x 1 KiB per mode as an application principal, "
-        f"{cfg['applies']} instances secured",
-        f"  {'mode':<10} {'stack start (s)':>18} {'produce msg/s (median)':>24} {'vs plaintext':>13}",
+        f"{cfg['applies']} instances secured; one at a time = produce to acknowledged (acks=all)",
+        f"  {'mode':<10} {'stack start (s)':>16} {'produce msg/s (median)':>23} {'vs plaintext':>13}"
+        f" {'one at a time p50 / p99':>24} {'vs plaintext':>13}",
     ]
+    base_wait = waits.get("plaintext")
     for mode in MODES:
         rate = statistics.median(rates[mode])
-        lines.append(
-            f"  {mode:<10} {statistics.median(starts[mode]):>18.1f} {rate:>24,.0f} "
+        line = (
+            f"  {mode:<10} {statistics.median(starts[mode]):>16.1f} {rate:>23,.0f} "
             f"{rate / base:>12.2f}x"
         )
+        w = waits.get(mode)
+        if w and base_wait:
+            line += (
+                f" {w['p50']:>11.2f} / {w['p99']:>6.2f} ms"
+                f" {w['p50'] / base_wait['p50']:>7.2f}x / {w['p99'] / base_wait['p99']:.2f}x"
+            )
+        lines.append(line)
     a = result["apply"]
     lines.append(
         f"  one instance's principals + topics + ACLs + Redis users: p50 {a['apply_p50_s']} s "
