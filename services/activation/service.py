@@ -229,7 +229,13 @@ class ActivationService(Service):
         tick, self._monitor_tick = self._monitor_tick, False
         changed = False
         for w in list(self.watches.values()):
-            changed |= self._check(w, tick)
+            try:
+                changed |= self._check(w, tick)
+            except redis.RedisError as exc:
+                # Redis restarted, refused or too slow: this queue is checked again next time,
+                # from what Redis holds then, instead of the service exiting (found by the chaos
+                # harness, where every Redis kill ended the activation service).
+                log.warning("queue %s not checked this time: Redis %r", w.queue.name, exc)
         if changed and self._rows is not None:
             self._rows.offer(self._rows_snapshot())
         time.sleep(self.settings.activation_check_ms / 1000)

@@ -8,9 +8,11 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import redis
 from prometheus_client import REGISTRY
 
 from ksb.clock import ManualClock
@@ -242,3 +244,30 @@ def test_the_activation_service_restarts_a_dead_handler_on_its_next_tick() -> No
         assert sample("ksb_task_handler_restarts_total", "activation") == restarts + 1
     finally:
         act.handlers.stop(2)
+
+
+def test_a_redis_failure_in_a_queue_check_does_not_end_the_activation_service(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the chaos harness: every Redis kill ended the activation service."""
+    settings = ActivationSettings(
+        instance="unit", redis_url="redis://127.0.0.1:1/0", activation_check_ms=10
+    )
+    act = ActivationService(
+        settings, clock=ManualClock(start_ms=0), redis_client=redis_client(settings)
+    )
+    checked: list[str] = []
+
+    def check(w: Any, _tick: bool) -> bool:
+        checked.append(w.queue.name)
+        if w.queue.name == "Q1":
+            raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:1. Connection refused.")
+        return False
+
+    watches = {n: SimpleNamespace(queue=SimpleNamespace(name=n)) for n in ("Q1", "Q2")}
+    monkeypatch.setattr(act, "watches", watches)
+    monkeypatch.setattr(act, "_check", check)
+    act.step()
+    act.step()
+    assert checked == ["Q1", "Q2", "Q1", "Q2"]
+    assert "queue Q1 not checked this time" in caplog.text
