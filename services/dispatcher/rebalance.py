@@ -76,6 +76,7 @@ class ShardKeeper:
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """The rebalance callback: take the partitions at once, then load their shards."""
+        log.info("partitions %s given; taking them", _named(partitions))
         consumer.incremental_assign(partitions)
         self.load(consumer, partitions)
 
@@ -182,3 +183,7 @@ def coordinator_shards(admin: AdminClient, group: str, relay: str) -> HeldShards
         return set()
 
     return held
+
+
+def _named(partitions: list[TopicPartition]) -> str:
+    return ", ".join(sorted(f"{tp.topic.rsplit('.', 1)[-1]}[{tp.partition}]" for tp in partitions))
