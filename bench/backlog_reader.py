@@ -20,10 +20,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.e2e import TARGET_QUEUE
+from bench.e2e import TARGET_QUEUE, receive_batch
 from bench.stats import parse_body, peak_rss_kb, rss_kb
 from ksb.errors import KsbError
 from ksb.sdk.client import KsbClient
+from ksb.sdk.reader import QueueReader
 from ksb.settings import ClientSettings
 
 __all__ = ["main"]
@@ -31,6 +32,14 @@ __all__ = ["main"]
 
 _PROGRESS_S = 30.0
 """How often the drain reports how far it got."""
+
+
+def _read_back(reader: QueueReader) -> dict[str, int]:
+    """How often the reader's fetchers seeked, and how many records they read back."""
+    return {
+        "seeks": sum(f.seeks for f in reader.fetchers),
+        "records_read_back": sum(f.records_read for f in reader.fetchers),
+    }
 
 
 def _emit(phase: str, **fields: Any) -> None:
@@ -92,16 +101,13 @@ def _drain_until_done(client: KsbClient, tally: _Drained, *, top: int | None, wi
                 outstanding.popleft().result(60)
             continue
         tx = client.transaction()
-        try:
-            msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=200)
-        except KsbError as exc:  # its messages are still there: counted, rolled back, again
-            tx.rollback()
+        msgs, failed = receive_batch(tx, top=top, waitfor_ms=200)
+        if failed is not None:
             with tally.lock:
                 tally.receive_errors += 1
-                tally.last_error = str(exc)
+                tally.last_error = str(failed)
             continue
         if not msgs:
-            tx.rollback()
             continue
         batch = []
         for m in msgs:
@@ -158,8 +164,7 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
                 seconds=time.monotonic() - started,
                 delivered=tally.delivered,
                 receive_errors=tally.receive_errors,
-                seeks=sum(f.seeks for f in reader.fetchers),
-                records_read_back=sum(f.records_read for f in reader.fetchers),
+                **_read_back(reader),
             )
             if time.monotonic() >= drain_deadline:
                 break
@@ -196,8 +201,7 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
             last_receive_error=tally.last_error,
             problems=problems,
             peak_rss_kb=peak_rss_kb(),
-            seeks=sum(f.seeks for f in reader.fetchers),
-            records_read_back=sum(f.records_read for f in reader.fetchers),
+            **_read_back(reader),
         )
     return 0 if not problems else 1
 

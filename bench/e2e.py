@@ -23,7 +23,7 @@ from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, sum
 from devtools.deployment import Deployment
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
-from ksb.sdk.client import KsbClient
+from ksb.sdk.client import KsbClient, Transaction
 from ksb.wire.protocol import QueueMessage
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "Tally",
     "bench_catalog",
     "check_run",
+    "receive_batch",
     "run_ksb",
     "start_receivers",
 ]
@@ -172,6 +173,21 @@ def _settle(client: KsbClient, fut: Future[Any], timeout_s: float) -> None:
         client.wait(fut, timeout_s)
 
 
+def receive_batch(
+    tx: Transaction, *, top: int | None, waitfor_ms: int
+) -> tuple[list[QueueMessage], KsbError | None]:
+    """One RECEIVE on the target queue; `tx` is rolled back when it got nothing or failed (a body
+    not read back in time: its messages are still there, to be received again)."""
+    try:
+        msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=waitfor_ms)
+    except KsbError as exc:
+        tx.rollback()
+        return [], exc
+    if not msgs:
+        tx.rollback()
+    return msgs, None
+
+
 def _receive_loop(
     client: KsbClient,
     tally: Tally,
@@ -191,16 +207,13 @@ def _receive_loop(
                 wait(outstanding, timeout=30, return_when=FIRST_COMPLETED)
                 continue
             tx = client.transaction()
-            try:
-                msgs = tx.receive(TARGET_QUEUE, top=top, waitfor_ms=100)
-            except KsbError:  # its messages are still there: counted, rolled back, received again
-                log.warning("RECEIVE failed; rolled back", exc_info=True)
-                tx.rollback()
+            msgs, failed = receive_batch(tx, top=top, waitfor_ms=100)
+            if failed is not None:
+                log.warning("RECEIVE failed; rolled back: %s", failed)
                 with tally.lock:
                     tally.receive_errors += 1
                 continue
             if not msgs:
-                tx.rollback()
                 continue
             batch = [_decode(m) for m in msgs]
             try:

@@ -27,11 +27,12 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import Tally, bench_catalog, run_ksb
+from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
 from bench.stats import CpuMeter, fmt_ms, peak_rss_kb
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
@@ -108,36 +109,54 @@ def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | N
     """Run `opts.warmup_messages` through one dispatcher, unmeasured; how long it took."""
     if opts.warmup_messages <= 0:
         return None
-    settings = sharded_instance(
-        base, "w", opts.shards, max_inflight_requests=opts.max_inflight_requests
-    )
-    apply_catalog(settings, bench_catalog(opts.queue_partitions))
+    settings = _instance(base, "w", opts)
     started = time.monotonic()
     with DispatcherPool(settings, workdir / "scaling-warmup") as pool:
         pool.start(1)
-        run_ksb(
-            settings,
-            dialogs=min(opts.dialogs, opts.warmup_messages),
-            messages=opts.warmup_messages,
-            body_bytes=opts.body_bytes,
-            receivers=opts.receivers,
-            window=opts.window,
-            top=opts.top,
-            probes=0,
-            timeout_s=opts.timeout_s,
-        )
+        _load(settings, opts, opts.warmup_messages, Tally(expected=opts.warmup_messages), probes=0)
     took = time.monotonic() - started
     log.info("scaling: broker warmed with %d KSB messages in %.1f s", opts.warmup_messages, took)
     return took
 
 
+def _instance(base: Deployment, suffix: str, opts: ScalingOptions) -> Deployment:
+    """A secured instance of its own with the run's shards, back-pressure and catalog."""
+    settings = sharded_instance(
+        base, suffix, opts.shards, max_inflight_requests=opts.max_inflight_requests
+    )
+    apply_catalog(settings, bench_catalog(opts.queue_partitions))
+    return settings
+
+
+def _load(
+    settings: Deployment,
+    opts: ScalingOptions,
+    messages: int,
+    tally: Tally,
+    *,
+    probes: int,
+    on_load: Callable[[bool], None] | None = None,
+) -> KsbResult:
+    """The e2e load of `opts` (bench/e2e.py) with `messages` over at most `opts.dialogs`."""
+    return run_ksb(
+        settings,
+        dialogs=min(opts.dialogs, messages),
+        messages=messages,
+        body_bytes=opts.body_bytes,
+        receivers=opts.receivers,
+        window=opts.window,
+        top=opts.top,
+        probes=probes,
+        timeout_s=opts.timeout_s,
+        tally=tally,
+        on_load=on_load,
+    )
+
+
 def _run_one(
     base: Deployment, count: int, opts: ScalingOptions, workdir: Path, stack_pids: dict[str, int]
 ) -> dict[str, Any]:
-    settings = sharded_instance(
-        base, f"x{count}", opts.shards, max_inflight_requests=opts.max_inflight_requests
-    )
-    apply_catalog(settings, bench_catalog(opts.queue_partitions))
+    settings = _instance(base, f"x{count}", opts)
     tally = Tally(expected=opts.messages)
     with DispatcherPool(settings, workdir / f"scaling-{count}") as pool:
         started = time.monotonic()
@@ -147,19 +166,7 @@ def _run_one(
         pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
         meter = CpuMeter({**pids, **stack_pids, "client": None})
         log.info("scaling: %d dispatcher(s) own %s", count, owned)
-        result = run_ksb(
-            settings,
-            dialogs=opts.dialogs,
-            messages=opts.messages,
-            body_bytes=opts.body_bytes,
-            receivers=opts.receivers,
-            window=opts.window,
-            top=opts.top,
-            probes=opts.probes,
-            timeout_s=opts.timeout_s,
-            tally=tally,
-            on_load=meter.mark,
-        )
+        result = _load(settings, opts, opts.messages, tally, probes=opts.probes, on_load=meter.mark)
         rss = {name: peak_rss_kb(pid) for name, pid in pids.items()}
         pool.stop()
         applied = applied_by(pool)

@@ -29,6 +29,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from bench.stats import now_ns, summarize
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import LocalStack, start_stack
 from devtools.processes import REPO_ROOT
@@ -99,19 +100,19 @@ def _producer(who: Deployment, linger_ms: int) -> Producer:
     )
 
 
-def _latencies_ms(who: Deployment, topic: str, records: int, body: bytes) -> list[float]:
-    """Produce `records` one at a time, each flushed before the next: ms to acknowledged."""
+def _latencies_ns(who: Deployment, topic: str, records: int, body: bytes) -> list[int]:
+    """Produce `records` one at a time, each flushed before the next: ns to acknowledged."""
     p = _producer(who, 0)
     for _ in range(20):  # connections and metadata are not what is measured
         p.produce(topic, value=body)
     p.flush(60)
-    out: list[float] = []
+    out: list[int] = []
     for _ in range(records):
-        t = time.perf_counter()
+        t = now_ns()
         p.produce(topic, value=body)
         left = p.flush(30)
         assert left == 0, "a record was not acknowledged in 30 s"
-        out.append((time.perf_counter() - t) * 1000)
+        out.append(now_ns() - t)
     return out
 
 
@@ -165,22 +166,17 @@ def run_security(opts: SecurityOptions) -> dict[str, Any]:
             result["apply"] = _applies(stacks["sasl"], opts.applies)
             targets = {m: _producer_target(s) for m, s in stacks.items()}
             rates: dict[str, list[float]] = {m: [] for m in MODES}
-            waits: dict[str, list[float]] = {m: [] for m in MODES}
+            waits: dict[str, list[int]] = {m: [] for m in MODES}
             for _ in range(opts.trials):
                 for mode in MODES:
                     rates[mode].append(_throughput(*targets[mode], opts.records, body))
-                    waits[mode] += _latencies_ms(*targets[mode], opts.one_at_a_time, body)
+                    waits[mode] += _latencies_ns(*targets[mode], opts.one_at_a_time, body)
             result["produce_msg_s"] = {m: [round(r) for r in rs] for m, rs in rates.items()}
-            result["one_at_a_time_ms"] = {m: _percentiles(ws) for m, ws in waits.items()}
+            result["one_at_a_time_ms"] = {m: summarize(ws).as_json() for m, ws in waits.items()}
         finally:
             for s in stacks.values():
                 s.stop()
     return result
-
-
-def _percentiles(ms: list[float]) -> dict[str, float]:
-    q = statistics.quantiles(ms, n=100, method="inclusive")
-    return {"p50": round(q[49], 2), "p99": round(q[98], 2)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,8 +219,9 @@ def format_lines(result: dict[str, Any]) -> list[str]:
         w = waits.get(mode)
         if w and base_wait:
             line += (
-                f" {w['p50']:>11.2f} / {w['p99']:>6.2f} ms"
-                f" {w['p50'] / base_wait['p50']:>7.2f}x / {w['p99'] / base_wait['p99']:.2f}x"
+                f" {w['p50_ms']:>11.2f} / {w['p99_ms']:>6.2f} ms"
+                f" {w['p50_ms'] / base_wait['p50_ms']:>7.2f}x"
+                f" / {w['p99_ms'] / base_wait['p99_ms']:.2f}x"
             )
         lines.append(line)
     a = result["apply"]

@@ -120,12 +120,12 @@ class Engine:
         """Forget everything of a shard this engine no longer owns (another dispatcher rebuilds
         it from Kafka); the shard's timers are skipped when they come up."""
         self.ownership.owned.discard(shard)
-        gone = [ep for ep in self.endpoints.values() if self.ownership.shard(ep.group) == shard]
+        in_shard = self._in_shard(shard)
+        gone = [ep for ep in self.endpoints.values() if in_shard(ep.group)]
         for ep in gone:
             self.endpoints.pop(ep.handle, None)
             self.remote.windows.pop(ep.handle, None)
             self._group_sizes.pop((ep.queue, ep.group), None)
-        in_shard = self._in_shard(shard)
         self.inflight.drop(in_shard)
         self.fences.drop(in_shard)
         self.remote.drop(in_shard)
