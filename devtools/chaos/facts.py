@@ -27,7 +27,7 @@ from ksb.wire.protocol import (
     parse_record,
 )
 
-__all__ = ["applied_batches", "pending_transmissions", "read_side"]
+__all__ = ["applied_batches", "dispatcher_group", "pending_transmissions", "read_side"]
 
 
 def _fold(settings: Deployment, topic: str, handle: Callable[[Message], None]) -> None:
@@ -120,3 +120,26 @@ def _age_ms(updated_ms: object) -> float:
     if not isinstance(updated_ms, int):
         return 0.0
     return max(0.0, time.time() * 1000 - updated_ms)
+
+
+def dispatcher_group(settings: Deployment) -> str:
+    """The coordinator's view of the instance's dispatcher group: each member's client id, the
+    shards it holds and the ones it is meant to hold (a shard in no one's holding for minutes is
+    what a round that does not drain shows)."""
+    names = Names(settings.instance)
+    group = names.dispatcher_group
+    admin = kafka.admin(settings)  # held until it answers: a dropped client never does
+    desc = admin.describe_consumer_groups([group], request_timeout=15)[group].result(timeout=30)
+    members = "; ".join(
+        f"{m.client_id} ({m.member_id[:8]}) holds {_shards(m.assignment, names.relay)}"
+        f" target {_shards(m.target_assignment, names.relay)}"
+        for m in sorted(desc.members, key=lambda m: m.client_id)
+    )
+    return f"{group} ({desc.state}): {members or 'no members'}"
+
+
+def _shards(assignment: object, relay: str) -> list[int] | None:
+    parts = getattr(assignment, "topic_partitions", None)
+    if parts is None:
+        return None
+    return sorted(tp.partition for tp in parts if tp.topic == relay)

@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from devtools.chaos.facts import applied_batches, pending_transmissions, read_side
+from devtools.chaos.facts import (
+    applied_batches,
+    dispatcher_group,
+    pending_transmissions,
+    read_side,
+)
 from devtools.chaos.faults import Injector
 from devtools.chaos.invariants import Verdict, check_round
 from devtools.chaos.schedule import FaultKind, draw_schedule
@@ -212,6 +217,18 @@ def _drain(topology: Topology, dialogs: int, timeout_s: float) -> tuple[int, str
         time.sleep(2.0)
 
 
+def _group_views(topology: Topology) -> list[str]:
+    """What each side's group coordinator says its dispatchers hold, for a round that did not
+    drain (their logs carry librdkafka's ``cgrp`` lines for the rest)."""
+    views = []
+    for side in ("a", "b"):
+        try:
+            views.append(dispatcher_group(topology.owner[side]))
+        except Exception as exc:
+            views.append(f"{side}'s dispatcher group not described: {type(exc).__name__}: {exc}")
+    return views
+
+
 def run_round(
     stack: ChaosStack, opts: RoundOptions, round_no: int, seed: int, workdir: Path, run_id: str
 ) -> RoundResult:
@@ -267,6 +284,7 @@ def run_round(
         pending, note = _drain(topology, len(workload.dialogs), opts.drain_timeout_s)
         if note:
             errors.append(note)
+            errors += _group_views(topology)
     finally:
         topology.stop()
     a = read_side(topology.owner["a"], INITIATOR_QUEUE, dead_letters=False)

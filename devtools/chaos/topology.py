@@ -244,7 +244,8 @@ class Topology:
         for name in SERVICES:
             side, role = name.split(".")
             module = "services.dispatcher" if role.startswith("d") else f"services.{role}"
-            extra = {"KSB_MEMBER": role} if role.startswith("d") else {}
+            # librdkafka's group lines in the dispatchers' logs: how a shard's owner came and went.
+            extra = {"KSB_MEMBER": role, "KSB_KAFKA_DEBUG": "cgrp"} if role.startswith("d") else {}
             self.members[name] = _Service(
                 name, module, self.base[side], self.logs / f"{name}.log", extra
             ).start()

@@ -65,6 +65,9 @@ class KsbSettings(BaseModel):
     fetch_wait_max_ms: int = Field(10, ge=0)
     """How long a consumer's fetch may wait for data (librdkafka's 500 ms would be most of a hop)."""
     session_timeout_ms: int = Field(6_000, ge=500)
+    kafka_debug: str = Field("", pattern=r"^[a-z,]*$")
+    """librdkafka debug contexts for consumer-group members (``cgrp``: every heartbeat and
+    assignment, to stderr); empty, off. For diagnosing a group that does not settle."""
     batch_linger_ms: int = Field(5, ge=0)
     request_partitions: int = Field(1, ge=1)
     """Partitions of the instance's requests topic, when a process has to create it."""

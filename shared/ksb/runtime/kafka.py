@@ -122,6 +122,8 @@ def group_consumer(settings: KsbSettings, *, group: str, **extra: Any) -> Consum
         "fetch.error.backoff.ms": 50,
         "enable.partition.eof": False,
     }
+    if settings.kafka_debug:
+        conf["debug"] = settings.kafka_debug
     conf.update(extra)
     conf.update(client_security(settings, conf["bootstrap.servers"]))
     return Consumer(conf)
