@@ -334,6 +334,7 @@ class Dispatcher(Service):
         self._consumer = kafka.group_consumer(
             self.settings,
             group=self.names.dispatcher_group,
+            rebalance_timeout_ms=self.settings.rebalance_timeout_ms,
             **{"client.id": f"dispatcher-{self.member}"},
         )
         self._consumer.subscribe(
@@ -364,7 +365,9 @@ class Dispatcher(Service):
         assert self._consumer and self._producer and self.engine and self._writer
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
-        wait_s = 0.1 if deadline is None else min(0.1, max(0.0, (deadline - now) / 1000))
+        # Never a zero wait: librdkafka counts the time inside a non-blocking poll, rebuilding
+        # shards in the assignment callback included, against max.poll.interval.ms.
+        wait_s = 0.1 if deadline is None else min(0.1, max(0.001, (deadline - now) / 1000))
         # Polling (and so any rebalance) happens here, never inside a transaction.
         msgs = kafka.consume_batch(self._consumer, self.settings.batch_max, wait_s)
         records = [m for m in msgs if _is_record(m)]

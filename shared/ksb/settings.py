@@ -194,6 +194,14 @@ class DispatcherSettings(ServiceSettings):
     """A large inbound message still missing fragments this long after its first is forgotten."""
     broker_retry_every: int = Field(5, ge=1)
     """A broker that failed to start is retried every this many ticks."""
+    rebalance_timeout_ms: int = Field(30_000, ge=1000)
+    """How long a dispatcher may stay away from its poll loop, and so take to give up shards the
+    group coordinator moves (librdkafka's ``max.poll.interval.ms``, which the consumer protocol
+    sends as the member's rebalance timeout); past it the coordinator fences the member and it
+    joins afresh. Kafka's 5 minutes let a shard stand still that long when the heartbeat answer
+    revoking it was lost to a request timeout: librdkafka 2.16 goes on heartbeating without its
+    owned partitions, and the coordinator never repeats the revocation (found by the chaos
+    harness, reproduced by a broker stall just as a killed member's session expires)."""
     stuck_txn_s: float = Field(120.0, gt=0)
     """A Kafka transaction call still running after this long ends the process, so a fresh
     dispatcher takes its shards over (`services.dispatcher.watchdog`)."""

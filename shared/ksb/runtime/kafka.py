@@ -105,11 +105,15 @@ def consumer(
     return Consumer(conf)
 
 
-def group_consumer(settings: KsbSettings, *, group: str, **extra: Any) -> Consumer:
+def group_consumer(
+    settings: KsbSettings, *, group: str, rebalance_timeout_ms: int, **extra: Any
+) -> Consumer:
     """A member of a consumer group under Kafka's consumer protocol (KIP-848) with the broker's
     co-partitioning ``range`` assignor: every member gets the same partition numbers of every
     topic it subscribes to, which is what lets the partition number be a shard. Its session and
-    heartbeat are the broker's (``group.consumer.*``); a client may not set them."""
+    heartbeat are the broker's (``group.consumer.*``); a client may not set them. A member that
+    has not given up partitions the coordinator moved away ``rebalance_timeout_ms`` after being
+    told (or has not polled for that long) is fenced and joins afresh."""
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
         "group.id": group,
@@ -121,6 +125,7 @@ def group_consumer(settings: KsbSettings, *, group: str, **extra: Any) -> Consum
         "fetch.wait.max.ms": settings.fetch_wait_max_ms,
         "fetch.error.backoff.ms": 50,
         "enable.partition.eof": False,
+        "max.poll.interval.ms": rebalance_timeout_ms,  # sent as the member's rebalance timeout
     }
     if settings.kafka_debug:
         conf["debug"] = settings.kafka_debug
