@@ -4,10 +4,10 @@ After a broker restart librdkafka's ``send_offsets_to_transaction`` was seen to 
 time limit it was given (found by the chaos harness, seeds 108087 and 108089): the dispatcher's loop
 stopped, its shards stopped with it, and only ``max.poll.interval.ms`` (then Kafka's 5 minutes;
 now ``KSB_REBALANCE_TIMEOUT_MS``, 30 s) later did the group hand them to another member. Nothing
-inside the process can unblock the call, so the watchdog ends the process instead: its supervisor (the compose restart policy, `DispatcherPool`, the
-chaos harness) starts a new one, whose transactional id fences the stuck incarnation, and the group
-moves its shards at once (a dead member's session ends). Nothing is lost: what the stuck
-transaction held was never committed.
+inside the process can unblock the call, so the watchdog ends the process instead: its supervisor
+(the compose restart policy, `DispatcherPool`, the chaos harness) starts a new one, whose
+transactional id fences the stuck incarnation, and the group moves its shards at once (a dead
+member's session ends). Nothing is lost: what the stuck transaction held was never committed.
 
 Only the process entry point (`services.dispatcher.__main__`) starts the watchdog's thread; a
 dispatcher run in a thread (tests) has the guard and no thread.
