@@ -170,13 +170,25 @@ def fencing_offsets(
     return out
 
 
-def coordinator_shards(admin: AdminClient, group: str, relay: str) -> HeldShards:
+def coordinator_shards(make_admin: Callable[[], AdminClient], group: str, relay: str) -> HeldShards:
     """`HeldShards` from the coordinator's description of the group: the relay partitions in
-    the member's current assignment (none when the group does not list the member)."""
+    the member's current assignment (none when the group does not list the member).
+
+    A description that fails drops the admin client, and the next one asks through a new one:
+    after a broker kill and restart an admin client was seen to time out every request from
+    then on, so its dispatcher failed every assignment and rejoined every 15 s for minutes
+    while its shards stood still (chaos harness, seed 83156)."""
+    admins: list[AdminClient] = []
 
     def held(consumer: Consumer) -> set[int]:
         member = consumer.memberid()
-        desc = admin.describe_consumer_groups([group], request_timeout=15)[group].result()
+        if not admins:
+            admins.append(make_admin())
+        try:
+            desc = admins[0].describe_consumer_groups([group], request_timeout=15)[group].result()
+        except KafkaException:
+            admins.clear()
+            raise
         for m in desc.members:
             if m.member_id == member:
                 return {tp.partition for tp in m.assignment.topic_partitions if tp.topic == relay}

@@ -209,7 +209,9 @@ class Dispatcher(Service):
         self._writer = OutputWriter(self._producer, self.names, shards, self.audit)
         self._router = Router(self.names, shards)
         self._loader = kafka.consumer(s)
-        held = coordinator_shards(admin, self.names.dispatcher_group, self.names.relay)
+        held = coordinator_shards(
+            lambda: kafka.admin(s), self.names.dispatcher_group, self.names.relay
+        )
         self.shards = ShardKeeper(self.names, self.engine, self._loader, self._view, held)
         self._pieces = Reassembler()
         self._queue_metrics.declare(view)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -115,3 +116,49 @@ def test_a_rebuild_kafka_does_not_answer_owns_nothing(monkeypatch: pytest.Monkey
     with pytest.raises(AssignmentFailed, match="not rebuilt"):
         keeper.load(cast(Any, _Consumer(cast(Any, None))), _relay(0))
     assert engine.ownership.owned == set()
+
+
+class _Described:
+    """What `describe_consumer_groups` answers for one group: a future of its description."""
+
+    def __init__(self, answer: object) -> None:
+        self._answer = answer
+
+    def result(self) -> object:
+        if isinstance(self._answer, BaseException):
+            raise self._answer
+        return self._answer
+
+
+class _Admin:
+    def __init__(self, answer: object) -> None:
+        self.answer = answer
+        self.asked = 0
+
+    def describe_consumer_groups(self, groups: list[str], **_kw: object) -> dict[str, _Described]:
+        self.asked += 1
+        return {g: _Described(self.answer) for g in groups}
+
+
+def _description(member: str, shards: list[int]) -> object:
+    parts = [TopicPartition(NAMES.relay, s) for s in shards]
+    m = SimpleNamespace(member_id=member, assignment=SimpleNamespace(topic_partitions=parts))
+    return SimpleNamespace(members=[m])
+
+
+def test_a_coordinator_check_that_fails_asks_through_a_new_admin_client_next_time() -> None:
+    timed_out = KafkaException(KafkaError(KafkaError._TIMED_OUT))
+    admins = [_Admin(timed_out), _Admin(_description("m1", [0, 2]))]
+    made: list[_Admin] = []
+
+    def make() -> Any:
+        made.append(admins[len(made)])
+        return made[-1]
+
+    held = rebalance.coordinator_shards(make, NAMES.dispatcher_group, NAMES.relay)
+    consumer = cast(Any, SimpleNamespace(memberid=lambda: "m1"))
+    with pytest.raises(KafkaException):
+        held(consumer)
+    assert held(consumer) == {0, 2}
+    assert held(consumer) == {0, 2}
+    assert [a.asked for a in admins] == [1, 2]  # the failed client is never asked again
