@@ -174,20 +174,7 @@ class ActivationService(Service):
     # ----------------------------------------------------------------- catalog
     def _sync(self, view: CatalogView, altered: set[str]) -> None:
         """Create, drop and re-configure monitors; mirror disabled queues into Redis."""
-        with self._disabling_lock:
-            # A queue being disabled stays so while its catalog write is still on its way.
-            disabled = sorted(self._disabling)
-        disabled += [q.name for q in view.queues.values() if q.status == "OFF"]
-        policies: dict[str | bytes | bytearray | memoryview[int] | int | float, Any] = {
-            q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter
-        }
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.names.disabled_key, self.names.dead_letter_policy_key)
-        if disabled:
-            pipe.sadd(self.names.disabled_key, *disabled)
-        if policies:
-            pipe.hset(self.names.dead_letter_policy_key, mapping=policies)
-        pipe.execute()
+        self._mirror(view)
         wanted = {
             q.name: q
             for q in view.queues.values()
@@ -223,10 +210,37 @@ class ActivationService(Service):
             if changed or name in altered:
                 self._act(w, w.monitor.on_alter(self._observe(w)[0]))
 
+    def _mirror(self, view: CatalogView) -> None:
+        """Disabled queues and dead-letter policies into Redis, where RECEIVE reads them.
+
+        On every catalog and again on every monitor tick: a Redis that failed the write, or
+        restarted empty, has them back within a tick (found by the chaos harness: a Redis stall
+        during a catalog change ended the service, and a Redis restarted empty lost the policies
+        until the next catalog)."""
+        with self._disabling_lock:
+            # A queue being disabled stays so while its catalog write is still on its way.
+            disabled = sorted(self._disabling)
+        disabled += [q.name for q in view.queues.values() if q.status == "OFF"]
+        policies: dict[str | bytes | bytearray | memoryview[int] | int | float, Any] = {
+            q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter
+        }
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self.names.disabled_key, self.names.dead_letter_policy_key)
+        if disabled:
+            pipe.sadd(self.names.disabled_key, *disabled)
+        if policies:
+            pipe.hset(self.names.dead_letter_policy_key, mapping=policies)
+        try:
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("disabled queues and policies not mirrored into Redis this time: %r", exc)
+
     # ----------------------------------------------------------------- the loop
     def step(self) -> None:
         """Every ``activation_check_ms``: each queue's events and decision."""
         tick, self._monitor_tick = self._monitor_tick, False
+        if tick:
+            self._mirror(self._catalog)
         changed = False
         for w in list(self.watches.values()):
             try:

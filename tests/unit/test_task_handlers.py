@@ -9,12 +9,13 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
 from prometheus_client import REGISTRY
 
+from ksb.catalog.model import CatalogView, parse_catalog
 from ksb.clock import ManualClock
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.task_handlers import (
@@ -271,3 +272,73 @@ def test_a_redis_failure_in_a_queue_check_does_not_end_the_activation_service(
     act.step()
     assert checked == ["Q1", "Q2", "Q1", "Q2"]
     assert "queue Q1 not checked this time" in caplog.text
+
+
+class _Pipeline:
+    """A Redis MULTI pipeline that fails while `failing` holds, and records what it ran."""
+
+    def __init__(self, owner: _MirrorRedis) -> None:
+        self._owner = owner
+        self._calls: list[tuple[Any, ...]] = []
+
+    def delete(self, *keys: str) -> None:
+        self._calls.append(("delete", *keys))
+
+    def sadd(self, key: str, *members: str) -> None:
+        self._calls.append(("sadd", key, *members))
+
+    def hset(self, key: str, mapping: dict[str, int]) -> None:
+        self._calls.append(("hset", key, dict(mapping)))
+
+    def execute(self) -> None:
+        if self._owner.failing:
+            raise redis.TimeoutError("Timeout reading from socket")
+        self._owner.ran.append(self._calls)
+
+
+class _MirrorRedis:
+    def __init__(self) -> None:
+        self.failing = True
+        self.ran: list[list[tuple[Any, ...]]] = []
+
+    def pipeline(self, transaction: bool = True) -> _Pipeline:
+        assert transaction
+        return _Pipeline(self)
+
+
+def test_a_redis_failure_mirroring_the_catalog_is_mended_on_the_next_monitor_tick(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by the chaos harness: a Redis stall during a catalog change ended the service, and a
+    Redis restarted empty kept no dead-letter policy until the next catalog."""
+    settings = ActivationSettings(instance="unit", activation_check_ms=10)
+    fake = _MirrorRedis()
+    act = ActivationService(settings, clock=ManualClock(start_ms=0), redis_client=cast(Any, fake))
+    act._redis = cast(Any, fake)
+    view = CatalogView(
+        parse_catalog(
+            {
+                "queues": [
+                    {"name": "Off", "status": "OFF"},
+                    {"name": "Poisoned", "dead_letter": {"max_rollbacks": 3}},
+                ]
+            }
+        )
+    )
+    act._catalog = view
+    act._mirror(view)  # Redis stalled: logged, not raised
+    assert fake.ran == []
+    assert "not mirrored into Redis this time" in caplog.text
+    fake.failing = False
+    act.step()  # no monitor tick yet: nothing written
+    assert fake.ran == []
+    act._note_monitor_tick(1)
+    act.step()
+    names = act.names
+    assert fake.ran == [
+        [
+            ("delete", names.disabled_key, names.dead_letter_policy_key),
+            ("sadd", names.disabled_key, "Off"),
+            ("hset", names.dead_letter_policy_key, {"Poisoned": 3}),
+        ]
+    ]
