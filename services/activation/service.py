@@ -114,8 +114,9 @@ class ActivationService(Service):
         self._monitor_tick = False
         self._rows: RedisView | None = None
         """Offered at most once per check, when a row changed; not rate-limited beyond that."""
-        self._disabling: set[str] = set()
-        """Queues disabled in Redis whose catalog write a handler has not finished yet."""
+        self._disabling: dict[str, int] = {}
+        """Queues disabled in Redis whose catalog write this service has not read back yet: the
+        catalog version that writes it (0 while it is being written)."""
         self._disabling_lock = threading.Lock()
 
     @property
@@ -147,6 +148,10 @@ class ActivationService(Service):
         self._monitor_tick = True
 
     def on_catalog(self, view: CatalogView) -> None:
+        with self._disabling_lock:  # the catalog that says OFF itself has been read
+            for name, version in list(self._disabling.items()):
+                if 0 < version <= view.version:
+                    del self._disabling[name]
         old, self._catalog = self._catalog, view
         altered = {n for n, q in view.queues.items() if old.queues.get(n) != q}
         self._sync(view, altered)
@@ -438,7 +443,7 @@ class ActivationService(Service):
         with self._disabling_lock:
             if name in self._disabling:
                 return
-            self._disabling.add(name)
+            self._disabling[name] = 0
         self.redis.sadd(self.names.disabled_key, name)
         self.redis.set(self.names.rollbacks_key(name), 0)
         reason = f"{rollbacks} rollbacks in a row"
@@ -453,9 +458,15 @@ class ActivationService(Service):
             self._disable_in_catalog(name, reason)
 
     def _disable_in_catalog(self, name: str, reason: str) -> None:
-        """On a task handler: STATUS = OFF in a new catalog version, then BROKER_QUEUE_DISABLED."""
+        """On a task handler: STATUS = OFF in a new catalog version, then BROKER_QUEUE_DISABLED.
+
+        The queue stays in `_disabling` until this service reads the catalog version that says
+        OFF (`on_catalog`), or this write fails: the mirror written on every tick must not let a
+        poisoned queue go in the moment between the write and its reading."""
         try:
-            apply_catalog(self.settings, disabled(load_catalog(self.settings), name))
+            written = apply_catalog(self.settings, disabled(load_catalog(self.settings), name))
+            with self._disabling_lock:
+                self._disabling[name] = written.version
             event = {
                 "v": 1,
                 "kind": "BROKER_QUEUE_DISABLED",
@@ -469,9 +480,10 @@ class ActivationService(Service):
                 self.names.activation, key=name.encode(), value=json.dumps(event).encode()
             )
             self._producer.flush(5)
-        finally:
+        except BaseException:
             with self._disabling_lock:
-                self._disabling.discard(name)
+                self._disabling.pop(name, None)
+            raise
 
     def _audit(self, kind: AuditKind, w: QueueWatch, reason: str) -> None:
         if self.audit.enabled:

@@ -342,3 +342,46 @@ def test_a_redis_failure_mirroring_the_catalog_is_mended_on_the_next_monitor_tic
             ("hset", names.dead_letter_policy_key, {"Poisoned": 3}),
         ]
     ]
+
+
+def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The mirror written on every tick must not let a poisoned queue be received from between
+    its catalog write and this service reading that catalog version."""
+    from ksb.catalog.model import Catalog
+    from services.activation import service as activation
+
+    settings = ActivationSettings(instance="unit", activation_check_ms=10)
+    fake = _MirrorRedis()
+    fake.failing = False
+    act = ActivationService(settings, clock=ManualClock(start_ms=0), redis_client=cast(Any, fake))
+    act._redis = cast(Any, fake)
+    act._producer = cast(Any, SimpleNamespace(produce=lambda *a, **k: None, flush=lambda t: 0))
+    on = parse_catalog({"version": 4, "queues": [{"name": "Q"}]})
+    written: list[Catalog] = []
+
+    def apply(_s: object, catalog: Catalog) -> Catalog:
+        stored = catalog.model_copy(update={"version": 5})
+        written.append(stored)
+        return stored
+
+    monkeypatch.setattr(activation, "load_catalog", lambda _s: on)
+    monkeypatch.setattr(activation, "apply_catalog", apply)
+    act._catalog = CatalogView(on)
+    act._disabling["Q"] = 0  # as `_poisoned` marks it
+    act._disable_in_catalog("Q", "5 rollbacks in a row")
+
+    def disabled_now() -> list[str]:
+        """The queues the next tick's mirror writes as disabled."""
+        fake.ran.clear()
+        act._note_monitor_tick(1)
+        act.step()
+        return [m for c in fake.ran[-1] if c[0] == "sadd" for m in c[2:]]
+
+    assert disabled_now() == ["Q"]  # written, not yet read back: still disabled
+    act.on_catalog(CatalogView(written[0]))
+    assert act._disabling == {}
+    assert disabled_now() == ["Q"]  # the catalog says OFF itself
+    act.on_catalog(CatalogView(on.model_copy(update={"version": 6})))
+    assert disabled_now() == []  # enabled again by a later catalog
