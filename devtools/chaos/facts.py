@@ -10,7 +10,8 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from confluent_kafka import Message
+from confluent_kafka import Message, TopicPartition
+from confluent_kafka.admin._group import MemberDescription
 
 from devtools.chaos.invariants import Side
 from devtools.deployment import Deployment
@@ -131,15 +132,17 @@ def dispatcher_group(settings: Deployment) -> str:
     admin = kafka.admin(settings)  # held until it answers: a dropped client never does
     desc = admin.describe_consumer_groups([group], request_timeout=15)[group].result(timeout=30)
     members = "; ".join(
-        f"{m.client_id} ({m.member_id[:8]}) holds {_shards(m.assignment, names.relay)}"
-        f" target {_shards(m.target_assignment, names.relay)}"
-        for m in sorted(desc.members, key=lambda m: m.client_id)
+        _member(m, names.relay) for m in sorted(desc.members, key=lambda m: m.client_id)
     )
     return f"{group} ({desc.state}): {members or 'no members'}"
 
 
-def _shards(assignment: object, relay: str) -> list[int] | None:
-    parts = getattr(assignment, "topic_partitions", None)
-    if parts is None:
-        return None
+def _member(m: MemberDescription, relay: str) -> str:
+    """One member: the relay partitions (shards) it holds, and the ones it is meant to hold."""
+    held = _shards(m.assignment.topic_partitions, relay)
+    target = _shards(m.target_assignment.topic_partitions, relay) if m.target_assignment else None
+    return f"{m.client_id} ({m.member_id[:8]}) holds {held} target {target}"
+
+
+def _shards(parts: list[TopicPartition], relay: str) -> list[int]:
     return sorted(tp.partition for tp in parts if tp.topic == relay)

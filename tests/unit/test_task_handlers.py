@@ -15,7 +15,7 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from ksb.catalog.model import CatalogView, parse_catalog
+from ksb.catalog.model import Catalog, CatalogView, parse_catalog
 from ksb.clock import ManualClock
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.task_handlers import (
@@ -28,6 +28,7 @@ from ksb.runtime.task_handlers import (
 from ksb.runtime.ticker import Ticker, TickSchedule
 from ksb.settings import ActivationSettings
 from services.activation import ActivationService
+from services.activation import service as activation
 
 
 class HandlerKilled(BaseException):
@@ -349,9 +350,6 @@ def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
 ) -> None:
     """The mirror written on every tick must not let a poisoned queue be received from between
     its catalog write and this service reading that catalog version."""
-    from ksb.catalog.model import Catalog
-    from services.activation import service as activation
-
     settings = ActivationSettings(instance="unit", activation_check_ms=10)
     fake = _MirrorRedis()
     fake.failing = False
