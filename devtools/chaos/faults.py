@@ -42,6 +42,9 @@ class Injector:
     zombies: list[str] = field(default_factory=list)
     """What became of each zombie commit (`devtools.chaos.zombie`)."""
     heal_failures: list[str] = field(default_factory=list)
+    remedies: list[str] = field(default_factory=list)
+    """Broker restarts the harness made for a Kafka bug, not for its schedule
+    (`devtools.chaos.remedy`)."""
     _busy: set[str] = field(default_factory=set)
     _heals: list[threading.Thread] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -150,23 +153,44 @@ class Injector:
 
     def _heal(self, fault: Fault, resource: str, heal: Callable[[], None]) -> None:
         time.sleep(fault.duration_s)
-        deadline = time.monotonic() + HEAL_RETRY_S
         try:
-            while True:
-                try:
-                    heal()
-                    self._note(f"healed {fault.kind.value} {resource}")
-                    return
-                except Exception as exc:
-                    if time.monotonic() > deadline:
-                        self.heal_failures.append(f"{fault.describe()}: {exc}")
-                        log.exception("could not heal %s", fault.describe())
-                        return
-                    log.warning("healing %s failed (%s); retrying", fault.describe(), exc)
-                    time.sleep(1.0)
+            if self._until_done(heal, fault.describe()):
+                self._note(f"healed {fault.kind.value} {resource}")
         finally:
             with self._lock:
                 self._busy.discard(resource)
+
+    def _until_done(self, action: Callable[[], None], what: str) -> bool:
+        """`action`, retried for up to `HEAL_RETRY_S`; False (and a heal failure) after that."""
+        deadline = time.monotonic() + HEAL_RETRY_S
+        while True:
+            try:
+                action()
+                return True
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    self.heal_failures.append(f"{what}: {exc}")
+                    log.exception("could not heal %s", what)
+                    return False
+                log.warning("healing %s failed (%s); retrying", what, exc)
+                time.sleep(1.0)
+
+    def remedy_kafka(self, why: str) -> bool:
+        """Restart the broker on its data for `why`; False while a Kafka fault holds it (that
+        fault's heal starts it again anyway, and the watch asks again after it)."""
+        with self._lock:
+            if "kafka" in self._busy:
+                return False
+            self._busy.add("kafka")
+        try:
+            self.remedies.append(why)
+            self._note(f"remedy: {why}; kafka restarted on its data")
+            self.stack.kill_kafka()
+            self._until_done(self._restart_kafka, f"remedy for {why}")
+            return True
+        finally:
+            with self._lock:
+                self._busy.discard("kafka")
 
     def _restart_kafka(self) -> None:
         took = self.stack.start_kafka()

@@ -18,6 +18,7 @@ def _row(r: RoundResult) -> list[str]:
         str(r.round_no),
         str(r.seed),
         *(str(r.injected[k]) for k in FaultKind),
+        str(len(r.remedies)),
         str(r.workload.requests),
         str(r.received),
         *(str(r.verdict.counts[i]) for i in INVARIANTS),
@@ -32,6 +33,7 @@ HEADER = [
     "round",
     "seed",
     *(k.value for k in FaultKind),
+    "kfix",
     "sent",
     "recvd",
     *INVARIANTS,
@@ -45,7 +47,8 @@ HEADER = [
 def table(results: Sequence[RoundResult]) -> str:
     """The rows, with a total line. ``sent``: requests; ``recvd``: messages received on both
     sides (requests, replies, EndDialog/Error/DialogTimer) and dead-lettered; ``fenced``:
-    commits the dispatchers refused for a stale token; ``crash``: processes that exited on their
+    commits the dispatchers refused for a stale token; ``kfix``: broker restarts for Kafka's
+    coordinator failing to load a partition (`devtools.chaos.remedy`); ``crash``: processes that exited on their
     own and were started again."""
     rows = [HEADER, *(_row(r) for r in results)]
     if len(results) > 1:
@@ -57,6 +60,7 @@ def table(results: Sequence[RoundResult]) -> str:
                 "all",
                 "",
                 *(str(total[k]) for k in FaultKind),
+                str(sum(len(r.remedies) for r in results)),
                 str(sum(r.workload.requests for r in results)),
                 str(sum(r.received for r in results)),
                 *(str(sum(r.verdict.counts[i] for r in results)) for i in INVARIANTS),
@@ -85,6 +89,8 @@ def details(r: RoundResult) -> str:
         lines.append(f"  crash: {c.name} at {c.at_s:.0f}s: " + " | ".join(last))
     for s in r.skipped:
         lines.append(f"  skipped fault: {s}")
+    for why in r.remedies:
+        lines.append(f"  broker restarted: {why}")
     if r.zombies:
         lines.append(f"  zombie commits: {', '.join(r.zombies)}")
     if not lines:
@@ -108,6 +114,7 @@ def as_json(r: RoundResult) -> dict[str, Any]:
         "events": r.events,
         "skipped": r.skipped,
         "zombies": r.zombies,
+        "remedies": r.remedies,
         "seconds": round(r.seconds, 1),
         "ok": r.ok,
     }

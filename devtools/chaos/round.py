@@ -32,6 +32,7 @@ from devtools.chaos.facts import (
 )
 from devtools.chaos.faults import Injector
 from devtools.chaos.invariants import Verdict, check_round
+from devtools.chaos.remedy import CoordinatorWatch
 from devtools.chaos.schedule import FaultKind, draw_schedule
 from devtools.chaos.stack import ChaosStack
 from devtools.chaos.topology import Crash, Topology
@@ -81,6 +82,8 @@ class RoundResult:
     events: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     zombies: list[str] = field(default_factory=list)
+    remedies: list[str] = field(default_factory=list)
+    """Broker restarts for a Kafka bug (`devtools.chaos.remedy`), outside the schedule."""
     errors: list[str] = field(default_factory=list)
     """What went wrong with the harness itself (a fault it could not heal, a stuck driver)."""
 
@@ -248,7 +251,10 @@ def run_round(
     handles: list[str] = []
     progress = Progress(topology, workload.replies + len(workload.dialogs))
     injector = Injector(topology, stack, schedule, progress.fraction)
+    watch = CoordinatorWatch(stack.broker_log, injector.remedy_kafka)
     try:
+        watch.check()  # what the last round's broker left broken, mended before this one starts
+        watch.start()
         topology.setup()
         topology.start()
         log.info(
@@ -286,6 +292,7 @@ def run_round(
             errors.append(note)
             errors += _group_views(topology)
     finally:
+        watch.stop()
         topology.stop()
     a = read_side(topology.owner["a"], INITIATOR_QUEUE, dead_letters=False)
     b = read_side(topology.owner["b"], TARGET_QUEUE, dead_letters=True)
@@ -304,6 +311,7 @@ def run_round(
         events=injector.events,
         skipped=injector.skipped,
         zombies=injector.zombies,
+        remedies=injector.remedies,
         errors=errors,
     )
 

@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 
+from devtools.chaos.remedy import LogTail
 from devtools.deployment import Deployment, stack_fields
 from devtools.kafka_node import KafkaLayout, kafka_libs_dir, kafka_ready, start_kafka
 from devtools.localstack import start_stack
@@ -52,6 +53,8 @@ class ChaosStack:
             security=self.security,
         )
         self.redis_port = int(self.redis_url.rsplit(":", 1)[1].split("/")[0])
+        self.broker_log = LogTail(self.kafka.logs / "server.log")
+        """The broker's log as it grows, over every round (`devtools.chaos.remedy`)."""
         self._lock = threading.Lock()
         atexit.register(self.stop)
 

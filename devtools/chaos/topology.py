@@ -266,12 +266,14 @@ class Topology:
         self._supervisor.start()
 
     def _wait_log(self, name: str, m: Member, marker: str, deadline: float) -> None:
+        """Until `m` logs `marker`; one that exits first (a broker still coming back from a
+        fault) is counted as a crash and started again, as the supervisor would."""
         while True:
             text = m.log_text() if isinstance(m, _Service) else _read_member(m)
             if marker in text:
                 return
             if not m.alive():
-                raise RuntimeError(f"{name} exited while starting:\n{m.tail()}")
+                self._restart_crashed(name, m)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} not ready in time:\n{m.tail()}")
             time.sleep(0.1)
@@ -346,12 +348,14 @@ class Topology:
                 if self._stop.is_set():
                     return
                 for name, m in self.members.items():
-                    if name in self.down or m.alive():
-                        continue
-                    at = time.monotonic() - self._started
-                    self.crashes.append(Crash(name, at, m.tail(15)))
-                    log.warning("%s exited on its own at %.0fs; starting it again", name, at)
-                    m.start()
+                    if name not in self.down and not m.alive():
+                        self._restart_crashed(name, m)
+
+    def _restart_crashed(self, name: str, m: Member) -> None:
+        at = time.monotonic() - self._started
+        self.crashes.append(Crash(name, at, m.tail(15)))
+        log.warning("%s exited on its own at %.0fs; starting it again", name, at)
+        m.start()
 
     def stop(self) -> None:
         self._stop.set()

@@ -4,8 +4,10 @@ and the invariant checks on hand-made records (each invariant caught, a clean ro
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from devtools.chaos.invariants import Side, check_round, stale_commits
+from devtools.chaos.remedy import CoordinatorWatch, LogTail, failed_loads
 from devtools.chaos.schedule import FaultKind, draw_schedule
 from devtools.chaos.workload import (
     REPLY,
@@ -139,3 +141,40 @@ def test_a_commit_applied_under_an_older_token_is_stale_and_a_refusal_is_the_fen
     assert stale_commits(fine) == ([], 1)
     bad, refused = stale_commits([[outcome(5, True), outcome(4, True), outcome(0, True)]])
     assert [o.token for o in bad] == [4] and refused == 0
+
+
+def test_a_coordinator_that_failed_to_load_gets_the_broker_restarted_once(tmp_path: Path) -> None:
+    log_file = tmp_path / "server.log"
+    log_file.write_text("[t] ERROR Failed to load metadata from __consumer_offsets-3 (before)\n")
+    asked: list[str] = []
+    free = [False, True]  # a Kafka fault holds the broker at first, then it is free
+
+    def restart(why: str) -> bool:
+        asked.append(why)
+        return free.pop(0)
+
+    watch = CoordinatorWatch(LogTail(log_file), restart)
+    watch.check()
+    assert asked == []  # what the log held before the watch began is not acted on
+    with log_file.open("a") as f:
+        f.write(
+            "[t] ERROR [GroupCoordinator id=1] Failed to load metadata from __consumer_offsets-1"
+        )
+    watch.check()
+    assert asked == []  # a line still being written waits for its end
+    with log_file.open("a") as f:
+        f.write(" with epoch 4 due to Replaying record ...\n")
+    watch.check()
+    watch.check()
+    watch.check()
+    assert asked == ["kafka's group coordinator failed to load __consumer_offsets-1"] * 2
+    assert watch.pending == []  # asked again while busy, then restarted; nothing left
+
+
+def test_the_broker_logs_failed_loads_are_found_by_partition() -> None:
+    text = (
+        "ERROR Failed to load metadata from __consumer_offsets-1 with epoch 4 due to ...\n"
+        "ERROR The state machine of the coordinator __consumer_offsets-2 is out of sync\n"
+        "ERROR Failed to load metadata from __transaction_state-0 with epoch 2 due to ...\n"
+    )
+    assert failed_loads(text) == ["__consumer_offsets-1", "__transaction_state-0"]
