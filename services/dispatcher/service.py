@@ -337,6 +337,7 @@ class Dispatcher(Service):
             self.settings,
             group=self.names.dispatcher_group,
             rebalance_timeout_ms=self.settings.rebalance_timeout_ms,
+            assignor=self.settings.group_assignor,
             **{"client.id": f"dispatcher-{self.member}"},
         )
         self._consumer.subscribe(
@@ -532,15 +533,17 @@ class Dispatcher(Service):
 _TXN_CALL_TIMEOUT_S = 30.0
 """How long one transaction call may block the loop; a failure is recovered (`_recover`)."""
 
-_NOT_A_MEMBER = frozenset(
-    {
-        KafkaError.UNKNOWN_MEMBER_ID,
-        KafkaError.FENCED_MEMBER_EPOCH,
-        KafkaError.STALE_MEMBER_EPOCH,
-        KafkaError.ILLEGAL_GENERATION,
-    }
-)
-"""Errors that say the consumer group has moved on without this member."""
+_NOT_A_MEMBER = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_MEMBER_EPOCH})
+"""Errors that say the consumer group has moved on without this member.
+
+Not among them: ILLEGAL_GENERATION and STALE_MEMBER_EPOCH, which is what an offsets commit gets
+when the member's epoch moved on while its transaction was open. Every assignment change bumps
+the epoch of every member it touches, so one dispatcher joining or leaving made the others'
+transactions fail so; rejoining then gave each of them a new member id with no shards, the
+assignor started from nothing, and every shard of the instance moved and stood still while it
+was rebuilt (found by the scale-out test with KSB's sticky assignor). Now such a dispatcher
+rebuilds the shards it holds (`_reset`); if the coordinator no longer counts them as its own (a
+member paused past its session), the rebuild's check fails and it rejoins after all."""
 
 
 def _handed_over(relay: RelayRequest) -> Outputs:
