@@ -25,11 +25,15 @@ $(STAMP_PY): pyproject.toml
 	$(PIP) install -q -e '.[dev,spark,faust]'
 	touch $@
 
-# Maven may come from apt (below): the jars are fetched after it.
-$(STAMP_KAFKA): infra/kafka/pom.xml | $(STAMP_APT)
+# Maven may come from apt (below): the jars are fetched after it. KSB's partition assignor, a
+# broker plugin, is built from infra/kafka/assignor into the same directory.
+ASSIGNOR_SRC := infra/kafka/assignor/pom.xml $(shell find infra/kafka/assignor/src -name '*.java')
+$(STAMP_KAFKA): infra/kafka/pom.xml $(ASSIGNOR_SRC) | $(STAMP_APT)
 	mkdir -p $(KAFKA_LIBS)
 	mvn -q -B -f infra/kafka/pom.xml dependency:copy-dependencies \
 	    -DincludeScope=runtime -DoutputDirectory=$(abspath $(KAFKA_LIBS))
+	mvn -q -B -f infra/kafka/assignor/pom.xml package
+	cp infra/kafka/assignor/target/ksb-kafka-assignor.jar $(KAFKA_LIBS)/
 	touch $@
 
 $(STAMP_SPARK): infra/spark/pom.xml | $(STAMP_APT)
@@ -110,4 +114,4 @@ report: setup $(STAMP_SPARK)
 	$(PY) -m ksb.spark.report
 
 clean:
-	rm -rf var $(CACHE)
+	rm -rf var $(CACHE) infra/kafka/assignor/target

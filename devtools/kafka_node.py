@@ -64,7 +64,12 @@ KAFKA_BROKER_SETTINGS: dict[str, str] = {
     "group.consumer.min.session.timeout.ms": "1000",
     "group.consumer.heartbeat.interval.ms": "500",
     "group.consumer.min.heartbeat.interval.ms": "100",
+    # KSB's shard assignor for the dispatchers' group (infra/kafka/assignor), after Kafka's own:
+    # the first is every other group's default.
+    "group.consumer.assignors": "uniform,range,dev.ksb.kafka.StickyShardAssignor",
 }
+ASSIGNOR_JAR = "ksb-kafka-assignor.jar"
+"""The broker plugin `make setup` builds beside Kafka's jars (infra/kafka/assignor)."""
 KAFKA_JVM_OPTS: tuple[str, ...] = ("-Xms256m", "-Xmx768m", "-Djava.awt.headless=true")
 
 
@@ -80,6 +85,11 @@ def kafka_libs_dir() -> Path:
         raise LocalStackError(
             f"Kafka jars not found in {libs} (no kafka_2.13-*.jar). "
             "Run `make setup` (or set KSB_KAFKA_LIBS to a directory of Kafka 4.2 jars)."
+        )
+    if not (libs / ASSIGNOR_JAR).is_file():
+        raise LocalStackError(
+            f"KSB's partition assignor ({ASSIGNOR_JAR}) is not in {libs}: run `make setup`, which "
+            "builds it from infra/kafka/assignor."
         )
     return libs
 

@@ -38,6 +38,7 @@ default.replication.factor=1
 min.insync.replicas=1
 group.initial.rebalance.delay.ms=0
 auto.create.topics.enable=false
+group.consumer.assignors=uniform,range,dev.ksb.kafka.StickyShardAssignor
 PROPS
 # The health check's login (the admin's).
 cat > /tmp/admin.properties <<PROPS
@@ -51,4 +52,6 @@ if [ ! -f /var/lib/kafka/data/meta.properties ]; then
     --add-scram "SCRAM-SHA-512=[name=broker,password=$PASSWORD_BROKER]" \
     --add-scram "SCRAM-SHA-512=[name=admin,password=$PASSWORD_ADMIN]" > /dev/null
 fi
+# KSB's assignor (the kafka-assignor service built it); kafka-run-class.sh adds its own jars after.
+export CLASSPATH=/opt/ksb/assignor/ksb-kafka-assignor.jar
 exec /opt/kafka/bin/kafka-server-start.sh "$props"

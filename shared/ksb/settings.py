@@ -202,6 +202,11 @@ class DispatcherSettings(ServiceSettings):
     revoking it was lost to a request timeout: librdkafka 2.16 goes on heartbeating without its
     owned partitions, and the coordinator never repeats the revocation (found by the chaos
     harness, reproduced by a broker stall just as a killed member's session expires)."""
+    group_assignor: str = "ksb-sticky-shards"
+    """The server-side assignor the dispatchers' group asks for: KSB's broker plugin
+    (infra/kafka/assignor), which keeps each dispatcher's shards while others join or leave, or
+    ``range`` on a broker without it (it splits every topic alike too, but moves survivors'
+    shards, and each shard that moves stands still while it is rebuilt)."""
     stuck_txn_s: float = Field(45.0, gt=0)
     """A Kafka transaction call still running after this long ends the process, so a fresh
     dispatcher takes its shards over (`services.dispatcher.watchdog`). The calls are given 30 s;

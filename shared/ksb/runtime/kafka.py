@@ -25,6 +25,7 @@ from ksb.security.credentials import kafka_login
 from ksb.settings import KsbSettings
 
 __all__ = [
+    "STICKY_SHARDS",
     "TopicSpec",
     "admin",
     "client_security",
@@ -105,20 +106,32 @@ def consumer(
     return Consumer(conf)
 
 
+STICKY_SHARDS = "ksb-sticky-shards"
+"""KSB's partition assignor's name (infra/kafka/assignor: every topic split alike, shards kept by
+their owners); a broker must list it in ``group.consumer.assignors``."""
+
+
 def group_consumer(
-    settings: KsbSettings, *, group: str, rebalance_timeout_ms: int, **extra: Any
+    settings: KsbSettings,
+    *,
+    group: str,
+    rebalance_timeout_ms: int,
+    assignor: str = STICKY_SHARDS,
+    **extra: Any,
 ) -> Consumer:
-    """A member of a consumer group under Kafka's consumer protocol (KIP-848) with the broker's
-    co-partitioning ``range`` assignor: every member gets the same partition numbers of every
-    topic it subscribes to, which is what lets the partition number be a shard. Its session and
-    heartbeat are the broker's (``group.consumer.*``); a client may not set them. A member that
-    has not given up partitions the coordinator moved away ``rebalance_timeout_ms`` after being
-    told (or has not polled for that long) is fenced and joins afresh."""
+    """A member of a consumer group under Kafka's consumer protocol (KIP-848) with a
+    co-partitioning server-side assignor: every member gets the same partition numbers of every
+    topic it subscribes to, which is what lets the partition number be a shard. KSB's own
+    (`STICKY_SHARDS`, a broker plugin) also keeps each member's shards while others come and go;
+    Kafka's ``range`` splits alike but moves survivors' shards. Its session and heartbeat are the
+    broker's (``group.consumer.*``); a client may not set them. A member that has not given up
+    partitions the coordinator moved away ``rebalance_timeout_ms`` after being told (or has not
+    polled for that long) is fenced and joins afresh."""
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
         "group.id": group,
         "group.protocol": "consumer",
-        "group.remote.assignor": "range",
+        "group.remote.assignor": assignor,
         "enable.auto.commit": False,
         "auto.offset.reset": "earliest",
         "isolation.level": "read_committed",
