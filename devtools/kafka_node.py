@@ -30,9 +30,11 @@ from ksb.security.credentials import KafkaLogin
 from ksb.security.principals import ADMIN, BROKER
 
 __all__ = [
+    "ASSIGNOR_JAR",
     "KAFKA_BROKER_SETTINGS",
     "KafkaLayout",
     "format_kafka_storage",
+    "java_binary",
     "kafka_libs_dir",
     "kafka_ready",
     "start_kafka",
@@ -94,7 +96,8 @@ def kafka_libs_dir() -> Path:
     return libs
 
 
-def _java() -> str:
+def java_binary() -> str:
+    """JAVA_HOME's java, else the one on PATH."""
     java_home = os.environ.get("JAVA_HOME")
     if java_home and (Path(java_home) / "bin" / "java").is_file():
         return str(Path(java_home) / "bin" / "java")
@@ -215,7 +218,7 @@ def _security_properties(security: StackSecurity) -> dict[str, str]:
 
 def _java_cmd(libs: Path, k: KafkaLayout, main: str, *args: str) -> list[str]:
     return [
-        _java(),
+        java_binary(),
         *KAFKA_JVM_OPTS,
         f"-Dlog4j2.configurationFile={LOG4J2_CONFIG}",
         f"-Dkafka.logs.dir={k.logs}",

@@ -17,6 +17,7 @@ from pathlib import Path
 __all__ = [
     "REPO_ROOT",
     "LocalStackError",
+    "LogTail",
     "free_port",
     "is_alive",
     "port_open",
@@ -104,6 +105,28 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     except OSError:
         return f"({path} not readable)"
     return "\n".join(text.splitlines()[-lines:]) or f"({path} is empty)"
+
+
+class LogTail:
+    """What a growing file gained since the last call, whole lines only (a line still being
+    written waits for the next call). Starts at the file's current end, so what is there already
+    is not read again, or with `from_start` at its beginning."""
+
+    def __init__(self, path: Path, *, from_start: bool = False) -> None:
+        self.path = path
+        self._offset = 0 if from_start or not path.exists() else path.stat().st_size
+
+    def new_text(self) -> str:
+        if not self.path.exists():
+            return ""
+        if self.path.stat().st_size < self._offset:  # the file was rolled or started over
+            self._offset = 0
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        return chunk[:end].decode(errors="replace")
 
 
 # --------------------------------------------------------------------------- redis

@@ -101,13 +101,22 @@ class Injector:
         elif fault.kind in (FaultKind.READER_KILL, FaultKind.READER_PAUSE):
             pool = READERS
         start = pool.index(fault.target) if fault.target in pool else 0
-        with self._lock:
-            for name in pool[start:] + pool[:start]:
-                resource = f"link.{name}" if fault.kind is FaultKind.LINK else name
-                if resource not in self._busy:
-                    self._busy.add(resource)
-                    return name
+        for name in pool[start:] + pool[:start]:
+            if self._take(f"link.{name}" if fault.kind is FaultKind.LINK else name):
+                return name
         return None
+
+    def _take(self, resource: str) -> bool:
+        """Mark `resource` as under a fault (or a remedy); False when it already is."""
+        with self._lock:
+            if resource in self._busy:
+                return False
+            self._busy.add(resource)
+            return True
+
+    def _release(self, resource: str) -> None:
+        with self._lock:
+            self._busy.discard(resource)
 
     def _inject(self, fault: Fault) -> None:
         target = self._claim(fault)
@@ -157,8 +166,7 @@ class Injector:
             if self._until_done(heal, fault.describe()):
                 self._note(f"healed {fault.kind.value} {resource}")
         finally:
-            with self._lock:
-                self._busy.discard(resource)
+            self._release(resource)
 
     def _until_done(self, action: Callable[[], None], what: str) -> bool:
         """`action`, retried for up to `HEAL_RETRY_S`; False (and a heal failure) after that."""
@@ -178,10 +186,8 @@ class Injector:
     def remedy_kafka(self, why: str) -> bool:
         """Restart the broker on its data for `why`; False while a Kafka fault holds it (that
         fault's heal starts it again anyway, and the watch asks again after it)."""
-        with self._lock:
-            if "kafka" in self._busy:
-                return False
-            self._busy.add("kafka")
+        if not self._take("kafka"):
+            return False
         try:
             self.remedies.append(why)
             self._note(f"remedy: {why}; kafka restarted on its data")
@@ -189,8 +195,7 @@ class Injector:
             self._until_done(self._restart_kafka, f"remedy for {why}")
             return True
         finally:
-            with self._lock:
-                self._busy.discard("kafka")
+            self._release("kafka")
 
     def _restart_kafka(self) -> None:
         took = self.stack.start_kafka()

@@ -19,9 +19,10 @@ import logging
 import re
 import threading
 from collections.abc import Callable
-from pathlib import Path
 
-__all__ = ["CoordinatorWatch", "LogTail", "failed_loads"]
+from devtools.processes import LogTail
+
+__all__ = ["CoordinatorWatch", "failed_loads"]
 
 log = logging.getLogger("devtools.chaos")
 
@@ -33,28 +34,6 @@ _FAILED_LOAD = re.compile(
 def failed_loads(text: str) -> list[str]:
     """The coordinator partitions `text` (broker log lines) says failed to load."""
     return _FAILED_LOAD.findall(text)
-
-
-class LogTail:
-    """What a growing log file gained since the last call; starts at its current end, so what
-    an earlier round's broker wrote is not acted on again."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = path.stat().st_size if path.exists() else 0
-
-    def new_text(self) -> str:
-        if not self.path.exists():
-            return ""
-        size = self.path.stat().st_size
-        if size < self._offset:  # the log was rolled or started over
-            self._offset = 0
-        with self.path.open("rb") as f:
-            f.seek(self._offset)
-            chunk = f.read()
-        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
-        self._offset += end
-        return chunk[:end].decode(errors="replace")
 
 
 class CoordinatorWatch:

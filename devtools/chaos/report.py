@@ -48,8 +48,8 @@ def table(results: Sequence[RoundResult]) -> str:
     """The rows, with a total line. ``sent``: requests; ``recvd``: messages received on both
     sides (requests, replies, EndDialog/Error/DialogTimer) and dead-lettered; ``fenced``:
     commits the dispatchers refused for a stale token; ``kfix``: broker restarts for Kafka's
-    coordinator failing to load a partition (`devtools.chaos.remedy`); ``crash``: processes that exited on their
-    own and were started again."""
+    coordinator failing to load a partition (`devtools.chaos.remedy`); ``crash``: processes that
+    exited on their own and were started again."""
     rows = [HEADER, *(_row(r) for r in results)]
     if len(results) > 1:
         total: Counter[FaultKind] = Counter()

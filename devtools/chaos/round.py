@@ -46,6 +46,7 @@ from devtools.chaos.workload import (
     request_body,
 )
 from devtools.deployment import Deployment
+from devtools.processes import LogTail
 from ksb.errors import KsbError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -99,7 +100,7 @@ class Progress:
     def __init__(self, topology: Topology, expected: int) -> None:
         self.topology = topology
         self.expected = expected
-        self._offsets: dict[Path, int] = {}
+        self._tails: dict[Path, LogTail] = {}
         self._batches: dict[tuple[Path, int], list[str]] = {}
         self.delivered: set[str] = set()
         self._read_at = 0.0
@@ -117,14 +118,8 @@ class Progress:
     def _read(self) -> None:
         self._read_at = time.monotonic()
         for path in self.topology.reader_files("a"):
-            if not path.exists():
-                continue
-            with path.open("rb") as f:
-                f.seek(self._offsets.get(path, 0))
-                chunk = f.read()
-            end = chunk.rfind(b"\n") + 1
-            self._offsets[path] = self._offsets.get(path, 0) + end
-            for line in chunk[:end].splitlines():
+            tail = self._tails.setdefault(path, LogTail(path, from_start=True))
+            for line in tail.new_text().splitlines():
                 with contextlib.suppress(json.JSONDecodeError):
                     self._line(path, json.loads(line))
 

@@ -18,11 +18,10 @@ import threading
 import time
 from pathlib import Path
 
-from devtools.chaos.remedy import LogTail
 from devtools.deployment import Deployment, stack_fields
 from devtools.kafka_node import KafkaLayout, kafka_libs_dir, kafka_ready, start_kafka
 from devtools.localstack import start_stack
-from devtools.processes import port_open, signal_group, wait_gone
+from devtools.processes import LogTail, port_open, signal_group, wait_gone
 from devtools.redis_node import redis_ready, start_redis
 from devtools.stack_security import StackSecurity
 

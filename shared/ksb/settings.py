@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ksb.errors import KsbError
 
 __all__ = [
+    "STICKY_SHARDS",
     "ActivatedTaskSettings",
     "ActivationSettings",
     "CliSettings",
@@ -46,6 +47,10 @@ local stack is secured), not of a process's settings: a service started from a s
 them still starts."""
 
 S = TypeVar("S", bound="KsbSettings")
+
+STICKY_SHARDS = "ksb-sticky-shards"
+"""KSB's partition assignor's name (infra/kafka/assignor: every topic split alike, shards kept by
+their owners); a broker must list it in ``group.consumer.assignors``."""
 
 
 class SettingsError(KsbError):
@@ -202,7 +207,7 @@ class DispatcherSettings(ServiceSettings):
     revoking it was lost to a request timeout: librdkafka 2.16 goes on heartbeating without its
     owned partitions, and the coordinator never repeats the revocation (found by the chaos
     harness, reproduced by a broker stall just as a killed member's session expires)."""
-    group_assignor: str = "ksb-sticky-shards"
+    group_assignor: str = STICKY_SHARDS
     """The server-side assignor the dispatchers' group asks for: KSB's broker plugin
     (infra/kafka/assignor), which keeps each dispatcher's shards while others join or leave, or
     ``range`` on a broker without it (it splits every topic alike too, but moves survivors'

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from devtools.kafka_node import ASSIGNOR_JAR, kafka_libs_dir
+from devtools.kafka_node import ASSIGNOR_JAR, java_binary, kafka_libs_dir
 
 pytestmark = pytest.mark.integration
 
@@ -20,7 +20,7 @@ def place(current: list[int], members: int) -> list[int]:
     libs = kafka_libs_dir()
     out = subprocess.run(
         [
-            "java",
+            java_binary(),
             "-cp",
             f"{libs / ASSIGNOR_JAR}:{libs}/*",
             "dev.ksb.kafka.StickyShardAssignor",

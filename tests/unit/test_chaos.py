@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from devtools.chaos.invariants import Side, check_round, stale_commits
-from devtools.chaos.remedy import CoordinatorWatch, LogTail, failed_loads
+from devtools.chaos.remedy import CoordinatorWatch, failed_loads
 from devtools.chaos.schedule import FaultKind, draw_schedule
 from devtools.chaos.workload import (
     REPLY,
@@ -21,6 +21,7 @@ from devtools.chaos.workload import (
     request_body,
     target_step,
 )
+from devtools.processes import LogTail
 from ksb.catalog.model import DIALOG_TIMER, END_DIALOG, ERROR
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 

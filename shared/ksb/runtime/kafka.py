@@ -22,10 +22,9 @@ from confluent_kafka.cimpl import NewTopic
 from ksb.catalog.model import Queue
 from ksb.names import Names
 from ksb.security.credentials import kafka_login
-from ksb.settings import KsbSettings
+from ksb.settings import STICKY_SHARDS, KsbSettings
 
 __all__ = [
-    "STICKY_SHARDS",
     "TopicSpec",
     "admin",
     "client_security",
@@ -104,11 +103,6 @@ def consumer(
     conf.update(extra)
     conf.update(client_security(settings, conf["bootstrap.servers"]))
     return Consumer(conf)
-
-
-STICKY_SHARDS = "ksb-sticky-shards"
-"""KSB's partition assignor's name (infra/kafka/assignor: every topic split alike, shards kept by
-their owners); a broker must list it in ``group.consumer.assignors``."""
 
 
 def group_consumer(

@@ -2,7 +2,6 @@ package dev.ksb.kafka;
 
 import java.util.ArrayList;
 import java.util.Arrays;
-import java.util.Collections;
 import java.util.Comparator;
 import java.util.HashMap;
 import java.util.HashSet;
@@ -155,7 +154,7 @@ public final class StickyShardAssignor implements ConsumerGroupPartitionAssignor
     private static List<String> sortedMembers(GroupSpec group) {
         List<String> members = new ArrayList<>(group.memberIds());
         members.sort(Comparator.comparing((String id) -> key(group.memberSubscription(id), id)));
-        return Collections.unmodifiableList(members);
+        return members;
     }
 
     private static String key(MemberSubscription subscription, String memberId) {
