@@ -1,11 +1,14 @@
 """Following the consumer group: the shards this dispatcher is given and the ones it gives up.
 
-Kafka's consumer group (KIP-848, ``range`` assignor) hands every dispatcher of an instance the
-same partition numbers of every input topic; a partition number is a shard. Given a shard, a
-dispatcher first asks Kafka for the shard's committed offsets: with ``read_committed`` that waits
-until the previous owner's last transaction is committed or aborted (a paused member may still be
-finishing one), so the state rebuilt next includes everything that transaction wrote. Then it
-rebuilds the shard from the compacted topics (`services.dispatcher.rebuild`). Giving a shard up,
+Kafka's consumer group (KIP-848, KSB's sticky assignor or ``range``) hands every dispatcher of an
+instance the same partition numbers of every input topic; a partition number is a shard. Given a
+shard, a dispatcher first asks Kafka for the shard's committed offsets: with ``read_committed``
+they are unstable until the previous owner's last transaction is committed or aborted (a paused
+member may still be finishing one; one SIGKILLed inside a transaction leaves it to time out), so
+the state rebuilt next includes everything that transaction wrote. Until then the shard's
+partitions stay paused and the loop asks again between its transactions (`take_pending`), so the
+shards the member already owns keep flowing. Then it rebuilds the shard from the compacted
+topics (`services.dispatcher.rebuild`). Giving a shard up,
 it forgets it: the transaction loop commits before it polls, so no open transaction holds work of
 a shard that moves.
 
@@ -24,7 +27,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ksb.catalog.model import CatalogView
@@ -38,6 +41,10 @@ log = logging.getLogger("ksb.dispatcher")
 
 STABLE_TIMEOUT_S = 120.0
 """How long a new owner waits for the previous owner's last transaction to end."""
+STABLE_PROBE_S = 0.05
+"""How long one look at a waiting shard's committed offsets may block the loop."""
+STABLE_RETRY_S = 0.1
+"""How often a waiting shard's committed offsets are looked at."""
 
 
 class AssignmentFailed(RuntimeError):
@@ -59,6 +66,7 @@ class ShardKeeper:
         loader: Consumer,
         catalog: Callable[[], CatalogView],
         held: HeldShards,
+        now: Callable[[], float] = time.monotonic,
     ) -> None:
         self._names = names
         self._engine = engine
@@ -69,30 +77,93 @@ class ShardKeeper:
         self.last_load_s = 0.0
         self._committed: dict[tuple[str, int], int] = {}
         """Offsets committed for the assigned partitions when they were assigned."""
+        self._now = now
+        self._pending: list[TopicPartition] = []
+        """Partitions given, paused until their shard is loaded (`take_pending`)."""
+        self._pending_since = 0.0
+        self._next_try = 0.0
 
     @property
     def owned(self) -> set[int]:
         return self._engine.ownership.owned
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """The rebalance callback: take the partitions at once, then load their shards."""
+        """The rebalance callback: take the partitions at once; load their shards now if their
+        previous owner's last transaction has ended, else later (`take_pending`), paused."""
         log.info("partitions %s given; taking them", _named(partitions))
         consumer.incremental_assign(partitions)
-        self.load(consumer, partitions)
+        waiting = {tp.partition for tp in self._pending} | self._new_shards(partitions)
+        paused = [tp for tp in partitions if tp.partition in waiting]
+        if not paused:
+            return
+        consumer.pause(paused)
+        if not self._pending:
+            self._pending_since = self._now()
+        self._pending += paused
+        self._next_try = 0.0
+        self.take_pending(consumer)
+
+    def take_pending(self, consumer: Consumer) -> None:
+        """Load the shards given and still paused, once Kafka says their committed offsets are
+        stable (the previous owner's last transaction has ended, or timed out if it died inside
+        one); called between transactions. Asking is cheap and rate-limited, so the shards this
+        member already owns keep flowing meanwhile instead of standing still for as long as a
+        dead member's transaction takes to time out."""
+        now = self._now()
+        if not self._pending or now < self._next_try:
+            return
+        try:
+            committed = consumer.committed(self._pending, timeout=STABLE_PROBE_S)
+        except KafkaException as exc:
+            timed_out = exc.args[0].code() == KafkaError._TIMED_OUT
+            if timed_out and now - self._pending_since < STABLE_TIMEOUT_S:
+                if self._next_try == 0.0:
+                    log.info(
+                        "shards %s wait for their previous owner's last transaction",
+                        sorted({tp.partition for tp in self._pending}),
+                    )
+                self._next_try = now + STABLE_RETRY_S
+                return
+            shards = sorted({tp.partition for tp in self._pending})
+            self._pending = []
+            raise AssignmentFailed(f"shards {shards} not rebuilt: {exc.args[0]}") from exc
+        partitions, self._pending = self._pending, []
+        self._take(consumer, partitions, committed)
+        consumer.resume(partitions)
 
     def load(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Rebuild the shards of assigned `partitions` this engine does not own yet, and own
-        them if the coordinator still counts them as this member's (else `AssignmentFailed`)."""
+        """Rebuild the shards of assigned `partitions` this engine does not own yet, waiting
+        until their offsets are stable, and own them if the coordinator still counts them as
+        this member's (else `AssignmentFailed`)."""
+        if not self._new_shards(partitions):
+            return
+        try:
+            committed = consumer.committed(partitions, timeout=STABLE_TIMEOUT_S)  # until stable
+        except KafkaException as exc:
+            raise AssignmentFailed(f"shards not rebuilt: {exc.args[0]}") from exc
+        self._take(consumer, partitions, committed)
+
+    def forget_pending(self) -> None:
+        """The consumer is gone (the member rejoins): nothing waits any more."""
+        self._pending = []
+
+    def _new_shards(self, partitions: list[TopicPartition]) -> set[int]:
         # The relay topic is the anchor: its partition s comes and goes with shard s (the other
         # topics are co-partitioned with it; a requests topic created later only adds partitions).
-        new = sorted(
-            {tp.partition for tp in partitions if tp.topic == self._names.relay} - self.owned
-        )
+        return {tp.partition for tp in partitions if tp.topic == self._names.relay} - self.owned
+
+    def _take(
+        self,
+        consumer: Consumer,
+        partitions: list[TopicPartition],
+        committed: list[TopicPartition],
+    ) -> None:
+        new = sorted(self._new_shards(partitions))
         if not new:
             return
         started = time.monotonic()
         try:
-            for tp in consumer.committed(partitions, timeout=STABLE_TIMEOUT_S):  # until stable
+            for tp in committed:
                 if tp.offset >= 0:
                     self._committed[(tp.topic, tp.partition)] = tp.offset
                 else:
@@ -137,6 +208,8 @@ class ShardKeeper:
         return fencing_offsets(positions, self._committed)
 
     def _drop(self, partitions: list[TopicPartition], why: str) -> None:
+        dropped = {(tp.topic, tp.partition) for tp in partitions}
+        self._pending = [tp for tp in self._pending if (tp.topic, tp.partition) not in dropped]
         for tp in partitions:
             self._committed.pop((tp.topic, tp.partition), None)
         gone = sorted(

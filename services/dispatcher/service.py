@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from ksb.audit import Audit, KafkaAudit
@@ -68,6 +68,7 @@ from ksb.wire.protocol import (
     dumps,
 )
 from ksb.wire.relay import RelayRequest
+from services.dispatcher.journal import STALE_EPOCH, JournaledProducer, write_again
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, coordinator_shards
@@ -110,7 +111,7 @@ class Dispatcher(Service):
         """This dispatcher's name in the group and in its transactional id."""
         self._catalog_probe: Consumer | None = None
         self._catalog_end: int | None = None
-        self._producer: Producer | None = None
+        self._producer: JournaledProducer | None = None
         self._consumer: Consumer | None = None
         self._loader: Consumer | None = None
         self._writer: OutputWriter | None = None
@@ -126,6 +127,9 @@ class Dispatcher(Service):
         self._commits, self._relayed = Children(COMMITS), Children(RELAYED)
         self._pieces = Reassembler()
         """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
+        self._open_txn: tuple[list[TopicPartition], int] | None = None
+        """The open transaction's consumed offsets and record count, until it commits
+        (`_write_again`)."""
 
     # ----------------------------------------------------------------- the shell's calls
     def open(self) -> None:
@@ -190,11 +194,13 @@ class Dispatcher(Service):
         problem = start_problem(s.instance, view.version, self._missing_topics(admin, view.catalog))
         if problem is not None:
             raise BrokerNotStarted(problem)
-        self._producer = kafka.producer(
-            s,
-            transactional_id=f"{self.names.dispatcher_txn_id}.{self.member}",
-            txn_timeout_ms=s.txn_timeout_ms,
-            extra={"linger.ms": 1},
+        self._producer = JournaledProducer(
+            kafka.producer_conf(
+                s,
+                transactional_id=f"{self.names.dispatcher_txn_id}.{self.member}",
+                txn_timeout_ms=s.txn_timeout_ms,
+                extra={"linger.ms": 1},
+            )
         )
         self._producer.init_transactions(60)
         # Audit events go through the transactional producer: they commit with what they describe.
@@ -366,6 +372,8 @@ class Dispatcher(Service):
     def apply_batch(self) -> int:
         """Handle one batch of records and due timers in one transaction; returns records seen."""
         assert self._consumer and self._producer and self.engine and self._writer
+        assert self.shards is not None
+        self.shards.take_pending(self._consumer)  # shards given while their last owner's txn ran
         now = self.clock.now_ms()
         deadline = self.engine.next_deadline_ms()
         # Never a zero wait: librdkafka counts the time inside a non-blocking poll, rebuilding
@@ -387,8 +395,8 @@ class Dispatcher(Service):
             self._write(self._handle(m, now), now)
         self._write(self.engine.tick(now), now)
         self._writer.flush()
-        assert self.shards is not None
         offsets = self.shards.fencing_offsets(self._consumer.position(self._consumer.assignment()))
+        self._open_txn = (offsets, len(records))
         if offsets:
             # With a time limit: without one, librdkafka waits forever while the coordinator
             # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
@@ -398,6 +406,7 @@ class Dispatcher(Service):
                 )
         with self.watchdog.guard("commit_transaction"):
             p.commit_transaction(_TXN_CALL_TIMEOUT_S)
+        self._open_txn = None
         self.applied += len(records)
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)
@@ -473,6 +482,8 @@ class Dispatcher(Service):
         log.warning("transaction failed (%s); its work is dropped and redone from Kafka", err)
         assert self._producer is not None and self._writer is not None
         self._writer.discard()
+        if err.code() in STALE_EPOCH and self._write_again():
+            return
         if err.fatal() or not self._abort():
             self._discard_clients()
             self.try_start(self.ticker.tick)
@@ -481,6 +492,22 @@ class Dispatcher(Service):
             self._rejoin()
         else:
             self._reset()
+
+    def _write_again(self) -> bool:
+        """The transaction was refused only for the group epoch it carried: write it again with
+        the current one (`services.dispatcher.journal`) instead of rebuilding the shards."""
+        assert self._producer is not None and self._consumer is not None
+        opened, self._open_txn = self._open_txn, None
+        if opened is None:
+            return False
+        offsets, records = opened
+        with self.watchdog.guard("write_again"):
+            written = write_again(
+                self._producer, offsets, self._consumer.consumer_group_metadata, _TXN_CALL_TIMEOUT_S
+            )
+        if written:
+            self.applied += records
+        return written
 
     def _abort(self) -> bool:
         """Abort whatever transaction is open, whatever the error was: a retriable one (an
@@ -504,6 +531,8 @@ class Dispatcher(Service):
         assert self._consumer is not None and self.engine is not None
         for shard in sorted(self.engine.ownership.owned):
             self.engine.drop_shard(shard)
+        if self.shards is not None:
+            self.shards.forget_pending()
         try:
             self._consumer.close()
         except KafkaException as exc:
@@ -514,11 +543,12 @@ class Dispatcher(Service):
         self._subscribe()
 
     def _reset(self) -> None:
-        """Owned shards rebuilt, consumer back at their committed offsets."""
+        """Owned shards rebuilt, consumer back at their committed offsets (shards still waiting
+        for their last owner's transaction, `ShardKeeper.take_pending`, go on waiting)."""
         assert self._consumer is not None and self.engine is not None and self.shards is not None
-        assignment = self._consumer.assignment()
-        owned = sorted(self.engine.ownership.owned)
-        for shard in owned:
+        owned = set(self.engine.ownership.owned)
+        assignment = [tp for tp in self._consumer.assignment() if tp.partition in owned]
+        for shard in sorted(owned):
             self.engine.drop_shard(shard)
         relay = [tp for tp in assignment if tp.topic == self.names.relay]
         self.shards.load(self._consumer, relay)

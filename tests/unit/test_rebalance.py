@@ -48,13 +48,24 @@ class _Consumer:
 
     def __init__(self, committed: dict[tuple[str, int], int]) -> None:
         self.assigned: list[tuple[str, int]] = []
+        self.paused: set[tuple[str, int]] = set()
+        self.stable = True
+        """False: a previous owner's transaction holds the offsets (`committed` times out)."""
+        self.asked = 0
         self._committed = committed
 
     def incremental_assign(self, partitions: list[TopicPartition]) -> None:
         self.assigned += [(tp.topic, tp.partition) for tp in partitions]
 
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        self.paused |= {(tp.topic, tp.partition) for tp in partitions}
+
+    def resume(self, partitions: list[TopicPartition]) -> None:
+        self.paused -= {(tp.topic, tp.partition) for tp in partitions}
+
     def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
-        if self._committed is None:
+        self.asked += 1
+        if self._committed is None or not self.stable:
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
         return [
             TopicPartition(
@@ -68,7 +79,7 @@ NAMES = Names("u")
 
 
 def _keeper(
-    monkeypatch: pytest.MonkeyPatch, held: set[int]
+    monkeypatch: pytest.MonkeyPatch, held: set[int], clock: list[float] | None = None
 ) -> tuple[ShardKeeper, Engine, list[int]]:
     loaded: list[int] = []
 
@@ -79,7 +90,10 @@ def _keeper(
     monkeypatch.setattr(rebalance, "load_shard", load_shard)
     view = CatalogView(parse_catalog({}))
     engine = Engine(view, instance="u", max_body_bytes=1000, ownership=Ownership(4, owned=()))
-    keeper = ShardKeeper(NAMES, engine, cast(Any, None), lambda: view, lambda _c: set(held))
+    now = clock or [0.0]
+    keeper = ShardKeeper(
+        NAMES, engine, cast(Any, None), lambda: view, lambda _c: set(held), now=lambda: now[0]
+    )
     return keeper, engine, loaded
 
 
@@ -98,6 +112,64 @@ def test_new_partitions_are_taken_at_once_then_owned_when_the_coordinator_agrees
     assert _pairs(keeper.fencing_offsets([TopicPartition(NAMES.relay, 1, OFFSET_INVALID)])) == [
         (NAMES.relay, 1, 7)
     ]
+
+
+def test_a_shard_whose_last_owner_died_in_a_transaction_waits_paused_while_owned_ones_flow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the failover bench: a member SIGKILLed inside a transaction leaves its offsets
+    unstable until the transaction times out (10 s), and the survivors waited for that inside
+    the assignment callback, so the shards they already owned stood still as long."""
+    clock = [100.0]
+    keeper, engine, loaded = _keeper(monkeypatch, held={0, 1}, clock=clock)
+    engine.ownership.owned.add(0)
+    consumer = _Consumer({(NAMES.relay, 1): 7})
+    consumer.stable = False
+    given = [*_relay(1), TopicPartition(NAMES.requests, 1)]
+    keeper.on_assign(cast(Any, consumer), given)
+    assert consumer.paused == {(NAMES.relay, 1), (NAMES.requests, 1)}
+    assert loaded == [] and engine.ownership.owned == {0}
+
+    keeper.take_pending(cast(Any, consumer))  # asked again only after STABLE_RETRY_S
+    assert consumer.asked == 1
+    clock[0] += rebalance.STABLE_RETRY_S
+    keeper.take_pending(cast(Any, consumer))
+    assert consumer.asked == 2 and engine.ownership.owned == {0}
+
+    consumer.stable = True
+    clock[0] += rebalance.STABLE_RETRY_S
+    keeper.take_pending(cast(Any, consumer))
+    assert loaded == [1] and engine.ownership.owned == {0, 1} and consumer.paused == set()
+    assert _pairs(keeper.fencing_offsets([TopicPartition(NAMES.relay, 1, OFFSET_INVALID)])) == [
+        (NAMES.relay, 1, 7)
+    ]
+
+
+def test_a_shard_whose_offsets_never_settle_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    keeper, engine, loaded = _keeper(monkeypatch, held={2}, clock=clock)
+    consumer = _Consumer({})
+    consumer.stable = False
+    keeper.on_assign(cast(Any, consumer), _relay(2))
+    clock[0] = rebalance.STABLE_TIMEOUT_S
+    with pytest.raises(AssignmentFailed, match=r"shards \[2\] not rebuilt"):
+        keeper.take_pending(cast(Any, consumer))
+    assert loaded == [] and engine.ownership.owned == set()
+    keeper.take_pending(cast(Any, consumer))  # nothing waits any more
+    assert consumer.asked == 2
+
+
+def test_a_waiting_shard_revoked_meanwhile_is_no_longer_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keeper, engine, loaded = _keeper(monkeypatch, held={3})
+    consumer = _Consumer({})
+    consumer.stable = False
+    keeper.on_assign(cast(Any, consumer), _relay(3))
+    keeper.on_revoke(cast(Any, consumer), _relay(3))
+    consumer.stable = True
+    keeper.take_pending(cast(Any, consumer))
+    assert consumer.asked == 1 and loaded == [] and engine.ownership.owned == set()
 
 
 def test_a_shard_the_coordinator_gave_away_while_it_was_rebuilt_is_not_taken(

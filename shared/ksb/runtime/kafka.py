@@ -50,6 +50,21 @@ def producer(
     txn_timeout_ms: int = 10_000,
     extra: dict[str, Any] | None = None,
 ) -> Producer:
+    return Producer(
+        producer_conf(
+            settings, transactional_id=transactional_id, txn_timeout_ms=txn_timeout_ms, extra=extra
+        )
+    )
+
+
+def producer_conf(
+    settings: KsbSettings,
+    *,
+    transactional_id: str | None = None,
+    txn_timeout_ms: int = 10_000,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every KSB producer's configuration (for a `Producer` subclass, say)."""
     conf: dict[str, Any] = {
         "bootstrap.servers": settings.kafka_bootstrap,
         "enable.idempotence": True,
@@ -63,7 +78,7 @@ def producer(
         conf["transaction.timeout.ms"] = txn_timeout_ms
     conf.update(extra or {})
     conf.update(client_security(settings, conf["bootstrap.servers"]))
-    return Producer(conf)
+    return conf
 
 
 def remote_producer(

@@ -1,0 +1,72 @@
+"""A transaction written again, as it was, when Kafka refused it only for a stale group epoch.
+
+Whenever the group coordinator changes a member's assignment it bumps the member's epoch, and an
+offsets commit carrying the old epoch is refused (ILLEGAL_GENERATION, STALE_MEMBER_EPOCH). A
+dispatcher whose transaction was open at that moment, because another member joined or died,
+used to abort it and rebuild every shard it holds from Kafka (a second or more of standstill on
+shards that never moved, in the middle of the very failover that should not touch them).
+
+Nothing about that batch was wrong: the engine applied it, its outputs are known, and the
+member still owns its partitions. A member gives a partition up only by acknowledging the
+revocation from its rebalance callback, which runs in ``poll``, and the transaction loop never
+polls with a transaction open; a member the group has expelled gets a different error
+(UNKNOWN_MEMBER_ID, FENCED_MEMBER_EPOCH). So the same records and offsets are written again, in
+a new transaction, with the group metadata the consumer holds now. Read_committed readers never
+saw the aborted copy, so what they see is the batch exactly once. If the second attempt fails
+too, the dispatcher recovers as from any failed transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+
+__all__ = ["STALE_EPOCH", "JournaledProducer", "write_again"]
+
+log = logging.getLogger("ksb.dispatcher")
+
+STALE_EPOCH = frozenset({KafkaError.ILLEGAL_GENERATION, KafkaError.STALE_MEMBER_EPOCH})
+"""The refusals that only say the group metadata is older than the member's epoch."""
+
+
+class JournaledProducer(Producer):
+    """A transactional producer that remembers what the open transaction produced."""
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        super().__init__(conf)
+        self.journal: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def begin_transaction(self, *args: Any) -> None:
+        self.journal = []
+        super().begin_transaction(*args)
+
+    def produce(self, *args: Any, **kwargs: Any) -> None:
+        self.journal.append((args, kwargs))
+        super().produce(*args, **kwargs)
+
+
+def write_again(
+    producer: JournaledProducer,
+    offsets: list[TopicPartition],
+    group_metadata: Callable[[], Any],
+    timeout_s: float,
+) -> bool:
+    """Abort the refused transaction and commit its records and offsets in a new one with the
+    consumer's current group metadata; False (the new one aborted) when that fails too."""
+    records = producer.journal
+    try:
+        producer.abort_transaction(timeout_s)
+        producer.begin_transaction()
+        for args, kwargs in records:
+            producer.produce(*args, **kwargs)
+        if offsets:
+            producer.send_offsets_to_transaction(offsets, group_metadata(), timeout_s)
+        producer.commit_transaction(timeout_s)
+    except KafkaException as exc:
+        log.warning("transaction not written again (%s)", exc.args[0])
+        return False
+    log.info("transaction refused for a stale group epoch written again (%d records)", len(records))
+    return True
