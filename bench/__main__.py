@@ -96,7 +96,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         probes=probes,
         max_inflight_requests=a.max_inflight,
         timeout_s=timeout_s,
-        warmup_messages=0 if a.quick else 10_000,
+        warmup_messages=0 if a.quick else 40_000,
     )
     opts = Options(
         raw_messages=a.raw_messages or messages,

@@ -120,6 +120,30 @@ def cpu_seconds(pid: int | None = None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # fields 14 and 15 of stat(5)
 
 
+_JIT_THREADS = ("C1 CompilerThre", "C2 CompilerThre")
+"""HotSpot's JIT compiler threads, as /proc names them (comm is cut at 15 characters)."""
+
+
+def jit_seconds(pid: int) -> float | None:
+    """User + system CPU time so far of the JVM ``pid``'s JIT compiler threads: a broker that
+    has run for a minute still compiles the code KSB's requests take, work a long-running
+    broker did long ago. None once it is gone."""
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue  # a thread that ended meanwhile
+        if stat[stat.index("(") + 1 : stat.rindex(")")].startswith(_JIT_THREADS):
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / _CLOCK_TICKS
+
+
 def peak_rss_kb(pid: int | None = None) -> int | None:
     """VmHWM (peak resident set) of ``pid`` (this process by default), or None if unreadable."""
     return _status_kb(pid, "VmHWM:")
@@ -148,17 +172,32 @@ class CpuMeter:
     A pid of None is this process (the benchmark's own clients)."""
 
     pids: dict[str, int | None]
+    jvm: str | None = None
+    """The name of a JVM among `pids` whose JIT compiler threads are measured too (`jit_s`)."""
     spent_s: dict[str, float] = field(default_factory=dict)
     """Per name, once the phase has ended (a process that died meanwhile is left out)."""
+    jit_s: float | None = None
+    """Of `jvm`'s share, its JIT compiler threads' (already counted in `spent_s`)."""
     _start: dict[str, float | None] = field(default_factory=dict)
+    _jit_start: float | None = None
 
     def mark(self, starting: bool) -> None:
         now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        jvm_pid = self.pids.get(self.jvm) if self.jvm is not None else None
+        jit = None if jvm_pid is None else jit_seconds(jvm_pid)
         if starting:
-            self._start = now
+            self._start, self._jit_start = now, jit
             return
         self.spent_s = {
             name: end - begin
             for name, end in now.items()
             if end is not None and (begin := self._start.get(name)) is not None
         }
+        if jit is not None and self._jit_start is not None:
+            self.jit_s = jit - self._jit_start
+
+    def jit_ms_per_message(self, messages: int) -> dict[str, float]:
+        """``{"<jvm>_jit": ms}``, the JIT compiler's share per message, when it was measured."""
+        if self.jit_s is None or not messages:
+            return {}
+        return {f"{self.jvm}_jit": self.jit_s * 1000 / messages}

@@ -108,7 +108,7 @@ def run(opts: Options) -> dict[str, Any]:
             )
             phase("secure")
             stack_pids = {"kafka": stack.kafka_pid, "redis": stack.redis_pid}
-            raw_cpu = CpuMeter({"kafka": stack.kafka_pid, "client": None})
+            raw_cpu = CpuMeter({"kafka": stack.kafka_pid, "client": None}, jvm="kafka")
             raw = run_raw(
                 settings.as_principal(ADMIN),  # its topic is nobody's: the admin may write it
                 messages=opts.raw_messages,
@@ -123,6 +123,7 @@ def run(opts: Options) -> dict[str, Any]:
                 "cpu_s": raw_cpu.spent_s,
                 "cpu_ms_per_message": {
                     **{n: c * 1000 / raw.rate.messages for n, c in raw_cpu.spent_s.items()},
+                    **raw_cpu.jit_ms_per_message(raw.rate.messages),
                     "all": cpu_ms_per_message(raw_cpu.spent_s, raw.rate.messages),
                 },
             }

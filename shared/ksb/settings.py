@@ -161,6 +161,11 @@ class ClientSettings(KsbSettings):
     most; a request beyond it waits for them (`ksb.sdk.backpressure`). 0: no limit."""
     backpressure_timeout_s: float = Field(30.0, gt=0)
     """How long a request may wait for the dispatchers to catch up before it fails."""
+    request_linger_ms: int = Field(0, ge=0)
+    """The request producer's ``linger.ms``. 0: a request leaves at once, and librdkafka still
+    batches what queues up while earlier produce requests are in flight. Measured with `make
+    bench` (the raw baseline with the same value): against 2 ms, one-at-a-time p50 24.6 -> 16.3
+    ms, and under load more throughput and less CPU per message, not less."""
 
 
 class CliSettings(ClientSettings):
