@@ -119,11 +119,11 @@ class ShardKeeper:
                 if self._next_try == 0.0:
                     log.info(
                         "shards %s wait for their previous owner's last transaction",
-                        sorted({tp.partition for tp in self._pending}),
+                        self._pending_shards(),
                     )
                 self._next_try = now + STABLE_RETRY_S
                 return
-            shards = sorted({tp.partition for tp in self._pending})
+            shards = self._pending_shards()
             self._pending = []
             raise AssignmentFailed(f"shards {shards} not rebuilt: {exc.args[0]}") from exc
         partitions, self._pending = self._pending, []
@@ -141,6 +141,9 @@ class ShardKeeper:
         except KafkaException as exc:
             raise AssignmentFailed(f"shards not rebuilt: {exc.args[0]}") from exc
         self._take(consumer, partitions, committed)
+
+    def _pending_shards(self) -> list[int]:
+        return sorted({tp.partition for tp in self._pending})
 
     def forget_pending(self) -> None:
         """The consumer is gone (the member rejoins): nothing waits any more."""
