@@ -1,6 +1,6 @@
 """The baseline: plain confluent-kafka produce and read_committed consume on one partition.
 
-Same client settings as KSB's own (`ksb.runtime.kafka.producer` / `ksb.runtime.kafka.consumer`: idempotent,
+Same client settings as KSB's own (`ksb.runtime.kafka.request_producer` / `ksb.runtime.kafka.consumer`: idempotent,
 acks=all, lz4, short fetch wait, and the SDK request producer's linger), so the gap to KSB is what
 KSB adds, not a different tuning. (Until 2026-11-24 the baseline lingered 5 ms where the SDK
 lingered 2, which flattered KSB's one-at-a-time ratio by about half.)
@@ -129,9 +129,7 @@ def run_raw(
     kafka.ensure_topics(kafka.admin(settings), [kafka.TopicSpec(topic, 1)])
     collector = _Collector(settings, topic)
     collector.start()
-    # The SDK's request producer's linger (`ClientSettings.request_linger_ms`), not the
-    # services' default: the baseline must not wait where KSB's client does not.
-    p = kafka.producer(settings, extra={"linger.ms": settings.request_linger_ms})
+    p = kafka.request_producer(settings)  # the SDK's, so the baseline lingers as KSB's client does
     try:
         # Warm up: connections, metadata and the first fetch are not what is being measured.
         for i in range(warmup_messages):

@@ -116,8 +116,13 @@ def cpu_seconds(pid: int | None = None) -> float | None:
         stat = Path(f"/proc/{'self' if pid is None else pid}/stat").read_text()
     except OSError:
         return None
+    return _cpu_ticks(stat) / _CLOCK_TICKS
+
+
+def _cpu_ticks(stat: str) -> int:
+    """utime + stime of one /proc/<pid>[/task/<tid>]/stat line, in clock ticks."""
     fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may hold spaces
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # fields 14 and 15 of stat(5)
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of stat(5)
 
 
 _JIT_THREADS = ("C1 CompilerThre", "C2 CompilerThre")
@@ -139,8 +144,7 @@ def jit_seconds(pid: int) -> float | None:
         except OSError:
             continue  # a thread that ended meanwhile
         if stat[stat.index("(") + 1 : stat.rindex(")")].startswith(_JIT_THREADS):
-            fields = stat[stat.rindex(")") + 2 :].split()
-            total += int(fields[11]) + int(fields[12])
+            total += _cpu_ticks(stat)
     return total / _CLOCK_TICKS
 
 

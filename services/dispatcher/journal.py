@@ -33,37 +33,44 @@ STALE_EPOCH = frozenset({KafkaError.ILLEGAL_GENERATION, KafkaError.STALE_MEMBER_
 
 
 class JournaledProducer(Producer):
-    """A transactional producer that remembers what the open transaction produced."""
+    """A transactional producer that remembers what the open transaction produced and the
+    offsets it sent (None until it sends some)."""
 
     def __init__(self, conf: dict[str, Any]) -> None:
         super().__init__(conf)
         self.journal: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.offsets: list[TopicPartition] | None = None
 
     def begin_transaction(self, *args: Any) -> None:
-        self.journal = []
+        self.journal, self.offsets = [], None
         super().begin_transaction(*args)
 
     def produce(self, *args: Any, **kwargs: Any) -> None:
         self.journal.append((args, kwargs))
         super().produce(*args, **kwargs)
 
+    def send_offsets_to_transaction(
+        self, offsets: list[TopicPartition], group_metadata: Any, *args: Any
+    ) -> None:
+        self.offsets = offsets
+        super().send_offsets_to_transaction(offsets, group_metadata, *args)
+
 
 def write_again(
-    producer: JournaledProducer,
-    offsets: list[TopicPartition],
-    group_metadata: Callable[[], Any],
-    timeout_s: float,
+    producer: JournaledProducer, group_metadata: Callable[[], Any], timeout_s: float
 ) -> bool:
     """Abort the refused transaction and commit its records and offsets in a new one with the
-    consumer's current group metadata; False (the new one aborted) when that fails too."""
-    records = producer.journal
+    consumer's current group metadata; False when that fails too, or when the refused
+    transaction sent no offsets (nothing a stale epoch could have refused)."""
+    records, offsets = producer.journal, producer.offsets
+    if offsets is None:
+        return False
     try:
         producer.abort_transaction(timeout_s)
         producer.begin_transaction()
         for args, kwargs in records:
             producer.produce(*args, **kwargs)
-        if offsets:
-            producer.send_offsets_to_transaction(offsets, group_metadata(), timeout_s)
+        producer.send_offsets_to_transaction(offsets, group_metadata(), timeout_s)
         producer.commit_transaction(timeout_s)
     except KafkaException as exc:
         log.warning("transaction not written again (%s)", exc.args[0])

@@ -127,9 +127,8 @@ class Dispatcher(Service):
         self._commits, self._relayed = Children(COMMITS), Children(RELAYED)
         self._pieces = Reassembler()
         """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
-        self._open_txn: tuple[list[TopicPartition], int] | None = None
-        """The open transaction's consumed offsets and record count, until it commits
-        (`_write_again`)."""
+        self._batch = 0
+        """Records in the open transaction (counted as applied once it commits)."""
 
     # ----------------------------------------------------------------- the shell's calls
     def open(self) -> None:
@@ -396,7 +395,7 @@ class Dispatcher(Service):
         self._write(self.engine.tick(now), now)
         self._writer.flush()
         offsets = self.shards.fencing_offsets(self._consumer.position(self._consumer.assignment()))
-        self._open_txn = (offsets, len(records))
+        self._batch = len(records)
         if offsets:
             # With a time limit: without one, librdkafka waits forever while the coordinator
             # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
@@ -406,7 +405,6 @@ class Dispatcher(Service):
                 )
         with self.watchdog.guard("commit_transaction"):
             p.commit_transaction(_TXN_CALL_TIMEOUT_S)
-        self._open_txn = None
         self.applied += len(records)
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)
@@ -497,16 +495,12 @@ class Dispatcher(Service):
         """The transaction was refused only for the group epoch it carried: write it again with
         the current one (`services.dispatcher.journal`) instead of rebuilding the shards."""
         assert self._producer is not None and self._consumer is not None
-        opened, self._open_txn = self._open_txn, None
-        if opened is None:
-            return False
-        offsets, records = opened
         with self.watchdog.guard("write_again"):
             written = write_again(
-                self._producer, offsets, self._consumer.consumer_group_metadata, _TXN_CALL_TIMEOUT_S
+                self._producer, self._consumer.consumer_group_metadata, _TXN_CALL_TIMEOUT_S
             )
         if written:
-            self.applied += records
+            self.applied += self._batch
         return written
 
     def _abort(self) -> bool:

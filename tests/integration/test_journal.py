@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 from confluent_kafka import Consumer, KafkaException, TopicPartition
@@ -29,12 +30,12 @@ def _member(admin: Deployment, group: str) -> Consumer:
     return kafka.group_consumer(admin, group=group, rebalance_timeout_ms=10_000, assignor="range")
 
 
-def _poll_until(members: list[Consumer], done: object) -> None:
+def _poll_until(members: list[Consumer], done: Callable[[], bool]) -> None:
     deadline = time.monotonic() + _DEADLINE_S
     while time.monotonic() < deadline:
         for c in members:
             c.poll(0.05)
-        if callable(done) and done():
+        if done():
             return
     raise AssertionError("the group did not settle in time")
 
@@ -88,7 +89,7 @@ def _stale_epoch_then_again(
         producer.send_offsets_to_transaction(offsets, stale, 10)
     assert refused.value.args[0].code() in STALE_EPOCH
 
-    assert write_again(producer, offsets, a.consumer_group_metadata, 10)
+    assert write_again(producer, a.consumer_group_metadata, 10)
 
     assert _read_all(admin, sink, 3) == [b"v0", b"v1", b"v2"]
     committed = a.committed(list(offsets), timeout=10)

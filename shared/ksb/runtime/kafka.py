@@ -22,7 +22,7 @@ from confluent_kafka.cimpl import NewTopic
 from ksb.catalog.model import Queue
 from ksb.names import Names
 from ksb.security.credentials import kafka_login
-from ksb.settings import STICKY_SHARDS, KsbSettings
+from ksb.settings import STICKY_SHARDS, ClientSettings, KsbSettings
 
 __all__ = [
     "TopicSpec",
@@ -36,9 +36,11 @@ __all__ = [
     "group_consumer",
     "log_consumer_error",
     "producer",
+    "producer_conf",
     "queue_topic",
     "read_to_end",
     "remote_producer",
+    "request_producer",
     "watermarks",
 ]
 
@@ -55,6 +57,12 @@ def producer(
             settings, transactional_id=transactional_id, txn_timeout_ms=txn_timeout_ms, extra=extra
         )
     )
+
+
+def request_producer(settings: ClientSettings) -> Producer:
+    """The SDK's request producer (`ksb.sdk.client.KsbClient`), which the benchmarks' raw
+    baseline uses too, so that it never waits where KSB's client does not."""
+    return producer(settings, extra={"linger.ms": settings.request_linger_ms})
 
 
 def producer_conf(

@@ -57,9 +57,7 @@ class KsbClient:
         self.settings = settings or ClientSettings.from_env()
         self.names = Names(self.settings.instance)
         self._requests_topic = self.names.requests_for(self.settings.sender)
-        self._producer = kafka.producer(
-            self.settings, extra={"linger.ms": self.settings.request_linger_ms}
-        )
+        self._producer = kafka.request_producer(self.settings)
         self._offsets = CommittedOffsets(self.settings)
         self.backpressure = Backpressure(self.settings, self._offsets)
         self.audit = Audit(KafkaAudit(self._producer, self.names))
