@@ -238,11 +238,15 @@ def _send_all(
     body_bytes: int,
     started: list[int],
     handles: list[str],
+    rate: float | None = None,
 ) -> None:
+    """Every dialog's next message in turn, as fast as the client takes them or at `rate` msg/s."""
     started.append(now_ns())
     handles += [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(dialogs)]
     for seq in range(per_dialog):
         for d, h in enumerate(handles):
+            if rate is not None:
+                _pace(started[0], seq * dialogs + d, rate)
             while True:
                 try:
                     client.send(h, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"{d}:{seq}"))
@@ -252,6 +256,13 @@ def _send_all(
                         client.flush(0.05)
     client.flush(60)
     started.append(now_ns())
+
+
+def _pace(start_ns: int, sent: int, rate: float) -> None:
+    """Sleep until the `sent`-th message is due at `rate` msg/s from `start_ns`."""
+    ahead_s = (start_ns + sent * 1e9 / rate - now_ns()) / 1e9
+    if ahead_s > 0.001:
+        time.sleep(ahead_s)
 
 
 def _probe(sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int) -> list[int]:
@@ -285,13 +296,15 @@ def run_ksb(
     receiver_settings: Deployment | None = None,
     tally: Tally | None = None,
     on_load: Callable[[bool], None] | None = None,
+    rate: float | None = None,
 ) -> KsbResult:
     """SEND ``messages`` over ``dialogs`` dialogs and RECEIVE them all; the dispatcher must run.
 
     ``receiver_settings`` names another instance to RECEIVE on (the target service's, across a
     route); by default sender and receiver are on ``settings``' instance. ``on_load`` is called
     with True just before the first BEGIN and with False once the last message is delivered (or
-    the run gave up), so a caller can measure the loaded phase alone (CPU time, say)."""
+    the run gave up), so a caller can measure the loaded phase alone (CPU time, say). ``rate``
+    paces the sender (msg/s); by default it sends as fast as the client takes the messages."""
     per_dialog = max(1, messages // dialogs)
     expected = per_dialog * dialogs
     tally = tally or Tally(expected=expected)
@@ -312,7 +325,7 @@ def run_ksb(
         if on_load is not None:
             on_load(True)
         try:
-            _send_all(sender, dialogs, per_dialog, body_bytes, marks, tally.handles)
+            _send_all(sender, dialogs, per_dialog, body_bytes, marks, tally.handles, rate)
             _wait_done(tally, stop, timeout_s)
         finally:
             if on_load is not None:

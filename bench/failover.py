@@ -58,6 +58,9 @@ class FailoverOptions:
     body_bytes: int = 1024
     receivers: int = 2
     window: int = 64
+    rate: int = 2_000
+    """The sender's pace (msg/s), below what the three dispatchers apply: steady traffic that
+    still has most of its run ahead of it when the lost shards resume."""
     kill_at: float = 0.3
     """The kill comes once this share of the messages has been delivered."""
     victim: str = "d2"
@@ -109,6 +112,7 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
             probes=0,
             timeout_s=opts.timeout_s,
             tally=tally,
+            rate=opts.rate,
         )
         injector.join(130)
         owned_after = pool.owned()
@@ -220,8 +224,9 @@ def format_lines(r: dict[str, Any]) -> list[str]:
     cfg = r["config"]
     lines = [
         f"failover: {cfg['dispatchers']} dispatchers, {cfg['shards']} shards, "
-        f"{cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs; "
-        f"{cfg['victim']} SIGKILLed once {cfg['kill_at']:.0%} were delivered"
+        f"{cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs sent at "
+        f"{cfg.get('rate', 0):,} msg/s; {cfg['victim']} SIGKILLed once {cfg['kill_at']:.0%} were "
+        "delivered"
     ]
     for run in r["runs"]:
         other, lost = run["other_shards"], run["lost_shards"]

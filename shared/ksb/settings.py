@@ -156,6 +156,13 @@ class ClientSettings(KsbSettings):
     reader_cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
     """Records of waiting messages a reader keeps per queue so that RECEIVE need not read them back
     from Kafka (`ksb.sdk.bodies`); the newest first. 0: every body is read back."""
+    stalled_commit_ms: int = Field(200, ge=0)
+    """A partition falls this far behind the others, its dispatcher may be gone: RECEIVE passes
+    over its groups while their priority level has other ready groups, once a commit there waits
+    since this long before one another partition has answered, or ten times as long with no
+    answer at all (`ksb.sdk.stalls`); and back-pressure counts its requests apart once another
+    partition's committed offset moved this long after its own last did (`ksb.sdk.inflight`).
+    0: never."""
     max_inflight_requests: int = Field(2_000, ge=0)
     """Back-pressure: requests this client sent that the dispatchers have not applied yet, at
     most; a request beyond it waits for them (`ksb.sdk.backpressure`). 0: no limit."""
@@ -195,7 +202,11 @@ class ServiceSettings(KsbSettings):
 
 class DispatcherSettings(ServiceSettings):
     max_body_bytes: int = Field(1_048_576, ge=0)
-    txn_timeout_ms: int = Field(10_000, ge=1000)
+    txn_timeout_ms: int = Field(4_000, ge=1000)
+    """Kafka aborts a transaction open this long. Kept under the consumer group's session timeout
+    (6 s in the local stack, Kafka's default 45 s), as Kafka Streams keeps its own: a member that
+    died inside a transaction then leaves nothing pending by the time its shards move, and their
+    new owners wait for its session alone (with 10 s they waited up to 5 s more)."""
     batch_max: int = Field(500, ge=1)
     """Requests applied in one Kafka transaction at most."""
     inbound_stale_ms: int = Field(10_000, ge=1)

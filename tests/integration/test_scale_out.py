@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,9 @@ from bench.e2e import (
     CONTRACT,
     INITIATOR,
     INITIATOR_QUEUE,
+    MESSAGE_TYPE,
     TARGET,
+    TARGET_QUEUE,
     KsbResult,
     Tally,
     bench_catalog,
@@ -29,6 +32,7 @@ from bench.e2e import (
 )
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
+from ksb.dialog.shards import shard_of
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
 from tests.integration.support import endpoints, queue_receipts
@@ -207,3 +211,51 @@ def test_a_timer_fires_once_when_its_dispatcher_is_paused_past_it(
             time.sleep(0.5)
         assert fired == sorted(handles)
         assert set(timers.values()) == {(1, 0)}, {m: c for m, c in timers.items() if c != (1, 0)}
+
+
+def test_receive_passes_over_a_paused_dispatchers_groups_while_others_wait(
+    scaled: Deployment, tmp_path: Path
+) -> None:
+    """A reader whose commit on one shard goes unanswered while another shard answers a later one
+    takes that other shard's group next, though the first shard's group became ready before it
+    (`ksb.sdk.stalls`); the unanswered commit applies once its dispatcher is back."""
+    with DispatcherPool(scaled, tmp_path).start(2) as pool, KsbClient(scaled) as client:
+        owned = pool.owned()
+        reader = client.reader(TARGET_QUEUE)
+        handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(40)]
+        paused = min(owned["d2"])  # a1 and a2 on one shard of d2, b1 and b2 on d1's
+        on_d2 = [h for h in handles if shard_of(h, SHARDS) == paused][:2]
+        on_d1 = [h for h in handles if shard_of(h, SHARDS) in owned["d1"]][:2]
+        # Ready in this order: a1, b1, a2, b2 (each indexed before the next is sent).
+        order = zip(["a1", "b1", "a2", "b2"], [on_d2[0], on_d1[0], on_d2[1], on_d1[1]], strict=True)
+        for n, (name, h) in enumerate(order):
+            client.send(h, MESSAGE_TYPE, name.encode())
+            client.flush()
+            deadline = time.monotonic() + 30
+            while reader.index.ready_messages < n + 1:
+                assert time.monotonic() < deadline, f"{name} not indexed"
+                time.sleep(0.02)
+
+        def receive() -> tuple[str, Any]:
+            tx = client.transaction()
+            got = tx.receive(TARGET_QUEUE, waitfor_ms=5000)
+            assert len(got) == 1
+            return got[0].message_body.decode(), tx
+
+        pool.pause("d2")
+        try:
+            first, tx = receive()
+            stuck = tx.commit_async()  # d2's: no answer while it is paused
+            time.sleep(0.3)
+            second, tx = receive()
+            tx.commit(30)  # d1's, sent 300 ms after the one d2 has not answered
+            third, tx = receive()
+            tx.commit(30)
+        finally:
+            pool.resume("d2")
+        assert (first, second) == ("a1", "b1")
+        assert third == "b2"  # not a2, though a2 became ready first
+        stuck.result(30)  # applied once d2 is back
+        last, tx = receive()
+        tx.commit(30)
+        assert last == "a2"

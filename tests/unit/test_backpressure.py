@@ -153,3 +153,38 @@ def test_an_offset_query_kafka_does_not_answer_is_asked_again_not_raised() -> No
     _send(bp, 0)
     _send(bp, 1)  # three unanswered questions, then offset 1: request 0 is applied
     assert failures == [] and bp.rule.inflight == 1
+
+
+def test_a_partition_left_behind_by_the_others_is_counted_apart() -> None:
+    """A dead dispatcher's partition must not hold a client that sends to every shard in turn."""
+    rule = InflightRequests(limit=3, stalled_ms=200)
+    for p, off in [(0, 10), (0, 11), (1, 20), (1, 21), (1, 22)]:
+        rule.sent()
+        rule.delivered(T, p, off, now_ms=0)
+    rule.committed({(T, 1): 21}, now_ms=150)  # partition 1 moves; 0 stood still for 150 ms only
+    assert rule.stalled() == [] and rule.inflight == 4 and not rule.room()
+    rule.committed({(T, 1): 22}, now_ms=300)  # 1 moved again, 300 ms after 0 last did
+    assert rule.stalled() == [(T, 0)] and rule.inflight == 3  # still in flight...
+    assert rule.room()  # ...but only partition 1's one counts against the limit
+    rule.committed({(T, 0): 11}, now_ms=400)  # 0 moves again: counted as before
+    assert rule.stalled() == [] and rule.inflight == 2
+
+
+def test_requests_counted_apart_still_meet_a_bound_of_ten_times_the_limit() -> None:
+    rule = InflightRequests(limit=2, stalled_ms=200)
+    for p, off in [(1, 0), (1, 1)] + [(0, n) for n in range(17)]:
+        rule.sent()
+        rule.delivered(T, p, off, now_ms=0)
+    rule.committed({(T, 1): 1}, now_ms=500)  # 1 moves; 0 is left behind
+    assert rule.stalled() == [(T, 0)] and rule.inflight == 18 and rule.room()
+    for n in range(17, 19):
+        rule.sent()
+        rule.delivered(T, 0, n, now_ms=500)
+    assert rule.inflight == 20 and not rule.room()  # ten times the limit, whatever is apart
+
+
+def test_with_no_other_partition_moving_nothing_is_stalled() -> None:
+    rule = InflightRequests(limit=1, stalled_ms=200)
+    rule.sent()
+    rule.delivered(T, 0, 5, now_ms=0)
+    assert rule.stalled() == [] and not rule.room()  # every dispatcher gone: the client waits

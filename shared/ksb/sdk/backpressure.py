@@ -70,7 +70,9 @@ class Backpressure:
     def __init__(
         self, settings: ClientSettings, query: OffsetQuery, clock: Clock | None = None
     ) -> None:
-        self.rule = InflightRequests(settings.max_inflight_requests)
+        self.rule = InflightRequests(
+            settings.max_inflight_requests, stalled_ms=settings.stalled_commit_ms
+        )
         self.timeout_ms = int(settings.backpressure_timeout_s * 1000)
         self._query = query
         self._clock = clock or SystemClock()
@@ -113,11 +115,11 @@ class Backpressure:
                 log.warning("committed offsets not read (%s); asking again", exc)
                 continue
             with self._lock:
-                self.rule.committed(offsets)
+                self.rule.committed(offsets, self._clock.now_ms())
 
     def delivered(self, topic: str, partition: int, offset: int) -> None:
         with self._lock:
-            self.rule.delivered(topic, partition, offset)
+            self.rule.delivered(topic, partition, offset, self._clock.now_ms())
 
     def failed(self) -> None:
         with self._lock:

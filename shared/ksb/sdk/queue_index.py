@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from array import array
-from collections.abc import Container, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import NamedTuple
 
 from ksb.catalog.model import DIALOG_TIMER, ERROR
@@ -298,13 +298,22 @@ class QueueIndex:
         )
 
     # ----------------------------------------------------------------- RECEIVE's questions
-    def candidates(self, exclude: Container[str] = ()) -> Iterator[str]:
-        """Groups with ready messages, highest priority first, then in the order they became ready."""
+    def candidates(
+        self, exclude: Container[str] = (), later: Callable[[str], bool] | None = None
+    ) -> Iterator[str]:
+        """Groups with ready messages, highest priority first, then in the order they became ready;
+        within a level, the groups `later` names after the level's others (`ksb.sdk.stalls`)."""
         for level in sorted(self._levels, reverse=True):
             groups = self._groups
+            behind: list[str] = []
             for group_id in sorted(self._levels[level], key=lambda g: groups[g].since):
-                if group_id not in exclude:
+                if group_id in exclude:
+                    continue
+                if later is not None and later(group_id):
+                    behind.append(group_id)
+                else:
                     yield group_id
+            yield from behind
 
     def lock_candidates(
         self,
@@ -312,8 +321,9 @@ class QueueIndex:
         limit: int,
         group: str | None = None,
         handle: str | None = None,
+        later: Callable[[str], bool] | None = None,
     ) -> list[str]:
-        """The groups a RECEIVE may try to lock now, best first.
+        """The groups a RECEIVE may try to lock now, best first (`later`: as in `candidates`).
 
         A RECEIVE naming a group or a conversation waits for that one alone: a conversation the
         index has not read yet has no candidate, never the best other group (locking another
@@ -327,7 +337,7 @@ class QueueIndex:
                 return []
         if target is not None:
             return [target] if self.has_group(target) and target not in held else []
-        return list(itertools.islice(self.candidates(held), limit))
+        return list(itertools.islice(self.candidates(held, later), limit))
 
     def take(
         self,

@@ -29,6 +29,7 @@ from ksb.sdk.bodies import BodyCache, messages_from
 from ksb.sdk.fetch import RecordFetcher
 from ksb.sdk.locks import GroupLocks, Lease
 from ksb.sdk.queue_index import QueueIndex, Ready, pack_position
+from ksb.sdk.stalls import CommitStalls
 from ksb.settings import ClientSettings
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import CommitOutcome, QueueMessage, parse_queue_record
@@ -71,6 +72,7 @@ class QueueReader:
         self._redis = redis_client
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[Lease, Future[CommitOutcome]]] = {}
+        self.stalls = CommitStalls(settings.stalled_commit_ms)
         self._eof: dict[int, int] = {}
         self._stop = threading.Event()
         # librdkafka reads ahead 64 MiB by default; a quarter keeps the follower as fast here.
@@ -155,6 +157,8 @@ class QueueReader:
     def _resolve(self, outcome: CommitOutcome, partition: int, offset: int) -> None:
         with self._cond:
             pending = self._pending.pop(outcome.request_id, None)
+            if pending is not None:
+                self.stalls.answered(self._partition_of(pending[0].group))
         if pending is None:
             return
         lease, fut = pending
@@ -210,7 +214,9 @@ class QueueReader:
 
     def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
         with self._cond:
-            cands = self.index.lock_candidates(self.held, _CANDIDATES_PER_TRY, group, handle)
+            stalled = self.stalls.stalled(_now_ms())
+            later = (lambda g: self._partition_of(g) in stalled) if stalled else None
+            cands = self.index.lock_candidates(self.held, _CANDIDATES_PER_TRY, group, handle, later)
         if not cands:
             return None
         lease = self.locks.acquire_first(cands)
@@ -384,11 +390,18 @@ class QueueReader:
         fut: Future[CommitOutcome] = Future()
         with self._cond:
             self._pending[request_id] = (lease, fut)
+            self.stalls.sent(self._partition_of(lease.group), _now_ms())
         return fut
 
     def forget(self, request_id: str) -> None:
         with self._cond:
-            self._pending.pop(request_id, None)
+            pending = self._pending.pop(request_id, None)
+            if pending is not None:
+                self.stalls.answered(self._partition_of(pending[0].group))
+
+    def _partition_of(self, group: str) -> int:
+        """The group's queue partition: its shard's, in a queue co-partitioned with the shards."""
+        return partition_for(group, self.partitions)
 
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Block until every commit this reader sent has its outcome."""
@@ -407,3 +420,7 @@ class QueueReader:
         self._probe.close()
         for f in self.fetchers:
             f.close()
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
