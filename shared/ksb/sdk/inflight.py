@@ -22,7 +22,7 @@ Pure: `ksb.sdk.backpressure` feeds it delivery reports and committed offsets and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 __all__ = ["InflightRequests", "TopicPartitionKey"]
 
@@ -89,10 +89,13 @@ class InflightRequests:
 
     def stalled(self) -> list[TopicPartitionKey]:
         """Partitions whose requests wait while another partition moved `stalled_ms` later."""
+        return sorted(self._stalled())
+
+    def _stalled(self) -> Iterator[TopicPartitionKey]:
         if self.stalled_ms <= 0 or self._latest_move_ms is None:
-            return []
+            return
         behind = self._latest_move_ms - self.stalled_ms
-        return sorted(tp for tp, t in self._moved_ms.items() if t < behind)
+        yield from (tp for tp, t in self._moved_ms.items() if t < behind)
 
     # ----------------------------------------------------------------- the waiting rule
     def room(self) -> bool:
@@ -102,7 +105,7 @@ class InflightRequests:
         total = self.inflight
         if total >= 10 * self.limit:
             return False
-        apart = sum(len(self._stored[tp]) for tp in self.stalled())
+        apart = sum(len(self._stored[tp]) for tp in self._stalled())
         return total - apart < self.limit
 
     def query_due(self, now_ms: int) -> bool:

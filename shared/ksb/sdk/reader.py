@@ -22,6 +22,7 @@ from typing import Any
 import redis
 from confluent_kafka import KafkaError, Message, TopicPartition
 
+from ksb.clock import SystemClock
 from ksb.errors import CommitRefused, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -73,6 +74,7 @@ class QueueReader:
         self._cond = threading.Condition()
         self._pending: dict[str, tuple[Lease, Future[CommitOutcome]]] = {}
         self.stalls = CommitStalls(settings.stalled_commit_ms)
+        self._clock = SystemClock()
         self._eof: dict[int, int] = {}
         self._stop = threading.Event()
         # librdkafka reads ahead 64 MiB by default; a quarter keeps the follower as fast here.
@@ -155,10 +157,7 @@ class QueueReader:
             self.locks.extend_all(leases)
 
     def _resolve(self, outcome: CommitOutcome, partition: int, offset: int) -> None:
-        with self._cond:
-            pending = self._pending.pop(outcome.request_id, None)
-            if pending is not None:
-                self.stalls.answered(self._partition_of(pending[0].group))
+        pending = self.forget(outcome.request_id)
         if pending is None:
             return
         lease, fut = pending
@@ -214,7 +213,7 @@ class QueueReader:
 
     def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
         with self._cond:
-            stalled = self.stalls.stalled(_now_ms())
+            stalled = self.stalls.stalled(self._clock.now_ms())
             later = (lambda g: self._partition_of(g) in stalled) if stalled else None
             cands = self.index.lock_candidates(self.held, _CANDIDATES_PER_TRY, group, handle, later)
         if not cands:
@@ -271,7 +270,7 @@ class QueueReader:
         """
         if lease.first and lease.after is None:
             return
-        part = partition_for(lease.group, self.partitions)
+        part = self._partition_of(lease.group)
         if lease.after is not None:
             p, off = lease.after
             target = off + 1
@@ -390,14 +389,16 @@ class QueueReader:
         fut: Future[CommitOutcome] = Future()
         with self._cond:
             self._pending[request_id] = (lease, fut)
-            self.stalls.sent(self._partition_of(lease.group), _now_ms())
+            self.stalls.sent(self._partition_of(lease.group), self._clock.now_ms())
         return fut
 
-    def forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> tuple[Lease, Future[CommitOutcome]] | None:
+        """The commit no longer waits here (answered, or given up); what it was waiting with."""
         with self._cond:
             pending = self._pending.pop(request_id, None)
             if pending is not None:
                 self.stalls.answered(self._partition_of(pending[0].group))
+        return pending
 
     def _partition_of(self, group: str) -> int:
         """The group's queue partition: its shard's, in a queue co-partitioned with the shards."""
@@ -420,7 +421,3 @@ class QueueReader:
         self._probe.close()
         for f in self.fetchers:
             f.close()
-
-
-def _now_ms() -> int:
-    return int(time.monotonic() * 1000)
