@@ -8,9 +8,10 @@ member may still be finishing one; one SIGKILLed inside a transaction leaves it 
 the state rebuilt next includes everything that transaction wrote. Until then the shard's
 partitions stay paused and the loop asks again between its transactions (`take_pending`), so the
 shards the member already owns keep flowing. Then it rebuilds the shard from the compacted
-topics (`services.dispatcher.rebuild`). Giving a shard up,
-it forgets it: the transaction loop commits before it polls, so no open transaction holds work of
-a shard that moves.
+topics on a thread of its own (`services.dispatcher.rebuild.ShardRebuild`), still paused, and
+the loop adopts the rebuilt state between two transactions. Giving a shard up, it forgets it
+(and stops its rebuild): the transaction loop commits before it polls, so no open transaction
+holds work of a shard that moves.
 
 Two members must never work on one shard at once: both would commit the same work. The group
 coordinator promises that, but only as far as each member's heartbeats report what it owns. So a
@@ -24,6 +25,7 @@ after a broker restart) it takes none of them and rejoins the group.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 
@@ -33,7 +35,7 @@ from confluent_kafka.admin import AdminClient
 from ksb.catalog.model import CatalogView
 from ksb.dialog.engine import Engine
 from ksb.names import Names
-from services.dispatcher.rebuild import load_shard
+from services.dispatcher.rebuild import ShardRebuild, load_shard
 
 __all__ = ["AssignmentFailed", "ShardKeeper", "coordinator_shards", "fencing_offsets"]
 
@@ -52,8 +54,10 @@ class AssignmentFailed(RuntimeError):
     this member's, or Kafka did not answer): the dispatcher rejoins the group."""
 
 
-HeldShards = Callable[[Consumer], set[int]]
-"""The shards the group coordinator counts as the given member's now."""
+HeldShards = Callable[[str], set[int]]
+"""The shards the group coordinator counts as the member (by its member id) 's now."""
+Spawn = Callable[[Callable[[], None]], None]
+"""Runs a callable on a thread of its own (tests run it in place)."""
 
 
 class ShardKeeper:
@@ -63,52 +67,69 @@ class ShardKeeper:
         self,
         names: Names,
         engine: Engine,
-        loader: Consumer,
+        loader: Callable[[], Consumer],
         catalog: Callable[[], CatalogView],
         held: HeldShards,
         now: Callable[[], float] = time.monotonic,
+        spawn: Spawn | None = None,
     ) -> None:
+        """`loader` makes the (unsubscribed) consumer a rebuild reads through."""
         self._names = names
         self._engine = engine
         self._loader = loader
         self._catalog = catalog
         self._held = held
-        self.loads = 0
-        self.last_load_s = 0.0
+        self._spawn = spawn
         self._committed: dict[tuple[str, int], int] = {}
-        """Offsets committed for the assigned partitions when they were assigned."""
+        """Offsets committed for the assigned partitions when their shard's rebuild began."""
         self._now = now
         self._pending: list[TopicPartition] = []
-        """Partitions given, paused until their shard is loaded (`take_pending`)."""
+        """Partitions given, paused until their previous owner's last transaction has ended."""
         self._pending_since = 0.0
         self._next_try = 0.0
+        self._rebuild: ShardRebuild | None = None
+        """The rebuild running on its own thread, if any (one at a time)."""
+        self._rebuilding: list[TopicPartition] = []
+        """The partitions of its shards, paused until the loop adopts what it rebuilt."""
 
     @property
     def owned(self) -> set[int]:
         return self._engine.ownership.owned
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """The rebalance callback: take the partitions at once; load their shards now if their
-        previous owner's last transaction has ended, else later (`take_pending`), paused."""
+        """The rebalance callback: take the partitions at once, paused until their shards are
+        rebuilt (`take_pending`)."""
         log.info("partitions %s given; taking them", _named(partitions))
         consumer.incremental_assign(partitions)
-        waiting = {tp.partition for tp in self._pending} | self._new_shards(partitions)
-        paused = [tp for tp in partitions if tp.partition in waiting]
+        rebuilding = set(self._rebuild.shards) if self._rebuild is not None else set()
+        waiting = rebuilding | {tp.partition for tp in self._pending}
+        paused = [tp for tp in partitions if tp.partition in waiting | self._new_shards(partitions)]
         if not paused:
             return
         consumer.pause(paused)
-        if not self._pending:
-            self._pending_since = self._now()
-        self._pending += paused
-        self._next_try = 0.0
+        self._rebuilding += [tp for tp in paused if tp.partition in rebuilding]
+        self._wait([tp for tp in paused if tp.partition not in rebuilding])
         self.take_pending(consumer)
 
+    def _wait(self, partitions: list[TopicPartition]) -> None:
+        if not partitions:
+            return
+        if not self._pending:
+            self._pending_since = self._now()
+        self._pending += partitions
+        self._next_try = 0.0
+
     def take_pending(self, consumer: Consumer) -> None:
-        """Load the shards given and still paused, once Kafka says their committed offsets are
-        stable (the previous owner's last transaction has ended, or timed out if it died inside
-        one); called between transactions. Asking is cheap and rate-limited, so the shards this
-        member already owns keep flowing meanwhile instead of standing still for as long as a
-        dead member's transaction takes to time out."""
+        """Called between transactions: adopt a finished rebuild; else start rebuilding the
+        shards given and still paused once Kafka says their committed offsets are stable (the
+        previous owner's last transaction has ended, or timed out if it died inside one).
+        Asking is cheap and rate-limited, so the shards this member already owns keep flowing
+        meanwhile instead of standing still for as long as a dead member's transaction takes to
+        time out, or a rebuild takes to read."""
+        if self._rebuild is not None:
+            if self._rebuild.done():
+                self._adopt(consumer)
+            return
         now = self._now()
         if not self._pending or now < self._next_try:
             return
@@ -127,54 +148,84 @@ class ShardKeeper:
             self._pending = []
             raise AssignmentFailed(f"shards {shards} not rebuilt: {exc.args[0]}") from exc
         partitions, self._pending = self._pending, []
-        self._take(consumer, partitions, committed)
+        self._note_committed(committed)
+        new = sorted(self._new_shards(partitions))
+        if not new:
+            consumer.resume(partitions)
+            return
+        self._start(consumer, new, partitions)
+
+    def _start(self, consumer: Consumer, new: list[int], partitions: list[TopicPartition]) -> None:
+        member, view, names, loader = (
+            consumer.memberid(),
+            self._catalog(),
+            self._names,
+            self._loader,
+        )
+
+        def read(engine: Engine, shards: list[int], stop: threading.Event) -> int:
+            c = loader()
+            try:
+                return sum(load_shard(c, names, engine, view, s, stop) for s in shards)
+            finally:
+                c.close()
+
+        self._rebuild = ShardRebuild(
+            new, self._engine.rebuilding(new), read, lambda: self._held(member), self._spawn
+        )
+        self._rebuilding = partitions
+        log.info("shards %s being rebuilt beside the loop", new)
+
+    def _adopt(self, consumer: Consumer) -> None:
+        """The rebuild has ended: own its shards and resume their partitions, if the coordinator
+        still counts them as this member's and the catalog did not change meanwhile (then they
+        are rebuilt again, with the new one)."""
+        assert self._rebuild is not None
+        rebuild, partitions = self._rebuild, self._rebuilding
+        self._rebuild, self._rebuilding = None, []
+        new = rebuild.shards
+        try:
+            rebuilt, read, held = rebuild.result()
+        except Exception as exc:
+            raise AssignmentFailed(f"shards {new} not rebuilt: {exc}") from exc
+        taken = [shard for shard in new if shard not in held]
+        if taken:
+            raise AssignmentFailed(
+                f"shards {taken} are no longer this member's (the coordinator counts {sorted(held)})"
+            )
+        if rebuilt.catalog.version != self._catalog().version:
+            log.info("shards %s rebuilt under an older catalog; rebuilding them again", new)
+            self._wait(partitions)
+            return
+        self._engine.adopt(rebuilt)
         consumer.resume(partitions)
+        log.info(
+            "shards %s assigned: %d records read in %.2fs (%.2fs reading); owning %s",
+            new,
+            read,
+            time.monotonic() - rebuild.started,
+            rebuild.read_s,
+            sorted(self.owned),
+        )
 
     def load(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Rebuild the shards of assigned `partitions` this engine does not own yet, waiting
-        until their offsets are stable, and own them if the coordinator still counts them as
-        this member's (else `AssignmentFailed`)."""
-        if not self._new_shards(partitions):
-            return
-        try:
-            committed = consumer.committed(partitions, timeout=STABLE_TIMEOUT_S)  # until stable
-        except KafkaException as exc:
-            raise AssignmentFailed(f"shards not rebuilt: {exc.args[0]}") from exc
-        self._take(consumer, partitions, committed)
-
-    def _pending_shards(self) -> list[int]:
-        return sorted({tp.partition for tp in self._pending})
-
-    def forget_pending(self) -> None:
-        """The consumer is gone (the member rejoins): nothing waits any more."""
-        self._pending = []
-
-    def _new_shards(self, partitions: list[TopicPartition]) -> set[int]:
-        # The relay topic is the anchor: its partition s comes and goes with shard s (the other
-        # topics are co-partitioned with it; a requests topic created later only adds partitions).
-        return {tp.partition for tp in partitions if tp.topic == self._names.relay} - self.owned
-
-    def _take(
-        self,
-        consumer: Consumer,
-        partitions: list[TopicPartition],
-        committed: list[TopicPartition],
-    ) -> None:
+        """Rebuild, inside the loop, the shards of assigned `partitions` this engine does not own
+        yet (after a failed transaction: the loop has nothing else to do), waiting until their
+        offsets are stable, and own them if the coordinator still counts them as this member's
+        (else `AssignmentFailed`)."""
         new = sorted(self._new_shards(partitions))
         if not new:
             return
         started = time.monotonic()
         try:
-            for tp in committed:
-                if tp.offset >= 0:
-                    self._committed[(tp.topic, tp.partition)] = tp.offset
-                else:
-                    self._committed.pop((tp.topic, tp.partition), None)
-            read = 0
-            view = self._catalog()
-            for shard in new:
-                read += load_shard(self._loader, self._names, self._engine, view, shard)
-            held = self._held(consumer)
+            committed = consumer.committed(partitions, timeout=STABLE_TIMEOUT_S)  # until stable
+            self._note_committed(committed)
+            view, c = self._catalog(), self._loader()
+            try:
+                read = sum(load_shard(c, self._names, self._engine, view, s) for s in new)
+            finally:
+                c.close()
+            held = self._held(consumer.memberid())
         except KafkaException as exc:
             self._forget(new)
             raise AssignmentFailed(f"shards {new} not rebuilt: {exc.args[0]}") from exc
@@ -185,15 +236,32 @@ class ShardKeeper:
                 f"shards {taken} are no longer this member's (the coordinator counts {sorted(held)})"
             )
         self._engine.ownership.owned.update(new)
-        self.loads += 1
-        self.last_load_s = time.monotonic() - started
         log.info(
-            "shards %s assigned: %d records read in %.2fs; owning %s",
-            new,
-            read,
-            self.last_load_s,
-            sorted(self.owned),
+            "shards %s rebuilt: %d records read in %.2fs", new, read, time.monotonic() - started
         )
+
+    def _note_committed(self, committed: list[TopicPartition]) -> None:
+        for tp in committed:
+            if tp.offset >= 0:
+                self._committed[(tp.topic, tp.partition)] = tp.offset
+            else:
+                self._committed.pop((tp.topic, tp.partition), None)
+
+    def _pending_shards(self) -> list[int]:
+        return sorted({tp.partition for tp in self._pending})
+
+    def forget_pending(self) -> None:
+        """The consumer is gone (the member rejoins, or starts over): nothing waits any more,
+        and a running rebuild is stopped."""
+        self._pending = []
+        if self._rebuild is not None:
+            self._rebuild.stop()
+            self._rebuild, self._rebuilding = None, []
+
+    def _new_shards(self, partitions: list[TopicPartition]) -> set[int]:
+        # The relay topic is the anchor: its partition s comes and goes with shard s (the other
+        # topics are co-partitioned with it; a requests topic created later only adds partitions).
+        return {tp.partition for tp in partitions if tp.topic == self._names.relay} - self.owned
 
     def _forget(self, shards: list[int]) -> None:
         for shard in shards:
@@ -212,6 +280,7 @@ class ShardKeeper:
     def _drop(self, partitions: list[TopicPartition], why: str) -> None:
         dropped = {(tp.topic, tp.partition) for tp in partitions}
         self._pending = [tp for tp in self._pending if (tp.topic, tp.partition) not in dropped]
+        self._stop_rebuild(dropped)
         for tp in partitions:
             self._committed.pop((tp.topic, tp.partition), None)
         gone = sorted(
@@ -223,6 +292,19 @@ class ShardKeeper:
             self._engine.drop_shard(shard)
         if gone:
             log.info("shards %s %s; owning %s", gone, why, sorted(self.owned))
+
+    def _stop_rebuild(self, dropped: set[tuple[str, int]]) -> None:
+        """A partition of the running rebuild's shards was taken back: stop it; the partitions
+        still assigned wait again (paused) and are rebuilt afresh."""
+        if self._rebuild is None:
+            return
+        if not any((tp.topic, tp.partition) in dropped for tp in self._rebuilding):
+            return
+        log.info("rebuild of shards %s stopped: partitions taken back", self._rebuild.shards)
+        self._rebuild.stop()
+        rest = [tp for tp in self._rebuilding if (tp.topic, tp.partition) not in dropped]
+        self._rebuild, self._rebuilding = None, []
+        self._wait(rest)
 
 
 def fencing_offsets(
@@ -255,8 +337,7 @@ def coordinator_shards(make_admin: Callable[[], AdminClient], group: str, relay:
     while its shards stood still (chaos harness, seed 83156)."""
     admins: list[AdminClient] = []
 
-    def held(consumer: Consumer) -> set[int]:
-        member = consumer.memberid()
+    def held(member: str) -> set[int]:
         if not admins:
             admins.append(make_admin())
         try:

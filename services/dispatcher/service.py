@@ -72,6 +72,7 @@ from services.dispatcher.journal import STALE_EPOCH, JournaledProducer, write_ag
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, coordinator_shards
+from services.dispatcher.rebuild import LOADER_CONF
 from services.dispatcher.routing import Router
 from services.dispatcher.watchdog import Watchdog
 from services.dispatcher.writer import OutputWriter
@@ -113,7 +114,6 @@ class Dispatcher(Service):
         self._catalog_end: int | None = None
         self._producer: JournaledProducer | None = None
         self._consumer: Consumer | None = None
-        self._loader: Consumer | None = None
         self._writer: OutputWriter | None = None
         self._router: Router | None = None
         self.shards: ShardKeeper | None = None
@@ -213,11 +213,12 @@ class Dispatcher(Service):
         self.engine.permissions = self._permissions(view)
         self._writer = OutputWriter(self._producer, self.names, shards, self.audit)
         self._router = Router(self.names, shards)
-        self._loader = kafka.consumer(s)
         held = coordinator_shards(
             lambda: kafka.admin(s), self.names.dispatcher_group, self.names.relay
         )
-        self.shards = ShardKeeper(self.names, self.engine, self._loader, self._view, held)
+        self.shards = ShardKeeper(
+            self.names, self.engine, lambda: kafka.consumer(s, **LOADER_CONF), self._view, held
+        )
         self._pieces = Reassembler()
         self._queue_metrics.declare(view)
         self._subscribe()
@@ -356,12 +357,11 @@ class Dispatcher(Service):
         if self._consumer is not None:
             self._consumer.close()
             self._consumer = None
-        if self._loader is not None:
-            self._loader.close()
-            self._loader = None
 
     def _discard_clients(self) -> None:
         """Drop what a failed start attempt built, so the next attempt starts clean."""
+        if self.shards is not None:
+            self.shards.forget_pending()
         self._close_consumer()
         self._producer = None
         self.engine = None

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from ksb.catalog.model import END_DIALOG, CatalogView, parse_catalog
@@ -280,3 +281,75 @@ def test_every_group_has_one_owner(shards: int) -> None:
     for n in range(200):
         owners = [e for e in c.engines if e.owns(f"g{n}")]
         assert len(owners) == 1
+
+
+def _fold(into: Engine, c: Cluster, shard: int) -> None:
+    """What a rebuild reads of `shard` (its owner's endpoints, the messages still waiting in
+    its groups, its groups' commit outcomes), folded into `into` as `load_shard` folds it."""
+    src = c.engines[shard]
+    for ep in src.endpoints.values():
+        into.load_endpoint(ep.copy())
+    for m in c.messages:
+        if m.message_id in src.inflight:
+            into.load_queue_record(m.message_id, m, 0)
+    for o in c.outcomes:
+        if shard_of(o.group, c.shards) == shard:
+            into.fences.applied("TQ", o.group, o.fence)
+    into.finish_load()
+
+
+def test_a_shard_rebuilt_in_an_engine_of_its_own_then_adopted_is_the_shard_loaded_in_place() -> (
+    None
+):
+    """The dispatcher rebuilds a shard it is given beside its loop, into an engine of its own,
+    and adopts it between two transactions (`services.dispatcher.rebuild`): the engine must then
+    hold and do exactly what it would had it loaded the shard itself."""
+    handles = [h for h, _ in zip(split_handles(2), range(8), strict=False)]
+    c = Cluster(2)
+    for h in handles:
+        begin = BeginRequest(handle=h, from_service="Init", to_service="Tgt", contract="C")
+        c.request(msgspec.structs.replace(begin, lifetime_s=60), h)
+        for i in range(3):
+            c.request(SendRequest(handles=(h,), message_type="Req", body=f"{h}-{i}"), h)
+    groups = sorted({m.conversation_group_id for m in c.messages})
+    for group in groups[::2]:  # some groups have received (a fence and fewer waiting)
+        c.receive("TQ", group)
+    assert {shard_of(g, 2) for g in groups} == {0, 1} and not c.errors
+
+    view = c.engines[0].catalog
+    in_place = Engine(view, instance="u", max_body_bytes=1000, ownership=Ownership(2, {0, 1}))
+    _fold(in_place, c, 0)
+    _fold(in_place, c, 1)
+    adopted = Engine(view, instance="u", max_body_bytes=1000, ownership=Ownership(2, {0}))
+    _fold(adopted, c, 0)
+    rebuilt = adopted.rebuilding([1])
+    _fold(rebuilt, c, 1)
+    adopted.adopt(rebuilt)
+
+    assert adopted.ownership.owned == {0, 1}
+    assert adopted.endpoints == in_place.endpoints and len(adopted.endpoints) == 2 * len(handles)
+    assert dict(adopted.inflight.items()) == dict(in_place.inflight.items())
+    assert adopted.depth == in_place.depth and sum(adopted.depth.values()) > 0
+    assert [adopted.fences.get("TQ", g) for g in groups] == [
+        in_place.fences.get("TQ", g) for g in groups
+    ]
+    assert adopted.next_deadline_ms() == in_place.next_deadline_ms() == 60_000
+    assert adopted._group_sizes == in_place._group_sizes  # when a group's fence is forgotten
+    # ... and does the same: a receipt on the adopted shard, a stale token, the lifetimes.
+    [group] = [g for g in groups[1::2] if shard_of(g, 2) == 1][:1]
+    waiting = [m.message_id for m in c.messages if m.message_id in c.engines[1].inflight]
+    for engine in (adopted, in_place):
+        mids = tuple(m for m in waiting if engine.inflight[m].group == group)
+        receipt = Receipt(queue="TQ", group=group, token=99, message_ids=mids)
+        engine.handle(CommitRequest(receipt=receipt), 1)
+    stale = CommitRequest(receipt=Receipt(queue="TQ", group=group, token=98, message_ids=()))
+    assert [e.code for e in adopted.handle(stale, 2).errors] == ["stale_token"]
+    assert adopted.depth == in_place.depth
+    ending = [ep.handle for ep in in_place.endpoints.values() if ep.group == group]
+    for engine in (adopted, in_place):  # the group's last conversation ends: its fence goes
+        for handle in ending:
+            assert not engine.handle(EndRequest(handle=handle, cleanup=True), 3).errors
+        assert engine.fences.get("TQ", group) == 0
+    expired, expected = adopted.tick(60_000), in_place.tick(60_000)
+    assert sorted(w.key for w in expired.queue) == sorted(w.key for w in expected.queue)
+    assert len(expired.queue) > 0

@@ -116,6 +116,31 @@ class Engine:
         (`ksb.dialog.counters`)."""
         self._scan.restore(self.endpoints, self.inflight.waiting_of)
 
+    def rebuilding(self, shards: Iterable[int]) -> Engine:
+        """An empty engine like this one that owns only `shards`: a rebuild on another thread
+        folds their records into it (`services.dispatcher.rebuild`), then this one `adopt`s it."""
+        return Engine(
+            self.catalog,
+            instance=self.instance,
+            max_body_bytes=self.max_body_bytes,
+            ownership=Ownership(self.ownership.shards, owned=shards),
+        )
+
+    def adopt(self, rebuilt: Engine) -> None:
+        """Take over the state `rebuilt` holds of its shards (loaded and finished, from an engine
+        made by `rebuilding`), and own them. This engine holds nothing of those shards (they were
+        never owned, or dropped), so nothing is merged record by record: it is a few dict
+        updates, which the dispatcher's loop does between two transactions."""
+        self.endpoints.update(rebuilt.endpoints)
+        for ep in rebuilt.endpoints.values():
+            self.timers.arm(ep)
+        self._group_sizes.update(rebuilt._group_sizes)
+        self.inflight.adopt(rebuilt.inflight)
+        self.fences.adopt(rebuilt.fences)
+        self.remote.closed.update(rebuilt.remote.closed)
+        self._order = max(self._order, rebuilt._order)
+        self.ownership.owned |= rebuilt.ownership.owned
+
     def drop_shard(self, shard: int) -> None:
         """Forget everything of a shard this engine no longer owns (another dispatcher rebuilds
         it from Kafka); the shard's timers are skipped when they come up."""

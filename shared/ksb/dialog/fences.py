@@ -46,6 +46,10 @@ class Fences:
         when the group had a commit outcome (whose record can now go)."""
         return self._applied.pop((queue, group), None) is not None
 
+    def adopt(self, other: Fences) -> None:
+        """Take over `other`'s fences, of groups this one holds none of (`Engine.adopt`)."""
+        self._applied.update(other._applied)
+
     def drop(self, in_shard: Callable[[str], bool]) -> None:
         """Forget the fences of the groups `in_shard` says (a shard another dispatcher owns now)."""
         for key in [k for k in self._applied if in_shard(k[1])]:

@@ -209,6 +209,14 @@ class Membership(Mapping[str, Inflight]):
         waiting = self._waiting.get(handle)
         return 0 if waiting is None else len(waiting)
 
+    def adopt(self, other: Membership) -> None:
+        """Take over `other`'s messages, none of which this one holds (`Engine.adopt`)."""
+        self._waiting.update(other._waiting)
+        self._orphans.update(other._orphans)
+        self.retained.update(other.retained)
+        for queue, n in other.depth.items():
+            self.depth[queue] = self.depth.get(queue, 0) + n
+
     def drop(self, in_shard: Callable[[str], bool]) -> None:
         """Forget the messages of the groups `in_shard` says (a shard another dispatcher owns
         now). Called once their endpoints are forgotten: a compact entry whose endpoint is gone
