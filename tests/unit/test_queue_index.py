@@ -171,6 +171,22 @@ def test_equal_levels_come_in_queuing_order_whatever_the_arrival_order() -> None
     assert list(ix.candidates()) == ["g-early", "g-late"]
 
 
+def test_equal_levels_come_oldest_first_across_dispatchers_whose_counters_differ() -> None:
+    """Each shard's owner counts queuing orders on its own, so two dispatchers' numbers do not
+    compare: the enqueue time does (found by the failover bench, where a reader draining a
+    backlog served every group of one dispatcher before any older group of the other)."""
+    ix = QueueIndex("Q")
+    busy = msgspec.structs.replace(msg("g-busy", "a", 0), queuing_order=90_000, enqueued_ms=1_000)
+    idle = msgspec.structs.replace(msg("g-idle", "b", 0), queuing_order=7, enqueued_ms=1_001)
+    older = msgspec.structs.replace(msg("g-older", "c", 0), queuing_order=91_000, enqueued_ms=999)
+    for m in (idle, busy, older):
+        ix.add(m)
+    assert list(ix.candidates()) == ["g-older", "g-busy", "g-idle"]
+    tie = msgspec.structs.replace(msg("g-tie", "d", 0), queuing_order=89_999, enqueued_ms=1_000)
+    ix.add(tie)  # the same millisecond: the queuing order (of one owner) decides
+    assert list(ix.candidates()) == ["g-older", "g-tie", "g-busy", "g-idle"]
+
+
 # ---------------------------------------------------------------------- compact rows
 def dmsg(
     group: str, handle: str, n: int, seq: int, priority: int = 5, mtype: str = "M"

@@ -156,6 +156,15 @@ class _Conversation:
         return range(self.start, len(self.rows) // _STRIDE)
 
 
+def _age_key(m: QueueMessage) -> int:
+    """A message's place in first-in first-out order: when it was enqueued (ms), ties broken by
+    its queuing order. The time comes first because queuing orders are counted by each shard's
+    owner: two dispatchers' counters are not comparable, and by them a reader draining a backlog
+    served one dispatcher's groups before any of the other's, whatever their age (the failover
+    bench: the survivors' shards stood still for seconds while a moved shard's backlog drained)."""
+    return (m.enqueued_ms << 24) | (m.queuing_order & 0xFFFFFF)
+
+
 class _Group:
     __slots__ = ("conversations", "level", "since", "size")
 
@@ -164,8 +173,8 @@ class _Group:
         self.level = 0
         self.size = 0
         self.since = since
-        """Queuing order of the message that made the group ready: FIFO among equal levels, the
-        same for every reader whatever order it read the queue's partitions in."""
+        """Age (`_age_key`) of the oldest message that made the group ready: FIFO among equal
+        levels, the same for every reader whatever order it read the queue's partitions in."""
 
 
 class QueueIndex:
@@ -203,9 +212,9 @@ class QueueIndex:
             return False
         g = self._groups.get(m.conversation_group_id)
         if g is None:
-            g = self._groups[m.conversation_group_id] = _Group(since=m.queuing_order)
+            g = self._groups[m.conversation_group_id] = _Group(since=_age_key(m))
         else:
-            g.since = min(g.since, m.queuing_order)
+            g.since = min(g.since, _age_key(m))
         if conv is None:
             conv = _Conversation(m.conversation_group_id, handle, m.priority, m.queuing_order)
             self._conversations[handle] = g.conversations[handle] = conv
