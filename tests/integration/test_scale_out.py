@@ -222,10 +222,16 @@ def test_receive_passes_over_a_paused_dispatchers_groups_while_others_wait(
     with DispatcherPool(scaled, tmp_path).start(2) as pool, KsbClient(scaled) as client:
         owned = pool.owned()
         reader = client.reader(TARGET_QUEUE)
-        handles = [client.begin_dialog(INITIATOR, TARGET, CONTRACT) for _ in range(40)]
         paused = min(owned["d2"])  # a1 and a2 on one shard of d2, b1 and b2 on d1's
-        on_d2 = [h for h in handles if shard_of(h, SHARDS) == paused][:2]
-        on_d1 = [h for h in handles if shard_of(h, SHARDS) in owned["d1"]][:2]
+        on_d2: list[str] = []
+        on_d1: list[str] = []
+        for _ in range(400):  # dialogs until two on each (handles hash to shards at random)
+            h = client.begin_dialog(INITIATOR, TARGET, CONTRACT)
+            shard = shard_of(h, SHARDS)
+            side = on_d2 if shard == paused else on_d1 if shard in owned["d1"] else []
+            side.append(h)
+            if len(on_d2) >= 2 and len(on_d1) >= 2:
+                break
         # Ready in this order: a1, b1, a2, b2 (each indexed before the next is sent).
         order = zip(["a1", "b1", "a2", "b2"], [on_d2[0], on_d1[0], on_d2[1], on_d1[1]], strict=True)
         for n, (name, h) in enumerate(order):
