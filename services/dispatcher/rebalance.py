@@ -55,7 +55,7 @@ class AssignmentFailed(RuntimeError):
 
 
 HeldShards = Callable[[str], set[int]]
-"""The shards the group coordinator counts as the member (by its member id) 's now."""
+"""The shards the group coordinator counts as the given member's (by member id) now."""
 Spawn = Callable[[Callable[[], None]], None]
 """Runs a callable on a thread of its own (tests run it in place)."""
 
@@ -156,12 +156,8 @@ class ShardKeeper:
         self._start(consumer, new, partitions)
 
     def _start(self, consumer: Consumer, new: list[int], partitions: list[TopicPartition]) -> None:
-        member, view, names, loader = (
-            consumer.memberid(),
-            self._catalog(),
-            self._names,
-            self._loader,
-        )
+        member, view = consumer.memberid(), self._catalog()
+        names, loader = self._names, self._loader
 
         def read(engine: Engine, shards: list[int], stop: threading.Event) -> int:
             c = loader()
@@ -237,7 +233,11 @@ class ShardKeeper:
             )
         self._engine.ownership.owned.update(new)
         log.info(
-            "shards %s rebuilt: %d records read in %.2fs", new, read, time.monotonic() - started
+            "shards %s rebuilt: %d records read in %.2fs; owning %s",
+            new,
+            read,
+            time.monotonic() - started,
+            sorted(self.owned),
         )
 
     def _note_committed(self, committed: list[TopicPartition]) -> None:
