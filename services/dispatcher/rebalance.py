@@ -35,7 +35,7 @@ from confluent_kafka.admin import AdminClient
 from ksb.catalog.model import CatalogView
 from ksb.dialog.engine import Engine
 from ksb.names import Names
-from services.dispatcher.rebuild import ShardRebuild, load_shard
+from services.dispatcher.rebuild import ShardRebuild, Spawn, load_shard
 
 __all__ = ["AssignmentFailed", "ShardKeeper", "coordinator_shards", "fencing_offsets"]
 
@@ -56,8 +56,6 @@ class AssignmentFailed(RuntimeError):
 
 HeldShards = Callable[[str], set[int]]
 """The shards the group coordinator counts as the given member's (by member id) now."""
-Spawn = Callable[[Callable[[], None]], None]
-"""Runs a callable on a thread of its own (tests run it in place)."""
 
 
 class ShardKeeper:

@@ -35,7 +35,14 @@ from ksb.names import Names
 from ksb.runtime.kafka import watermarks
 from ksb.wire.protocol import CommitOutcome, parse_queue_record
 
-__all__ = ["LOADER_CONF", "RebuildStopped", "ShardRebuild", "load_shard", "queue_partitions_of"]
+__all__ = [
+    "LOADER_CONF",
+    "RebuildStopped",
+    "ShardRebuild",
+    "Spawn",
+    "load_shard",
+    "queue_partitions_of",
+]
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -52,6 +59,10 @@ def queue_partitions_of(shard: int, shards: int, partitions: int) -> list[int] |
     if partitions % shards:
         return None
     return list(range(shard, partitions, shards))
+
+
+Spawn = Callable[[Callable[[], None]], None]
+"""Runs a callable on a thread of its own (tests run it in place)."""
 
 
 class RebuildStopped(Exception):
@@ -148,7 +159,7 @@ class ShardRebuild:
         engine: Engine,
         read: Callable[[Engine, list[int], threading.Event], int],
         held: Callable[[], set[int]],
-        spawn: Callable[[Callable[[], None]], None] | None = None,
+        spawn: Spawn | None = None,
     ) -> None:
         """`read(engine, shards, stop)` folds the shards into `engine`; `spawn` runs a callable
         on another thread (tests run it in place)."""
