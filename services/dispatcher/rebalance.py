@@ -164,11 +164,17 @@ class ShardKeeper:
             finally:
                 c.close()
 
+        # A member that owns nothing yet (starting) has nothing to keep flowing: it rebuilds in
+        # place, and saves a thread hop and a loop turn before its first shards apply.
+        spawn = self._spawn if self.owned else _in_place
         self._rebuild = ShardRebuild(
-            new, self._engine.rebuilding(new), read, lambda: self._held(member), self._spawn
+            new, self._engine.rebuilding(new), read, lambda: self._held(member), spawn
         )
         self._rebuilding = partitions
-        log.info("shards %s being rebuilt beside the loop", new)
+        if self._rebuild.done():
+            self._adopt(consumer)
+        else:
+            log.info("shards %s being rebuilt beside the loop", new)
 
     def _adopt(self, consumer: Consumer) -> None:
         """The rebuild has ended: own its shards and resume their partitions, if the coordinator
@@ -303,6 +309,10 @@ class ShardKeeper:
         rest = [tp for tp in self._rebuilding if (tp.topic, tp.partition) not in dropped]
         self._rebuild, self._rebuilding = None, []
         self._wait(rest)
+
+
+def _in_place(run: Callable[[], None]) -> None:
+    run()
 
 
 def fencing_offsets(

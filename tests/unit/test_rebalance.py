@@ -177,14 +177,14 @@ def _relay(*shards: int) -> list[TopicPartition]:
 def test_new_partitions_are_taken_at_once_then_owned_when_the_coordinator_agrees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    w = _World(monkeypatch, held={0, 1, 3})
+    """A member that owns nothing yet has nothing to keep flowing: it rebuilds in place."""
+    w = _World(monkeypatch, held={0, 1, 3}, threads_now=False)
     consumer = _Consumer({(NAMES.relay, 1): 7})
     w.keeper.on_assign(cast(Any, consumer), _relay(0, 1))
     assert consumer.assigned == [(NAMES.relay, 0), (NAMES.relay, 1)]
-    assert w.loaded == [0, 1] and w.engine.ownership.owned == set()  # read, not adopted yet
-    assert consumer.paused == {(NAMES.relay, 0), (NAMES.relay, 1)}
-    w.keeper.take_pending(cast(Any, consumer))  # between two transactions
-    assert w.engine.ownership.owned == {0, 1} and consumer.paused == set()
+    assert w.threads.waiting == []  # no thread
+    assert w.loaded == [0, 1] and w.engine.ownership.owned == {0, 1}
+    assert consumer.paused == set()
     assert [loader.closed for loader in w.loaders] == [True]
     assert _pairs(w.keeper.fencing_offsets([TopicPartition(NAMES.relay, 1, OFFSET_INVALID)])) == [
         (NAMES.relay, 1, 7)
@@ -215,7 +215,8 @@ def test_a_shard_is_rebuilt_beside_the_loop_while_the_owned_ones_flow(
 def test_a_shard_revoked_while_it_is_rebuilt_is_not_adopted_and_its_rebuild_stops(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    w = _World(monkeypatch, held={1, 2}, threads_now=False)
+    w = _World(monkeypatch, held={0, 1, 2}, threads_now=False)
+    w.engine.ownership.owned.add(0)
     consumer = _Consumer({})
     w.keeper.on_assign(cast(Any, consumer), _relay(1, 2))
     w.keeper.on_revoke(cast(Any, consumer), _relay(1))
@@ -223,25 +224,28 @@ def test_a_shard_revoked_while_it_is_rebuilt_is_not_adopted_and_its_rebuild_stop
     stop = w.stops[0]
     assert stop is not None and stop.is_set()
     w.keeper.take_pending(cast(Any, consumer))  # shard 2 is rebuilt again, alone
-    assert w.engine.ownership.owned == set() and (NAMES.relay, 2) in consumer.paused
+    assert w.engine.ownership.owned == {0} and (NAMES.relay, 2) in consumer.paused
     w.threads.run()
     w.keeper.take_pending(cast(Any, consumer))
-    assert w.loaded[-1:] == [2] and w.engine.ownership.owned == {2}
+    assert w.loaded[-1:] == [2] and w.engine.ownership.owned == {0, 2}
     assert (NAMES.relay, 2) not in consumer.paused
 
 
 def test_a_shard_rebuilt_under_an_older_catalog_is_rebuilt_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    w = _World(monkeypatch, held={3})
+    w = _World(monkeypatch, held={0, 3}, threads_now=False)
+    w.engine.ownership.owned.add(0)
     consumer = _Consumer({})
     w.keeper.on_assign(cast(Any, consumer), _relay(3))
     w.view = w.engine.catalog = CatalogView(parse_catalog({"version": 2}))
+    w.threads.run()
     w.keeper.take_pending(cast(Any, consumer))
-    assert w.engine.ownership.owned == set() and consumer.paused == {(NAMES.relay, 3)}
+    assert w.engine.ownership.owned == {0} and consumer.paused == {(NAMES.relay, 3)}
     w.keeper.take_pending(cast(Any, consumer))  # read again, under version 2
+    w.threads.run()
     w.keeper.take_pending(cast(Any, consumer))
-    assert w.loaded == [3, 3] and w.engine.ownership.owned == {3}
+    assert w.loaded == [3, 3] and w.engine.ownership.owned == {0, 3}
 
 
 def test_a_shard_whose_last_owner_died_in_a_transaction_waits_paused_while_owned_ones_flow(
@@ -309,10 +313,8 @@ def test_a_shard_the_coordinator_gave_away_while_it_was_rebuilt_is_not_taken(
     """Found by the chaos harness: after a broker restart a shard went to a second member while
     the first one was still rebuilding it, and both fired its timers."""
     keeper, engine, loaded = _keeper(monkeypatch, held={1})
-    consumer = cast(Any, _Consumer({}))
-    keeper.on_assign(consumer, _relay(0, 1))
     with pytest.raises(AssignmentFailed, match=r"shards \[0\] are no longer this member's"):
-        keeper.take_pending(consumer)
+        keeper.on_assign(cast(Any, _Consumer({})), _relay(0, 1))
     assert loaded == [0, 1] and engine.ownership.owned == set()
 
 
@@ -324,17 +326,19 @@ def test_a_rebuild_kafka_does_not_answer_owns_nothing(monkeypatch: pytest.Monkey
 
 
 def test_a_rebuild_that_fails_on_its_thread_owns_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = _World(monkeypatch, held={0})
+    w = _World(monkeypatch, held={0}, threads_now=False)
 
     def broken(*_a: object, **_k: object) -> int:
         raise KafkaException(KafkaError(KafkaError._TRANSPORT))
 
     monkeypatch.setattr(rebalance, "load_shard", broken)
+    w.engine.ownership.owned.add(1)
     consumer = cast(Any, _Consumer({}))
     w.keeper.on_assign(consumer, _relay(0))
+    w.threads.run()
     with pytest.raises(AssignmentFailed, match=r"shards \[0\] not rebuilt"):
         w.keeper.take_pending(consumer)
-    assert w.engine.ownership.owned == set() and [c.closed for c in w.loaders] == [True]
+    assert w.engine.ownership.owned == {1} and [c.closed for c in w.loaders] == [True]
 
 
 class _Described:
