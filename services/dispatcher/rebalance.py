@@ -100,8 +100,8 @@ class ShardKeeper:
         log.info("partitions %s given; taking them", _named(partitions))
         consumer.incremental_assign(partitions)
         rebuilding = set(self._rebuild.shards) if self._rebuild is not None else set()
-        waiting = rebuilding | {tp.partition for tp in self._pending}
-        paused = [tp for tp in partitions if tp.partition in waiting | self._new_shards(partitions)]
+        waiting = rebuilding | {tp.partition for tp in self._pending} | self._new_shards(partitions)
+        paused = [tp for tp in partitions if tp.partition in waiting]
         if not paused:
             return
         consumer.pause(paused)
@@ -154,6 +154,17 @@ class ShardKeeper:
         self._start(consumer, new, partitions)
 
     def _start(self, consumer: Consumer, new: list[int], partitions: list[TopicPartition]) -> None:
+        # A member that owns nothing yet (starting) has nothing to keep flowing: it rebuilds in
+        # place, and saves a thread hop and a loop turn before its first shards apply.
+        self._rebuild = self._rebuild_of(consumer, new, self._spawn if self.owned else _in_place)
+        self._rebuilding = partitions
+        if self._rebuild.done():
+            self._adopt(consumer)
+        else:
+            log.info("shards %s being rebuilt beside the loop", new)
+
+    def _rebuild_of(self, consumer: Consumer, new: list[int], spawn: Spawn | None) -> ShardRebuild:
+        """A rebuild of shards `new` into an engine of their own, run by `spawn`."""
         member, view = consumer.memberid(), self._catalog()
         names, loader = self._names, self._loader
 
@@ -164,25 +175,25 @@ class ShardKeeper:
             finally:
                 c.close()
 
-        # A member that owns nothing yet (starting) has nothing to keep flowing: it rebuilds in
-        # place, and saves a thread hop and a loop turn before its first shards apply.
-        spawn = self._spawn if self.owned else _in_place
-        self._rebuild = ShardRebuild(
+        return ShardRebuild(
             new, self._engine.rebuilding(new), read, lambda: self._held(member), spawn
         )
-        self._rebuilding = partitions
-        if self._rebuild.done():
-            self._adopt(consumer)
-        else:
-            log.info("shards %s being rebuilt beside the loop", new)
 
     def _adopt(self, consumer: Consumer) -> None:
-        """The rebuild has ended: own its shards and resume their partitions, if the coordinator
-        still counts them as this member's and the catalog did not change meanwhile (then they
-        are rebuilt again, with the new one)."""
+        """The rebuild has ended: own its shards and resume their partitions; a catalog that
+        changed meanwhile has them rebuilt again, with the new one."""
         assert self._rebuild is not None
         rebuild, partitions = self._rebuild, self._rebuilding
         self._rebuild, self._rebuilding = None, []
+        if self._own(rebuild, "assigned"):
+            consumer.resume(partitions)
+            return
+        log.info("shards %s rebuilt under an older catalog; rebuilding them again", rebuild.shards)
+        self._wait(partitions)
+
+    def _own(self, rebuild: ShardRebuild, what: str) -> bool:
+        """Own what an ended `rebuild` read, if the coordinator still counts its shards as this
+        member's (else `AssignmentFailed`); False, owning nothing, if the catalog changed since."""
         new = rebuild.shards
         try:
             rebuilt, read, held = rebuild.result()
@@ -194,19 +205,18 @@ class ShardKeeper:
                 f"shards {taken} are no longer this member's (the coordinator counts {sorted(held)})"
             )
         if rebuilt.catalog.version != self._catalog().version:
-            log.info("shards %s rebuilt under an older catalog; rebuilding them again", new)
-            self._wait(partitions)
-            return
+            return False
         self._engine.adopt(rebuilt)
-        consumer.resume(partitions)
         log.info(
-            "shards %s assigned: %d records read in %.2fs (%.2fs reading); owning %s",
+            "shards %s %s: %d records read in %.2fs (%.2fs reading); owning %s",
             new,
+            what,
             read,
             time.monotonic() - rebuild.started,
             rebuild.read_s,
             sorted(self.owned),
         )
+        return True
 
     def load(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Rebuild, inside the loop, the shards of assigned `partitions` this engine does not own
@@ -216,33 +226,12 @@ class ShardKeeper:
         new = sorted(self._new_shards(partitions))
         if not new:
             return
-        started = time.monotonic()
         try:
             committed = consumer.committed(partitions, timeout=STABLE_TIMEOUT_S)  # until stable
-            self._note_committed(committed)
-            view, c = self._catalog(), self._loader()
-            try:
-                read = sum(load_shard(c, self._names, self._engine, view, s) for s in new)
-            finally:
-                c.close()
-            held = self._held(consumer.memberid())
         except KafkaException as exc:
-            self._forget(new)
             raise AssignmentFailed(f"shards {new} not rebuilt: {exc.args[0]}") from exc
-        taken = [shard for shard in new if shard not in held]
-        if taken:
-            self._forget(new)
-            raise AssignmentFailed(
-                f"shards {taken} are no longer this member's (the coordinator counts {sorted(held)})"
-            )
-        self._engine.ownership.owned.update(new)
-        log.info(
-            "shards %s rebuilt: %d records read in %.2fs; owning %s",
-            new,
-            read,
-            time.monotonic() - started,
-            sorted(self.owned),
-        )
+        self._note_committed(committed)
+        self._own(self._rebuild_of(consumer, new, _in_place), "rebuilt")  # one catalog throughout
 
     def _note_committed(self, committed: list[TopicPartition]) -> None:
         for tp in committed:
@@ -266,10 +255,6 @@ class ShardKeeper:
         # The relay topic is the anchor: its partition s comes and goes with shard s (the other
         # topics are co-partitioned with it; a requests topic created later only adds partitions).
         return {tp.partition for tp in partitions if tp.topic == self._names.relay} - self.owned
-
-    def _forget(self, shards: list[int]) -> None:
-        for shard in shards:
-            self._engine.drop_shard(shard)
 
     def on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._drop(partitions, "revoked")

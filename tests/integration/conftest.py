@@ -10,6 +10,7 @@ exactly the grants it names.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,16 @@ class ThreadDispatcher:
         self.thread.start()
         if not self.dispatcher.ready.wait(60):
             raise TimeoutError("dispatcher not ready")
+
+    def wait_owning_every_shard(self, timeout_s: float = 30) -> None:
+        """Until the dispatcher has joined its group and rebuilt every shard (it is alone)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            engine = self.dispatcher.engine
+            if engine is not None and len(engine.ownership.owned) == engine.ownership.shards:
+                return
+            assert time.monotonic() < deadline, "the dispatcher took no shards"
+            time.sleep(0.02)
 
     def stop(self) -> None:
         self.stop_event.set()

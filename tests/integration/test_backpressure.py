@@ -40,23 +40,13 @@ def test_without_a_dispatcher_a_client_stops_at_its_limit_then_resumes(
         assert time.monotonic() - started >= 0.9  # it waited its timeout out before failing
         d = ThreadDispatcher(limited)
         try:
-            _wait_owning_every_shard(d)  # joined and rebuilt: the client's 1 s is for applying
+            d.wait_owning_every_shard()  # joined and rebuilt: the client's 1 s is for applying
             client.send(h, "//t/Request", json.dumps({"n": 4}))  # waits until the five apply
             client.flush()
             got = receive_all(client, "TargetQueue", 5)
             assert [json.loads(m.message_body)["n"] for m in got] == [0, 1, 2, 3, 4]
         finally:
             d.stop()
-
-
-def _wait_owning_every_shard(d: ThreadDispatcher, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        engine = d.dispatcher.engine
-        if engine is not None and len(engine.ownership.owned) == engine.ownership.shards:
-            return
-        assert time.monotonic() < deadline, "the dispatcher took no shards"
-        time.sleep(0.02)
 
 
 def test_a_fast_sender_never_has_more_than_its_limit_unapplied(

@@ -228,8 +228,10 @@ def test_receive_passes_over_a_paused_dispatchers_groups_while_others_wait(
         for _ in range(400):  # dialogs until two on each (handles hash to shards at random)
             h = client.begin_dialog(INITIATOR, TARGET, CONTRACT)
             shard = shard_of(h, SHARDS)
-            side = on_d2 if shard == paused else on_d1 if shard in owned["d1"] else []
-            side.append(h)
+            if shard == paused:
+                on_d2.append(h)
+            elif shard in owned["d1"]:
+                on_d1.append(h)
             if len(on_d2) >= 2 and len(on_d1) >= 2:
                 break
         # Ready in this order: a1, b1, a2, b2 (each indexed before the next is sent).
