@@ -168,6 +168,9 @@ class Broker:
     since: dict[tuple[str, str, int | str], int] = field(default_factory=dict)
     """(queue, 'group' or 'conv', group or handle) -> step it became ready (while it stays so)."""
     added: list[Message] = field(default_factory=list)
+    turns: dict[tuple[str, int], int] = field(default_factory=dict)
+    """(queue, partition) -> when a RECEIVE last took one of its groups: partitions take turns."""
+    _turn: int = 0
     """Messages enqueued in the current step (the test matches them to the engine's)."""
     _ids: int = 0
     _groups: int = 0
@@ -421,15 +424,25 @@ class Broker:
                 s.state = "ERROR"
 
     # ----------------------------------------------------------------- RECEIVE and commit
-    def receivable(self, queue: str, locked: set[int]) -> list[int]:
-        """The groups RECEIVE may pick now (best level, then oldest-ready; ties are all right)."""
+    def receivable(
+        self, queue: str, locked: set[int], partition_of: Callable[[int], int]
+    ) -> list[int]:
+        """The groups RECEIVE may pick now: best level; within it, the queue partition served
+        longest ago (`served`); in it, the oldest-ready group (ties are all right)."""
         groups = {m.group for m in self.ready.values() if m.queue == queue} - locked
         if not groups:
             return []
         best = max(self._group_level(queue, g) for g in groups)
         top = [g for g in groups if self._group_level(queue, g) == best]
-        oldest = min(self.since[(queue, "group", g)] for g in top)
-        return [g for g in top if self.since[(queue, "group", g)] == oldest]
+        turn = min(self.turns.get((queue, partition_of(g)), 0) for g in top)
+        due = [g for g in top if self.turns.get((queue, partition_of(g)), 0) == turn]
+        oldest = min(self.since[(queue, "group", g)] for g in due)
+        return [g for g in due if self.since[(queue, "group", g)] == oldest]
+
+    def served(self, queue: str, partition: int) -> None:
+        """A RECEIVE returned messages of a group in this partition: its turn is over."""
+        self._turn += 1
+        self.turns[(queue, partition)] = self._turn
 
     def _group_level(self, queue: str, group: int) -> int:
         return max(m.level for m in self.ready.values() if m.queue == queue and m.group == group)

@@ -32,6 +32,8 @@ class Topics:
     """Request id -> its commit's outcome (the topic keys them by group; each is kept here)."""
     handles: dict[str, str] = field(default_factory=dict)
     """Message id -> its conversation handle, for every message ever enqueued."""
+    partition_of: dict[tuple[str, str], int] = field(default_factory=dict)
+    """(queue, group id) -> the queue partition the group's messages are written to."""
     _offsets: dict[tuple[str, int], int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,7 @@ class Topics:
                 if w.key not in self.ready:
                     new.append(w.value)
                 self.handles[w.key] = w.value.conversation_handle
+                self.partition_of[(w.queue, w.value.conversation_group_id)] = w.partition
                 self.ready[w.key] = w.value
             else:
                 self.ready.pop(w.key, None)

@@ -331,7 +331,11 @@ class EngineAgainstModel(RuleBasedStateMachine):
     def receive(self, data: st.DataObject) -> None:
         queue = data.draw(st.sampled_from(QUEUES))
         locked = {t.group for t in self.txns if t.queue == queue and t.locked}
-        expected = self.model.receivable(queue, {self._model_group(g) for g in locked})
+        expected = self.model.receivable(
+            queue,
+            {self._model_group(g) for g in locked},
+            lambda g: self.topics.partition_of[(queue, self.groups[g])],
+        )
         index = self.topics.index[queue]
         group = next(iter(index.candidates(exclude=locked)), None)
         if group is None:
@@ -341,6 +345,7 @@ class EngineAgainstModel(RuleBasedStateMachine):
         assert model_group in expected, f"RECEIVE picked {group}; the model says {expected}"
         top = data.draw(st.sampled_from([None, None, None, 1, 2]))
         taken = index.take(group, top)
+        self.model.served(queue, self.topics.partition_of[(queue, group)])
         mine = [self.model.ready[self.ids[m.message_id]] for m in taken]
         why = self.model.prefix_ok(queue, model_group, mine)
         assert why is None, why

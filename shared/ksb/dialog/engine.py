@@ -303,7 +303,7 @@ class Engine:
 
     # ------------------------------------------------------------------ what the rules ask
     def next_order(self) -> int:
-        """The next enqueue order: RECEIVE's tie-break among equal levels, across partitions."""
+        """The next enqueue order: RECEIVE's tie-break among equal levels in one millisecond."""
         self._order += 1
         return self._order
 

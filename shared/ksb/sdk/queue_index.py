@@ -166,15 +166,17 @@ def _age_key(m: QueueMessage) -> int:
 
 
 class _Group:
-    __slots__ = ("conversations", "level", "since", "size")
+    __slots__ = ("conversations", "level", "partition", "since", "size")
 
-    def __init__(self, since: int) -> None:
+    def __init__(self, since: int, partition: int) -> None:
         self.conversations: dict[str, _Conversation] = {}
         self.level = 0
         self.size = 0
         self.since = since
         """Age (`_age_key`) of the oldest message that made the group ready: FIFO among equal
-        levels, the same for every reader whatever order it read the queue's partitions in."""
+        levels within a partition, whatever order the reader read the queue's partitions in."""
+        self.partition = partition
+        """The queue partition the group lives in (a group's records are keyed to one)."""
 
 
 class QueueIndex:
@@ -191,6 +193,10 @@ class QueueIndex:
         self._next_odd = -1
         self._count = 0
         self.positions: dict[int, int] = {}
+        self._served: dict[int, int] = {}
+        """Partition -> when `take` last returned one of its groups (a serial): partitions take
+        turns within a level, the one served longest ago first."""
+        self._serial = 0
 
     # ----------------------------------------------------------------- folding the topic
     def apply(
@@ -212,7 +218,7 @@ class QueueIndex:
             return False
         g = self._groups.get(m.conversation_group_id)
         if g is None:
-            g = self._groups[m.conversation_group_id] = _Group(since=_age_key(m))
+            g = self._groups[m.conversation_group_id] = _Group(_age_key(m), partition)
         else:
             g.since = min(g.since, _age_key(m))
         if conv is None:
@@ -310,19 +316,37 @@ class QueueIndex:
     def candidates(
         self, exclude: Container[str] = (), later: Callable[[str], bool] | None = None
     ) -> Iterator[str]:
-        """Groups with ready messages, highest priority first, then in the order they became ready;
-        within a level, the groups `later` names after the level's others (`ksb.sdk.stalls`)."""
+        """Groups with ready messages, highest priority first. Within a level the queue's
+        partitions take turns (`_take_turns`), each partition's groups oldest first; the groups
+        `later` names come after the level's others (`ksb.sdk.stalls`), taking turns alike.
+
+        Turns, not one first-in first-out order over the whole queue, because a partition is a
+        shard with an owner of its own: when a shard's owner fails, its messages wait for the
+        group to move it and then come back all at once, older than everything else. By age alone
+        a reader at capacity drained that backlog first and every other shard's deliveries stood
+        still for seconds (the failover bench); with turns they go on at their share, and the
+        backlog drains at its own. Kafka gives no order across partitions either; within a
+        conversation and a group the order is kept, and levels always come first.
+        """
+        groups = self._groups
         for level in sorted(self._levels, reverse=True):
-            groups = self._groups
-            behind: list[str] = []
+            lanes: dict[int, list[str]] = {}
+            behind: dict[int, list[str]] = {}
             for group_id in sorted(self._levels[level], key=lambda g: groups[g].since):
                 if group_id in exclude:
                     continue
-                if later is not None and later(group_id):
-                    behind.append(group_id)
-                else:
-                    yield group_id
-            yield from behind
+                lane = behind if later is not None and later(group_id) else lanes
+                lane.setdefault(groups[group_id].partition, []).append(group_id)
+            yield from self._take_turns(lanes)
+            yield from self._take_turns(behind)
+
+    def _take_turns(self, lanes: dict[int, list[str]]) -> Iterator[str]:
+        """Round robin over the partitions' lanes, the partition served longest ago first; among
+        partitions never served (or served alike), the one whose oldest group is oldest first
+        (`lanes` is filled oldest group first and the sort is stable)."""
+        order = sorted(lanes, key=lambda p: self._served.get(p, 0))
+        for row in itertools.zip_longest(*(lanes[p] for p in order)):
+            yield from (g for g in row if g is not None)
 
     def lock_candidates(
         self,
@@ -356,23 +380,26 @@ class QueueIndex:
         skip: Container[str] = (),
     ) -> list[Ready]:
         """A group's ready messages: highest-priority conversation first, each in order; those in
-        `skip` (already received in this transaction) left out before `top` counts."""
+        `skip` (already received in this transaction) left out before `top` counts. Returning
+        any counts as serving the group's partition (its turn in `candidates`)."""
         g = self._groups.get(group_id)
         if g is None:
             return []
+        out = list(itertools.islice(self._in_order(g, handle, skip), top))
+        if out:
+            self._serial += 1
+            self._served[g.partition] = self._serial
+        return out
+
+    def _in_order(self, g: _Group, handle: str | None, skip: Container[str]) -> Iterator[Ready]:
         convs = sorted(g.conversations.values(), key=lambda c: (-c.priority, c.first_order))
-        out: list[Ready] = []
         for c in convs:
             if handle is not None and c.handle != handle:
                 continue
             for i in c.live():
                 ready = self._ready(c, i)
-                if ready.message_id in skip:
-                    continue
-                out.append(ready)
-                if top is not None and len(out) >= top:
-                    return out
-        return out
+                if ready.message_id not in skip:
+                    yield ready
 
     def find(self, message_id: str) -> Ready | None:
         """The message if it is ready."""
