@@ -168,10 +168,10 @@ class Broker:
     since: dict[tuple[str, str, int | str], int] = field(default_factory=dict)
     """(queue, 'group' or 'conv', group or handle) -> step it became ready (while it stays so)."""
     added: list[Message] = field(default_factory=list)
+    """Messages enqueued in the current step (the test matches them to the engine's)."""
     turns: dict[tuple[str, int], int] = field(default_factory=dict)
     """(queue, partition) -> when a RECEIVE last took one of its groups: partitions take turns."""
     _turn: int = 0
-    """Messages enqueued in the current step (the test matches them to the engine's)."""
     _ids: int = 0
     _groups: int = 0
 
@@ -428,7 +428,7 @@ class Broker:
         self, queue: str, locked: set[int], partition_of: Callable[[int], int]
     ) -> list[int]:
         """The groups RECEIVE may pick now: best level; within it, the queue partition served
-        longest ago (`served`); in it, the oldest-ready group (ties are all right)."""
+        longest ago (`turns`); in it, the oldest-ready group (ties are all right)."""
         groups = {m.group for m in self.ready.values() if m.queue == queue} - locked
         if not groups:
             return []
