@@ -182,9 +182,7 @@ class ShardKeeper:
     def _adopt(self, consumer: Consumer) -> None:
         """The rebuild has ended: own its shards and resume their partitions; a catalog that
         changed meanwhile has them rebuilt again, with the new one."""
-        assert self._rebuild is not None
-        rebuild, partitions = self._rebuild, self._rebuilding
-        self._rebuild, self._rebuilding = None, []
+        rebuild, partitions = self._end_rebuild()
         if self._own(rebuild, "assigned"):
             consumer.resume(partitions)
             return
@@ -248,8 +246,7 @@ class ShardKeeper:
         and a running rebuild is stopped."""
         self._pending = []
         if self._rebuild is not None:
-            self._rebuild.stop()
-            self._rebuild, self._rebuilding = None, []
+            self._end_rebuild()[0].stop()
 
     def _new_shards(self, partitions: list[TopicPartition]) -> set[int]:
         # The relay topic is the anchor: its partition s comes and goes with shard s (the other
@@ -289,11 +286,17 @@ class ShardKeeper:
             return
         if not any((tp.topic, tp.partition) in dropped for tp in self._rebuilding):
             return
-        log.info("rebuild of shards %s stopped: partitions taken back", self._rebuild.shards)
-        self._rebuild.stop()
-        rest = [tp for tp in self._rebuilding if (tp.topic, tp.partition) not in dropped]
+        rebuild, partitions = self._end_rebuild()
+        log.info("rebuild of shards %s stopped: partitions taken back", rebuild.shards)
+        rebuild.stop()
+        self._wait([tp for tp in partitions if (tp.topic, tp.partition) not in dropped])
+
+    def _end_rebuild(self) -> tuple[ShardRebuild, list[TopicPartition]]:
+        """The running rebuild and its shards' partitions, no longer this keeper's to watch."""
+        assert self._rebuild is not None
+        ended = self._rebuild, self._rebuilding
         self._rebuild, self._rebuilding = None, []
-        self._wait(rest)
+        return ended
 
 
 def _in_place(run: Callable[[], None]) -> None:

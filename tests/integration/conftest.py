@@ -10,7 +10,6 @@ exactly the grants it names.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from ksb.security.apply import remove_instance
 from ksb.security.principals import Role
 from services.dispatcher import Dispatcher
 from tests.conftest import Stack
+from tests.integration.support import wait_for
 
 # A small catalog most tests share: a request/reply contract between two services.
 BASIC_CATALOG: dict[str, Any] = {
@@ -114,13 +114,12 @@ class ThreadDispatcher:
 
     def wait_owning_every_shard(self, timeout_s: float = 30) -> None:
         """Until the dispatcher has joined its group and rebuilt every shard (it is alone)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def owning_all() -> bool:
             engine = self.dispatcher.engine
-            if engine is not None and len(engine.ownership.owned) == engine.ownership.shards:
-                return
-            assert time.monotonic() < deadline, "the dispatcher took no shards"
-            time.sleep(0.02)
+            return engine is not None and len(engine.ownership.owned) == engine.ownership.shards
+
+        wait_for("the dispatcher to own every shard", owning_all, timeout_s)
 
     def stop(self) -> None:
         self.stop_event.set()

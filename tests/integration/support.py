@@ -1,9 +1,11 @@
-"""Helpers the integration tests share: draining a queue, reading the error and endpoint topics."""
+"""Helpers the integration tests share: draining a queue, reading the error and endpoint topics,
+waiting for a condition."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import KafkaError, TopicPartition
@@ -14,6 +16,16 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
 from ksb.wire.protocol import QueueMessage
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> float:
+    """Seconds until ``check`` holds; fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"{what}: not within {timeout_s}s")
+        time.sleep(poll_s)
+    return time.monotonic() - start
 
 
 def receive_all(
@@ -110,7 +122,6 @@ __all__ = [
 import collections  # noqa: E402
 import json as _json  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 from concurrent.futures import Future  # noqa: E402
 
 from ksb.errors import CommitRefused, LockLost  # noqa: E402

@@ -36,7 +36,12 @@ from ksb.security.principals import ADMIN, Role
 from ksb.settings import ActivatedTaskSettings, CliSettings, settings_env
 from ksb.wire.protocol import QueueMessage
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
-from tests.integration.support import check_exactly_once_in_order, queue_receipts, read_topic
+from tests.integration.support import (
+    check_exactly_once_in_order,
+    queue_receipts,
+    read_topic,
+    wait_for,
+)
 from tests.integration.test_activation import ThreadActivation, monitor_view, with_target_queue
 
 pytestmark = pytest.mark.integration
@@ -165,16 +170,6 @@ def live_tasks(r: redis.Redis, settings: Deployment) -> int:
     """Tasks with a live heartbeat, as the monitors and `ksb tasks` count them."""
     key = Names(settings.instance).tasks_key(QUEUE)
     return int(r.zcount(key, int(time.time() * 1000), "+inf"))
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float, poll_s: float = 0.02) -> float:
-    """Seconds until ``check`` holds; fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"{what}: not within {timeout_s}s")
-        time.sleep(poll_s)
-    return time.monotonic() - start
 
 
 @dataclass

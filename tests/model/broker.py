@@ -434,8 +434,9 @@ class Broker:
             return []
         best = max(self._group_level(queue, g) for g in groups)
         top = [g for g in groups if self._group_level(queue, g) == best]
-        turn = min(self.turns.get((queue, partition_of(g)), 0) for g in top)
-        due = [g for g in top if self.turns.get((queue, partition_of(g)), 0) == turn]
+        turn_of = {g: self.turns.get((queue, partition_of(g)), 0) for g in top}
+        turn = min(turn_of.values())
+        due = [g for g in top if turn_of[g] == turn]
         oldest = min(self.since[(queue, "group", g)] for g in due)
         return [g for g in due if self.since[(queue, "group", g)] == oldest]
 
