@@ -36,6 +36,12 @@ def test_a_schema_nested_hundreds_deep_is_refused_not_a_recursion_error() -> Non
         parse_catalog(_schema_type(schema))
 
 
+def test_a_pattern_repeating_past_the_regex_engines_limit_is_named() -> None:
+    """Found by the catalog-file fuzzer: `re` raises OverflowError, not re.error, for it."""
+    with pytest.raises(CatalogError, match="not a JSON schema: a pattern: the repetition number"):
+        parse_catalog(_schema_type({"type": "string", "pattern": "^[A-Z]{9999999999999999}$"}))
+
+
 @pytest.mark.parametrize(
     ("text", "words"),
     [

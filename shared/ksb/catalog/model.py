@@ -113,6 +113,8 @@ class MessageType(_Model):
                 where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
                 reason = exc.message if len(exc.message) <= 300 else exc.message[:300] + "..."
                 raise ValueError(f"'schema' is not a JSON schema: at {where}: {reason}") from None
+            except OverflowError as exc:  # `re`'s answer to a repetition past its limit
+                raise ValueError(f"'schema' is not a JSON schema: a pattern: {exc}") from None
         elif self.json_schema is not None:
             raise ValueError("'schema' is only allowed with validation SCHEMA")
         if (self.validation is Validation.VALID_XML) != (self.xml_schema_collection is not None):
