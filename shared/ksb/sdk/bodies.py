@@ -4,8 +4,8 @@ The queue index keeps no bodies (`ksb.sdk.queue_index`), so RECEIVE reads the re
 Two sources, measured against each other on this machine (README, "Reader memory"):
 
 * reading the records back from the queue topic by partition and offset (`ksb.sdk.fetch`): a
-  fetch after a seek costs a broker round trip, 2-4 ms here, where a record in memory costs
-  microseconds. A reader that keeps up would pay it on every RECEIVE;
+  fetch after a seek costs a broker round trip, ~5 ms here (p90 ~10 ms), where a record in
+  memory costs microseconds. A reader that keeps up would pay it on every RECEIVE;
 * keeping every record in memory until it is received: what the reader did before, ~2 KB per
   waiting 1 KB message, so a backlog of a million needed more than 2 GB.
 
@@ -15,7 +15,7 @@ and, on a read-back, the other ready records the read passed over (the next RECE
 drain want the neighbouring records: the fronts of the other groups). Only a record the cache no
 longer has is read again, in offset order: a wanted record fewer than `MAX_GAP` records after
 where the read is is reached by reading on (`read_on`), a farther one by a seek, since reading a
-record costs ~0.03 ms and a seek ~3 ms.
+record costs ~0.03 ms and a seek ~5 ms.
 """
 
 from __future__ import annotations
