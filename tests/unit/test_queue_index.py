@@ -187,6 +187,27 @@ def test_equal_levels_come_oldest_first_across_dispatchers_whose_counters_differ
     assert list(ix.candidates()) == ["g-older", "g-tie", "g-busy", "g-idle"]
 
 
+def test_a_groups_older_message_read_late_moves_the_group_up_and_receipts_leave_no_lane() -> None:
+    """The index keeps each level's groups per partition in age order as they change (RECEIVE
+    walks them instead of sorting every ready group): an older message read after a newer one
+    of the same group makes the group older; a level, a partition emptied by receipts is gone."""
+    ix = QueueIndex("Q")
+    newer = msgspec.structs.replace(msg("g-a", "a", 1), enqueued_ms=2_000)
+    other = msgspec.structs.replace(msg("g-b", "b", 0), enqueued_ms=1_500)
+    older = msgspec.structs.replace(msg("g-a", "a2", 0), enqueued_ms=1_000)
+    ix.add(newer)
+    ix.add(other)
+    assert list(ix.candidates()) == ["g-b", "g-a"]
+    ix.add(older)
+    assert list(ix.candidates()) == ["g-a", "g-b"]
+    ix.add(msg("g-c", "c", 0, priority=9))
+    for m in (newer, other, older):
+        ix.remove(m.message_id)
+    assert list(ix.candidates()) == ["g-c"]
+    ix.remove(msg("g-c", "c", 0, priority=9).message_id)
+    assert list(ix.candidates()) == [] and ix._lanes == {}
+
+
 def _at(ix: QueueIndex, group: str, enqueued_ms: int, partition: int, priority: int = 5) -> None:
     m = msgspec.structs.replace(msg(group, f"{group}-c", 0, priority), enqueued_ms=enqueued_ms)
     ix.apply(m.message_id, m, partition, enqueued_ms)
