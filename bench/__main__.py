@@ -47,6 +47,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     g.add_argument("--window", type=int, default=64, help="commits in flight per receiver")
     g.add_argument("--top", type=int, default=0, help="RECEIVE TOP (n); 0 = the whole group")
     g.add_argument("--max-inflight", type=int, default=2_000, help="back-pressure (0: off)")
+    g.add_argument(
+        "--max-queue-depth",
+        type=int,
+        default=2_000,
+        help="back-pressure on the readers: the target queue's depth a sender waits at (0: off)",
+    )
     g.add_argument("--probes", type=int, help="one-at-a-time round trips (default 100)")
     g = parser.add_argument_group("sections (each on by default)")
     g.add_argument("--no-failover", action="store_true", help="skip the failover section")
@@ -95,6 +101,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         top=a.top or None,
         probes=probes,
         max_inflight_requests=a.max_inflight,
+        max_queue_depth=a.max_queue_depth,
         timeout_s=timeout_s,
         warmup_messages=0 if a.quick else 40_000,
     )

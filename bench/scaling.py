@@ -55,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger("bench.scaling")
 
-_APPLIED = re.compile(r"dispatcher (\S+): (\d+) applied")
+_APPLIED = re.compile(r"dispatcher (\S+): (\d+) applied(?: in (\d+) transactions)?")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,8 @@ class ScalingOptions:
     probes: int = 100
     max_inflight_requests: int = 2_000
     """The sender's back-pressure limit (0 would turn it off)."""
+    max_queue_depth: int = 2_000
+    """The target queue's depth at which the sender waits for the readers (0: never)."""
     timeout_s: float = 180.0
     warmup_messages: int = 40_000
     """Messages through KSB (one dispatcher) before the first count, unmeasured (0: none)."""
@@ -89,11 +91,21 @@ def sharded_instance(base: Deployment, suffix: str, shards: int, **update: Any) 
 
 def applied_by(pool: DispatcherPool) -> dict[str, int]:
     """The records each stopped member says it applied (its last words)."""
-    counts: dict[str, int] = {}
+    return {name: n for name, (n, _txns) in _last_words(pool).items()}
+
+
+def transactions_by(pool: DispatcherPool) -> dict[str, int]:
+    """The transactions each stopped member says it committed (records per transaction is the
+    batching the linger buys, `DispatcherSettings.txn_linger_ms`)."""
+    return {name: t for name, (_n, t) in _last_words(pool).items() if t is not None}
+
+
+def _last_words(pool: DispatcherPool) -> dict[str, tuple[int, int | None]]:
+    found: dict[str, tuple[int, int | None]] = {}
     for proc in pool.members.values():
-        for found in _APPLIED.finditer(proc.log_text()):
-            counts[found[1]] = int(found[2])
-    return counts
+        for m in _APPLIED.finditer(proc.log_text()):
+            found[m[1]] = (int(m[2]), int(m[3]) if m[3] else None)
+    return found
 
 
 def cpu_ms_per_message(spent_s: dict[str, float], messages: int) -> float:
@@ -126,7 +138,11 @@ def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | N
 def _instance(base: Deployment, suffix: str, opts: ScalingOptions) -> Deployment:
     """A secured instance of its own with the run's shards, back-pressure and catalog."""
     settings = sharded_instance(
-        base, suffix, opts.shards, max_inflight_requests=opts.max_inflight_requests
+        base,
+        suffix,
+        opts.shards,
+        max_inflight_requests=opts.max_inflight_requests,
+        max_queue_depth=opts.max_queue_depth,
     )
     apply_catalog(settings, bench_catalog(opts.queue_partitions))
     return settings
@@ -173,7 +189,7 @@ def _run_one(
         result = _load(settings, opts, opts.messages, tally, probes=opts.probes, on_load=meter.mark)
         rss = {name: peak_rss_kb(pid) for name, pid in pids.items()}
         pool.stop()
-        applied = applied_by(pool)
+        applied, transactions = applied_by(pool), transactions_by(pool)
     delivered = result.rate.messages
     per_dialog = delivered // opts.dialogs
     shard_dialogs = [shard_of(h, opts.shards) for h in tally.handles]
@@ -182,6 +198,7 @@ def _run_one(
             "shards": sorted(shards),
             "messages": per_dialog * sum(1 for s in shard_dialogs if s in shards),
             "applied": applied.get(name),
+            "transactions": transactions.get(name),
             "cpu_s": meter.spent_s.get(name),
             "peak_rss_kb": rss.get(name),
         }
@@ -239,6 +256,10 @@ def _warmed(cfg: dict[str, Any], seconds: float | None) -> str:
         f"; the broker warmed first with {cfg['warmup_messages']:,} KSB messages "
         f"({seconds:.0f} s, unmeasured, as raw Kafka is warmed before its run)"
     )
+
+
+def _limit(n: int | None) -> str:
+    return "no limit of" if not n else f"{n:,}"
 
 
 def _count(n: int | None) -> str:
@@ -348,6 +369,7 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         f"{cfg['dialogs']:,} dialogs, {cfg['shards']} shards, target queue "
         f"{cfg['queue_partitions']} partitions, {cfg['receivers']} receiver threads x window "
         f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight"
+        f" and {_limit(cfg.get('max_queue_depth'))} messages in the target queue"
         + _warmed(cfg, s.get("warmup_s")),
         *_table(rows),
         "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
@@ -359,7 +381,7 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         spread = max(counts) / (sum(counts) / len(counts)) if counts and sum(counts) else None
         parts = [
             f"{name} {m['messages']:,} msgs [shards {','.join(map(str, m['shards']))}] "
-            f"{_count(m['applied'])} applied "
+            f"{_count(m['applied'])} applied in {_count(m.get('transactions'))} transactions "
             f"{m['cpu_s'] or 0:.1f} s CPU"
             for name, m in members.items()
         ]

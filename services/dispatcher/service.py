@@ -120,8 +120,10 @@ class Dispatcher(Service):
         self.engine: Engine | None = None
         self.audit = Audit()
         self.applied = 0
-        self.watchdog = Watchdog(settings.stuck_txn_s)
         """Requests and relayed records applied by this dispatcher (the bench compares members)."""
+        self.transactions = 0
+        """Transactions committed (the log says how many records each carried on average)."""
+        self.watchdog = Watchdog(settings.stuck_txn_s)
         self._queue_metrics = QueueMetrics()
         self._requests, self._errors = Children(REQUESTS), Children(ERRORS)
         self._commits, self._relayed = Children(COMMITS), Children(RELAYED)
@@ -174,7 +176,12 @@ class Dispatcher(Service):
 
     def close(self) -> None:
         HEALTHY.labels("dispatcher").set(0)
-        log.info("dispatcher %s: %d applied", self.member, self.applied)
+        log.info(
+            "dispatcher %s: %d applied in %d transactions",
+            self.member,
+            self.applied,
+            self.transactions,
+        )
         self._close_consumer()
         if self._producer is not None:
             self._producer.flush(5)
@@ -393,7 +400,7 @@ class Dispatcher(Service):
         for m in records:
             self._write(self._handle(m, now), now)
         self._write(self.engine.tick(now), now)
-        self._writer.flush()
+        self._writer.flush(self.engine.changed_depths())
         offsets = self.shards.fencing_offsets(self._consumer.position(self._consumer.assignment()))
         self._batch = len(records)
         if offsets:
@@ -406,6 +413,7 @@ class Dispatcher(Service):
         with self.watchdog.guard("commit_transaction"):
             p.commit_transaction(_TXN_CALL_TIMEOUT_S)
         self.applied += len(records)
+        self.transactions += 1
         TXN_SECONDS.observe(time.perf_counter() - started)
         self._queue_metrics.export_depth(self.engine)
         return len(records)

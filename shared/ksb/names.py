@@ -51,6 +51,12 @@ class Names:
         return f"{self.prefix}.relay"
 
     @property
+    def depth(self) -> str:
+        """Each queue's unreceived messages per shard, written by the shard's owner
+        (`ksb.wire.depth`), read by SDK senders that slow down before a queue outgrows its readers."""
+        return f"{self.prefix}.depth"
+
+    @property
     def endpoints(self) -> str:
         return f"{self.prefix}.endpoints"
 

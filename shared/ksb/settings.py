@@ -166,8 +166,13 @@ class ClientSettings(KsbSettings):
     max_inflight_requests: int = Field(2_000, ge=0)
     """Back-pressure: requests this client sent that the dispatchers have not applied yet, at
     most; a request beyond it waits for them (`ksb.sdk.backpressure`). 0: no limit."""
+    max_queue_depth: int = Field(0, ge=0)
+    """Back-pressure on the readers: a SEND on a dialog this client began waits while the target
+    queue holds this many unreceived messages, counted per shard, each shard its even share
+    (`ksb.sdk.depth`). 0: no limit (Service Broker's queues take any backlog)."""
     backpressure_timeout_s: float = Field(30.0, gt=0)
-    """How long a request may wait for the dispatchers to catch up before it fails."""
+    """How long a request may wait for the dispatchers (or, with `max_queue_depth`, the target
+    queue's readers) to catch up before it fails."""
     request_linger_ms: int = Field(0, ge=0)
     """The request producer's ``linger.ms``. 0: a request leaves at once, and librdkafka still
     batches what queues up while earlier produce requests are in flight. Measured with `make

@@ -470,6 +470,13 @@ class CatalogView:
         self.contracts.setdefault(DEFAULT_CONTRACT, _BUILTIN_CONTRACT)
         self.queues = {q.name: q for q in catalog.queues}
         self.services = {s.name: s for s in catalog.services}
+        self.services_of_queue: dict[str, tuple[str, ...]] = {}
+        """Each queue's services (what a sender names), in catalog order."""
+        for svc in catalog.services:
+            self.services_of_queue[svc.queue] = (
+                *self.services_of_queue.get(svc.queue, ()),
+                svc.name,
+            )
         self.routes = {r.service_name: r for r in catalog.routes}
         self.notifications = {n.queue: n for n in catalog.event_notifications}
         self.priorities = PriorityTable(catalog.priorities)

@@ -33,6 +33,7 @@ from ksb.dialog.shards import Ownership
 from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, fire_due, set_timer
 from ksb.errors import KsbError, ProtocolError
+from ksb.wire.depth import QueueDepth
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
     AnyRequest,
@@ -71,7 +72,7 @@ class Engine:
         self.permissions = OPEN
         """Who may act for which service and queue; the dispatcher sets the catalog's."""
         self.endpoints: dict[str, Endpoint] = {}
-        self.inflight = Membership(self.endpoints, self._partitions)
+        self.inflight = Membership(self.endpoints, self._partitions, self.ownership.shard)
         """Every message waiting in a queue, by id: what a receipt needs (`ksb.dialog.membership`)."""
         self.fences = Fences()
         self.timers = Timers()
@@ -85,6 +86,15 @@ class Engine:
     def depth(self) -> dict[str, int]:
         """Unreceived messages per queue."""
         return self.inflight.depth
+
+    def changed_depths(self) -> list[QueueDepth]:
+        """The queue depths changed since the last call, to write in the transaction that
+        changed them (`ksb.wire.depth`)."""
+        services = self.catalog.services_of_queue
+        return [
+            QueueDepth(queue=queue, shard=shard, depth=n, services=services.get(queue, ()))
+            for (queue, shard), n in self.inflight.take_changed().items()
+        ]
 
     @property
     def retained(self) -> dict[str, Inflight]:
@@ -151,7 +161,7 @@ class Engine:
             self.endpoints.pop(ep.handle, None)
             self.remote.windows.pop(ep.handle, None)
             self._group_sizes.pop((ep.queue, ep.group), None)
-        self.inflight.drop(in_shard)
+        self.inflight.drop(shard)
         self.fences.drop(in_shard)
         self.remote.drop(in_shard)
 

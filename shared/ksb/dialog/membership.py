@@ -9,6 +9,10 @@ whatever the body. Everything else a receipt needs (queue, partition, group, lev
 the endpoint's. A backlog of a million messages therefore costs the dispatcher tens of megabytes,
 not the messages themselves.
 
+It also counts the waiting messages of each queue per shard, and which counts changed since the
+dispatcher last wrote them: each transaction writes the new ones to the ``depth`` topic
+(`ksb.wire.depth`), which SDK senders read to slow down before a queue outgrows its readers.
+
 Messages whose id does not name a live endpoint (a replayed dead letter whose conversation ended,
 a record written before ids had this form) are kept whole, as are received messages of RETENTION
 queues, which a receipt rewrites and the end of the conversation removes.
@@ -26,7 +30,10 @@ from ksb.dialog.outputs import Inflight
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import QueueMessage
 
-__all__ = ["Membership", "Waiting", "message_id"]
+__all__ = ["DepthKey", "Membership", "Waiting", "message_id"]
+
+DepthKey = tuple[str, int]
+"""(queue, shard): what one ``depth`` record counts."""
 
 _SYSTEM = {END_DIALOG: 1, ERROR: 2, DIALOG_TIMER: 3}
 _TYPES = {1: END_DIALOG, 2: ERROR, 3: DIALOG_TIMER}
@@ -121,14 +128,42 @@ class Membership(Mapping[str, Inflight]):
     """Every message waiting in a queue of the engine's endpoints, by id (a read-only mapping to
     what a receipt needs), plus the received messages RETENTION queues keep."""
 
-    def __init__(self, endpoints: Mapping[str, Endpoint], partitions: Callable[[str], int]) -> None:
+    def __init__(
+        self,
+        endpoints: Mapping[str, Endpoint],
+        partitions: Callable[[str], int],
+        shard: Callable[[str], int],
+    ) -> None:
+        """`partitions` gives a queue's partition count, `shard` a group's shard."""
         self._endpoints = endpoints
         self._partitions = partitions
+        self._shard = shard
         self._waiting: dict[str, Waiting] = {}
         self._orphans: dict[str, Inflight] = {}
         self.retained: dict[str, Inflight] = {}
-        self.depth: dict[str, int] = {}
-        """Unreceived messages per queue."""
+        self.shard_depth: dict[DepthKey, int] = {}
+        """Unreceived messages per queue and shard."""
+        self._changed: set[DepthKey] = set()
+        """The counts changed since `take_changed` last handed them out."""
+
+    @property
+    def depth(self) -> dict[str, int]:
+        """Unreceived messages per queue (over the shards this ledger holds)."""
+        depth: dict[str, int] = {}
+        for (queue, _shard), n in self.shard_depth.items():
+            depth[queue] = depth.get(queue, 0) + n
+        return depth
+
+    def take_changed(self) -> dict[DepthKey, int]:
+        """The counts that changed since the last call, with their values now."""
+        changed = {key: self.shard_depth.get(key, 0) for key in self._changed}
+        self._changed.clear()
+        return changed
+
+    def _count_one(self, info: Inflight, step: int) -> None:
+        key = (info.queue, self._shard(info.group))
+        self.shard_depth[key] = self.shard_depth.get(key, 0) + step
+        self._changed.add(key)
 
     # ----------------------------------------------------------------- the mapping
     def __getitem__(self, mid: str) -> Inflight:
@@ -173,7 +208,7 @@ class Membership(Mapping[str, Inflight]):
             self._waiting.setdefault(info.handle, Waiting()).add(parts[1], _pack(info))
         else:
             self._orphans[mid] = info
-        self.depth[info.queue] = self.depth.get(info.queue, 0) + 1
+        self._count_one(info, 1)
 
     def remove(self, mid: str) -> Inflight | None:
         """The message left its queue (received, dead-lettered, dropped); what it was, if waiting."""
@@ -189,7 +224,7 @@ class Membership(Mapping[str, Inflight]):
             info = self._info(mid, parts[0], meta)
             if not waiting:
                 del self._waiting[parts[0]]
-        self.depth[info.queue] -= 1
+        self._count_one(info, -1)
         return info
 
     def retain(self, mid: str, info: Inflight) -> None:
@@ -214,28 +249,22 @@ class Membership(Mapping[str, Inflight]):
         self._waiting.update(other._waiting)
         self._orphans.update(other._orphans)
         self.retained.update(other.retained)
-        for queue, n in other.depth.items():
-            self.depth[queue] = self.depth.get(queue, 0) + n
+        for key, n in other.shard_depth.items():
+            self.shard_depth[key] = self.shard_depth.get(key, 0) + n
+        self._changed.update(other.shard_depth)  # the new owner writes its shards' counts again
 
-    def drop(self, in_shard: Callable[[str], bool]) -> None:
-        """Forget the messages of the groups `in_shard` says (a shard another dispatcher owns
-        now). Called once their endpoints are forgotten: a compact entry whose endpoint is gone
-        goes with it."""
+    def drop(self, shard: int) -> None:
+        """Forget the messages of `shard` (another dispatcher owns it now), and its counts: its
+        next owner writes them. Called once the shard's endpoints are forgotten: a compact entry
+        whose endpoint is gone goes with it."""
         for handle in [h for h, _w in self._waiting.items() if h not in self._endpoints]:
             del self._waiting[handle]
         for store in (self._orphans, self.retained):
-            for mid in [m for m, i in store.items() if in_shard(i.group)]:
+            for mid in [m for m, i in store.items() if self._shard(i.group) == shard]:
                 del store[mid]
-        self.depth = self._count()
-
-    def _count(self) -> dict[str, int]:
-        depth: dict[str, int] = {}
-        for info in self._orphans.values():
-            depth[info.queue] = depth.get(info.queue, 0) + 1
-        for handle, waiting in self._waiting.items():
-            queue = self._endpoints[handle].queue
-            depth[queue] = depth.get(queue, 0) + len(waiting)
-        return depth
+        for key in [k for k in self.shard_depth if k[1] == shard]:
+            del self.shard_depth[key]
+            self._changed.discard(key)
 
     # ----------------------------------------------------------------- rebuild
     def load(self, key: str, value: QueueMessage | None, partition: int, retains: bool) -> None:

@@ -211,6 +211,7 @@ def core_topics(names: Names, settings: KsbSettings) -> list[TopicSpec]:
         TopicSpec(names.requests, settings.request_partitions),
         TopicSpec(names.relay, settings.request_partitions),
         TopicSpec(names.endpoints, settings.request_partitions, _COMPACT),
+        TopicSpec(names.depth, settings.request_partitions, _COMPACT),
         TopicSpec(names.catalog, 1, _COMPACT),
         TopicSpec(names.errors, 1),
         TopicSpec(names.audit, 1),

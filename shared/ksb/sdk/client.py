@@ -23,6 +23,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.redis_client import redis_client
 from ksb.sdk.backpressure import Backpressure, CommittedOffsets
+from ksb.sdk.depth import DepthWatch
 from ksb.sdk.groups import GroupDirectory
 from ksb.sdk.locks import Lease
 from ksb.sdk.reader import QueueReader
@@ -60,6 +61,7 @@ class KsbClient:
         self._producer = kafka.request_producer(self.settings)
         self._offsets = CommittedOffsets(self.settings)
         self.backpressure = Backpressure(self.settings, self._offsets)
+        self.depths = DepthWatch(self.settings)
         self.audit = Audit(KafkaAudit(self._producer, self.names))
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
@@ -131,6 +133,7 @@ class KsbClient:
         self._closing.set()
         self._poller.join(2)
         self._offsets.close()
+        self.depths.close()
         if self._redis is not None:
             self._redis.close()
 
@@ -161,12 +164,15 @@ class KsbClient:
             conversation_group_id,
         )
         self._produce(req, self.groups.begun(req))
+        self.depths.rule.began(req.handle, to_service)
         return req.handle
 
     def send(
         self, handles: str | Sequence[str], message_type: str = "DEFAULT", body: bytes | str = b""
     ) -> str:
         req = send_request(handles, message_type, body)
+        for h in req.handles:  # queue-depth back-pressure (`ksb.sdk.depth`); a no-op without it
+            self.depths.before_send(h, self.groups.of(h))
         self._produce(req, self.groups.of(req.handles[0]))
         return req.request_id
 

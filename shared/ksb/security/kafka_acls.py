@@ -118,6 +118,8 @@ def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
         yield _acl(p, D, names.dispatcher_group, kind=Resource.GROUP)
         yield _acl(p, R, names.errors_of(p))
         yield _acl(p, W, names.audit)
+        # Queue-depth back-pressure (`ksb.sdk.depth`) reads how deep its targets' queues are.
+        yield _acl(p, R, names.depth)
     if a.receives_all:
         yield _acl(p, R, f"{names.prefix}.queue.", prefixed=True)
     else:
@@ -141,7 +143,7 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         )
         yield _acl(p, W, f"{n.prefix}.dlq.", prefixed=True)
         yield _acl(p, W, f"{n.prefix}.errors.", prefixed=True)
-        for t in (n.endpoints, n.errors, n.transmission, n.relay, n.audit, n.bcn, n.acks):
+        for t in (n.endpoints, n.depth, n.errors, n.transmission, n.relay, n.audit, n.bcn, n.acks):
             yield _acl(p, W, t)
         yield _acl(p, R, n.dispatcher_group, prefixed=True, kind=Resource.GROUP)
         yield _acl(p, W, n.dispatcher_group, prefixed=True, kind=Resource.TRANSACTIONAL_ID)
