@@ -7,6 +7,7 @@ from ksb.audit import (
     Audit,
     AuditEvent,
     AuditHook,
+    BatchedAudit,
     KafkaAudit,
     dispatcher_events,
     parse_audit_event,
@@ -236,3 +237,22 @@ def test_a_batch_is_one_record_per_queue_in_order_and_reads_back() -> None:
         assert mine == sorted(mine)
     single = events[0].to_json()
     assert parse_audit_record(single) == [events[0]]
+
+
+def test_a_clients_events_wait_for_the_drain_then_go_as_one_record_per_queue() -> None:
+    rec = _Recorder()
+    batched = BatchedAudit(KafkaAudit(rec, Names("i")))  # type: ignore[arg-type]
+    events = [
+        AuditEvent(kind="receive", event_ms=i, instance="i", queue="AB"[i % 2], count=1)
+        for i in range(6)
+    ]
+    for e in events[:5]:
+        batched.emit(e)
+    assert rec.records == []
+    batched.drain()
+    assert [k for _t, k, _v in rec.records] == [b"A", b"B"]
+    batched.emit_batch(events[5:])
+    batched.drain()
+    batched.drain()  # nothing new: nothing written
+    read = [e for _t, _k, v in rec.records for e in parse_audit_record(v)]
+    assert sorted(read, key=lambda e: e.event_ms) == events and len(rec.records) == 3

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from confluent_kafka import KafkaError, Message
 
-from ksb.audit import Audit, AuditEvent, KafkaAudit
+from ksb.audit import Audit, AuditEvent, BatchedAudit, KafkaAudit
 from ksb.errors import KsbError, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -47,6 +47,10 @@ from ksb.wire.protocol import (
 __all__ = ["KsbClient", "Transaction"]
 
 
+_AUDIT_EVERY_S = 0.05
+"""How often the client writes the audit events it has gathered (`ksb.audit.BatchedAudit`)."""
+
+
 def _as_bytes(body: bytes | str) -> bytes:
     return body.encode() if isinstance(body, str) else body
 
@@ -62,7 +66,8 @@ class KsbClient:
         self._offsets = CommittedOffsets(self.settings)
         self.backpressure = Backpressure(self.settings, self._offsets)
         self.depths = DepthWatch(self.settings)
-        self.audit = Audit(KafkaAudit(self._producer, self.names))
+        self._audit_buffer = BatchedAudit(KafkaAudit(self._producer, self.names))
+        self.audit = Audit(self._audit_buffer)
         self._redis: redis.Redis | None = None
         self._readers: dict[str, QueueReader] = {}
         self.groups = GroupDirectory()
@@ -74,8 +79,13 @@ class KsbClient:
         self._poller.start()
 
     def _serve_reports(self) -> None:
+        drain_at = 0.0
         while not self._closing.is_set():
             self._producer.poll(0.05)
+            now = time.monotonic()
+            if now >= drain_at:  # the audit events of many RECEIVEs, one record per queue
+                self._audit_buffer.drain()
+                drain_at = now + _AUDIT_EVERY_S
 
     # ----------------------------------------------------------------- plumbing
     @property
@@ -122,6 +132,7 @@ class KsbClient:
         return fut.result(timeout_s)
 
     def flush(self, timeout_s: float = 30) -> None:
+        self._audit_buffer.drain()
         if self._producer.flush(timeout_s) != 0:
             raise KsbError("requests not acknowledged by Kafka in time")
 
@@ -129,6 +140,7 @@ class KsbClient:
         for r in self._readers.values():
             r.close()
         self._readers.clear()
+        self._audit_buffer.drain()
         self._producer.flush(10)
         self._closing.set()
         self._poller.join(2)
