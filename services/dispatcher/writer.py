@@ -17,7 +17,7 @@ from ksb.dialog.endpoint import Endpoint, encode_endpoint
 from ksb.dialog.outputs import Outputs
 from ksb.dialog.shards import shard_of
 from ksb.names import Names
-from ksb.wire.depth import QueueDepth
+from ksb.wire.depth import QueueDepth, depth_key
 from ksb.wire.protocol import dumps
 from ksb.wire.relay import relay_key
 
@@ -80,13 +80,13 @@ class OutputWriter:
 
     def flush(self, depths: list[QueueDepth]) -> int:
         """Write each endpoint changed in this transaction once, in its shard's partition, the
-        queue depths it changed (each in its shard's partition of ``depth``), and the
+        queue depths it changed (``depth``, keyed by queue and shard), and the
         transaction's audit events in as few records as their queues allow."""
         self._audit.emit_batch(self._events)
         self._events = []
         for d in depths:
             self._p.produce(
-                self._names.depth, key=d.queue.encode(), value=dumps(d), partition=d.shard
+                self._names.depth, key=depth_key(d).encode(), value=dumps(d)
             )
         n = len(self._endpoints)
         for ep in self._endpoints.values():

@@ -150,7 +150,7 @@ class DepthWatch:
         with self._cond:
             if self._thread is not None:
                 return
-            self._behind = set(range(self.rule.shards))
+            self._behind = {0}
             self._thread = threading.Thread(target=self._run, name="ksb-depth", daemon=True)
             self._thread.start()
 
@@ -162,7 +162,7 @@ class DepthWatch:
         topic = Names(self._settings.instance).depth
         c = self._make_consumer()
         try:
-            c.assign([TopicPartition(topic, p, -2) for p in range(self.rule.shards)])
+            c.assign([TopicPartition(topic, 0, -2)])
             while not self._stop.is_set():
                 self._read(kafka.consume_batch(c, 1000, 0.1))
         except Exception:  # a dead watch must not hold SENDs: they time out with its reason
