@@ -51,7 +51,13 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         "--max-queue-depth",
         type=int,
         default=2_000,
-        help="back-pressure on the readers: the target queue's depth a sender waits at (0: off)",
+        help="back-pressure on the readers: the target queue's depth a sender waits at, in the "
+        "runs of --depth-dispatchers (default 2000)",
+    )
+    g.add_argument(
+        "--depth-dispatchers",
+        default="2",
+        help="dispatcher counts run again with --max-queue-depth (default 2; '' for none)",
     )
     g.add_argument("--probes", type=int, help="one-at-a-time round trips (default 100)")
     g = parser.add_argument_group("sections (each on by default)")
@@ -102,8 +108,10 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         probes=probes,
         max_inflight_requests=a.max_inflight,
         max_queue_depth=a.max_queue_depth,
+        depth_counts=_counts(a.depth_dispatchers) if a.depth_dispatchers else (),
         timeout_s=timeout_s,
         warmup_messages=0 if a.quick else 40_000,
+        settle_jit=not a.quick,
     )
     opts = Options(
         raw_messages=a.raw_messages or messages,

@@ -117,6 +117,7 @@ def run_raw(
     timeout_s: float,
     warmup_messages: int = 0,
     on_load: Callable[[bool], None] | None = None,
+    settle: Callable[[], object] | None = None,
 ) -> RawResult:
     """Produce ``messages`` as fast as possible while a read_committed consumer follows, then
     ``probes`` single round trips.
@@ -124,7 +125,8 @@ def run_raw(
     ``warmup_messages`` go through first, unmeasured: a fresh JVM broker is several times slower
     until its JIT has compiled the produce and fetch paths, and the KSB run after this one would
     otherwise get a warm broker that the baseline did not have. ``on_load`` is called with True
-    before the first measured message and with False once the consumer has them all."""
+    before the first measured message and with False once the consumer has them all; ``settle``
+    after the warm-up (`bench.stats.jit_settle`)."""
     topic = f"bench.raw.{uuid.uuid4().hex[:8]}"
     kafka.ensure_topics(kafka.admin(settings), [kafka.TopicSpec(topic, 1)])
     collector = _Collector(settings, topic)
@@ -135,6 +137,8 @@ def run_raw(
         for i in range(warmup_messages):
             _produce(p, topic, make_body(body_bytes, now_ns(), f"w{i}").encode())
         collector.wait_for(warmup_messages, timeout_s)
+        if settle is not None:
+            settle()
         for i in range(_WARMUP):
             _produce(p, topic, make_body(body_bytes, now_ns(), f"w{i}").encode())
             collector.wait_for(warmup_messages + i + 1, timeout_s)

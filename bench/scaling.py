@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
-from bench.stats import CpuMeter, fmt_ms, peak_rss_kb
+from bench.stats import CpuMeter, fmt_ms, jit_settle, peak_rss_kb
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
 from ksb.dialog.shards import shard_of
@@ -49,6 +49,7 @@ __all__ = [
     "cpu_ms_per_message",
     "format_lines",
     "ratios",
+    "run_label",
     "run_scaling",
     "sharded_instance",
 ]
@@ -74,7 +75,12 @@ class ScalingOptions:
     max_inflight_requests: int = 2_000
     """The sender's back-pressure limit (0 would turn it off)."""
     max_queue_depth: int = 2_000
-    """The target queue's depth at which the sender waits for the readers (0: never)."""
+    """The target queue's depth at which the sender waits for the readers, in the runs of
+    `depth_counts` (the others have no such limit)."""
+    depth_counts: tuple[int, ...] = (2,)
+    """Dispatcher counts run again with `max_queue_depth` (back-pressure on the readers too)."""
+    settle_jit: bool = True
+    """Wait for the broker's JIT compilers to go idle before each measured run (and raw's)."""
     timeout_s: float = 180.0
     warmup_messages: int = 40_000
     """Messages through KSB (one dispatcher) before the first count, unmeasured (0: none)."""
@@ -117,7 +123,13 @@ def run_scaling(
 ) -> dict[str, Any]:
     """One e2e run per dispatcher count; ``stack_pids`` names the broker's and Redis's pids."""
     warmup_s = _warm_up(base, opts, workdir)
-    runs = [_run_one(base, n, opts, workdir, stack_pids) for n in opts.counts]
+    runs = []
+    plan = [(n, 0) for n in opts.counts] + [(n, opts.max_queue_depth) for n in opts.depth_counts]
+    for n, depth in plan:
+        if opts.settle_jit:
+            waited = jit_settle(stack_pids["kafka"])
+            log.info("scaling: the broker's JIT compilers idle after %.1f s", waited)
+        runs.append(_run_one(base, n, opts, workdir, stack_pids, depth))
     return {"config": asdict(opts), "warmup_s": warmup_s, "runs": runs}
 
 
@@ -125,7 +137,7 @@ def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | N
     """Run `opts.warmup_messages` through one dispatcher, unmeasured; how long it took."""
     if opts.warmup_messages <= 0:
         return None
-    settings = _instance(base, "w", opts)
+    settings = _instance(base, "w", opts, 0)
     started = time.monotonic()
     with DispatcherPool(settings, workdir / "scaling-warmup") as pool:
         pool.start(1)
@@ -135,14 +147,14 @@ def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | N
     return took
 
 
-def _instance(base: Deployment, suffix: str, opts: ScalingOptions) -> Deployment:
+def _instance(base: Deployment, suffix: str, opts: ScalingOptions, depth: int) -> Deployment:
     """A secured instance of its own with the run's shards, back-pressure and catalog."""
     settings = sharded_instance(
         base,
         suffix,
         opts.shards,
         max_inflight_requests=opts.max_inflight_requests,
-        max_queue_depth=opts.max_queue_depth,
+        max_queue_depth=depth,
     )
     apply_catalog(settings, bench_catalog(opts.queue_partitions))
     return settings
@@ -174,11 +186,16 @@ def _load(
 
 
 def _run_one(
-    base: Deployment, count: int, opts: ScalingOptions, workdir: Path, stack_pids: dict[str, int]
+    base: Deployment,
+    count: int,
+    opts: ScalingOptions,
+    workdir: Path,
+    stack_pids: dict[str, int],
+    depth: int = 0,
 ) -> dict[str, Any]:
-    settings = _instance(base, f"x{count}", opts)
+    settings = _instance(base, f"x{count}d{depth}", opts, depth)
     tally = Tally(expected=opts.messages)
-    with DispatcherPool(settings, workdir / f"scaling-{count}") as pool:
+    with DispatcherPool(settings, workdir / f"scaling-{count}-d{depth}") as pool:
         started = time.monotonic()
         pool.start(count)
         start_s = time.monotonic() - started
@@ -207,6 +224,7 @@ def _run_one(
     dispatcher_cpu = {n: s for n, s in meter.spent_s.items() if n in pids}
     return {
         "dispatchers": count,
+        "max_queue_depth": depth,
         "pool_start_s": start_s,
         **result.as_json(),
         "cpu_s": meter.spent_s,
@@ -222,6 +240,13 @@ def _run_one(
         },
         "members": members,
     }
+
+
+def run_label(run: dict[str, Any]) -> str:
+    """A run's name in the table: its dispatcher count, and its queue-depth limit if it had one."""
+    depth = run.get("max_queue_depth")
+    label = f"{run['dispatchers']} dispatcher(s)"
+    return f"{label}, depth {depth:,}" if depth else label
 
 
 def ratios(run: dict[str, Any], raw: dict[str, Any]) -> dict[str, float | None]:
@@ -258,10 +283,6 @@ def _warmed(cfg: dict[str, Any], seconds: float | None) -> str:
     )
 
 
-def _limit(n: int | None) -> str:
-    return "no limit of" if not n else f"{n:,}"
-
-
 def _count(n: int | None) -> str:
     return "?" if n is None else f"{n:,}"
 
@@ -286,7 +307,7 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     cfg, runs = s["config"], s["runs"]
     rx = [ratios(r, raw) for r in runs]
     raw_cpu = raw.get("cpu_ms_per_message", {})
-    head = ["", "raw kafka", *(f"KSB {r['dispatchers']} dispatcher(s)" for r in runs)]
+    head = ["", "raw kafka", *(f"KSB {run_label(r)}" for r in runs)]
     rows: list[list[str]] = [head]
     rows.append(
         [
@@ -369,7 +390,7 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         f"{cfg['dialogs']:,} dialogs, {cfg['shards']} shards, target queue "
         f"{cfg['queue_partitions']} partitions, {cfg['receivers']} receiver threads x window "
         f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight"
-        f" and {_limit(cfg.get('max_queue_depth'))} messages in the target queue"
+        " (and, where the column says so, a target queue depth at which SENDs wait)"
         + _warmed(cfg, s.get("warmup_s")),
         *_table(rows),
         "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
@@ -386,11 +407,11 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
             for name, m in members.items()
         ]
         lines.append(
-            f"  {r['dispatchers']}: "
+            f"  {run_label(r)}: "
             + "; ".join(parts)
             + (f"; max/mean {spread:.2f}" if spread is not None and len(counts) > 1 else "")
         )
     for r in runs:
         for problem in r["problems"]:
-            lines.append(f"  problem ({r['dispatchers']} dispatchers): {problem}")
+            lines.append(f"  problem ({run_label(r)}): {problem}")
     return lines

@@ -26,10 +26,10 @@ from bench.cross_instance import CrossOptions, run_cross_instance
 from bench.failover import FailoverOptions, run_failover
 from bench.priorities import PriorityOptions, run_priorities
 from bench.raw_kafka import run_raw
-from bench.scaling import ScalingOptions, cpu_ms_per_message, ratios, run_scaling
+from bench.scaling import ScalingOptions, cpu_ms_per_message, ratios, run_label, run_scaling
 from bench.security import SecurityOptions, run_security
 from bench.spark_audit import SparkOptions, run_spark_audit
-from bench.stats import CpuMeter, peak_rss_kb
+from bench.stats import CpuMeter, jit_settle, peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import start_stack
@@ -117,6 +117,7 @@ def run(opts: Options) -> dict[str, Any]:
                 timeout_s=opts.timeout_s,
                 warmup_messages=opts.raw_messages // 2,
                 on_load=raw_cpu.mark,
+                settle=(lambda: jit_settle(stack.kafka_pid)) if opts.scaling.settle_jit else None,
             )
             raw_j = {
                 **raw.as_json(),
@@ -195,7 +196,7 @@ def run(opts: Options) -> dict[str, Any]:
         },
         "raw": raw_j,
         "scaling": scaling,
-        "ratio_ksb_over_raw": {str(r["dispatchers"]): ratios(r, raw_j) for r in scaling["runs"]},
+        "ratio_ksb_over_raw": {run_label(r): ratios(r, raw_j) for r in scaling["runs"]},
         **sections,
         "peak_rss_kb": rss_kb,
         "phase_seconds": phases,

@@ -58,13 +58,15 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     assert any(line.strip().startswith("dispatcher d1") for line in lines), result.stdout
     figures = json.loads(out.read_text())
     runs = figures["scaling"]["runs"]
-    assert [r["dispatchers"] for r in runs] == [1, 2]
+    # 1 and 2 dispatchers, then 2 again with a queue-depth limit (`--depth-dispatchers`)
+    assert [(r["dispatchers"], r["max_queue_depth"]) for r in runs] == [(1, 0), (2, 0), (2, 2000)]
     assert all(r["verified_exactly_once_in_order"] for r in runs)
     assert all(r["cpu_ms_per_message"]["dispatchers"] > 0 for r in runs)
     assert (
         sum(m["messages"] for m in runs[1]["members"].values()) == runs[1]["throughput"]["messages"]
     )
-    assert set(figures["ratio_ksb_over_raw"]["2"]) >= {"throughput", "latency_loaded_p50"}
+    ratio = figures["ratio_ksb_over_raw"]["2 dispatcher(s), depth 2,000"]
+    assert set(ratio) >= {"throughput", "latency_loaded_p50"}
     (failover,) = figures["failover"]["runs"]
     assert failover["verified_exactly_once_in_order"] is True
     assert failover["lost_shards"]["resumed_after_kill_s"] > 0
