@@ -85,9 +85,7 @@ class OutputWriter:
         self._audit.emit_batch(self._events)
         self._events = []
         for d in depths:
-            self._p.produce(
-                self._names.depth, key=depth_key(d).encode(), value=dumps(d)
-            )
+            self._p.produce(self._names.depth, key=depth_key(d).encode(), value=dumps(d))
         n = len(self._endpoints)
         for ep in self._endpoints.values():
             self._p.produce(

@@ -214,6 +214,9 @@ class DispatcherSettings(ServiceSettings):
     new owners wait for its session alone (with 10 s they waited up to 5 s more)."""
     batch_max: int = Field(500, ge=1)
     """Requests applied in one Kafka transaction at most."""
+    depth_every_ms: int = Field(100, ge=0)
+    """How often at most the queue depths that changed are written (`ksb.wire.depth`): senders
+    with a queue-depth limit see a count this much later at worst (0: with every transaction)."""
     inbound_stale_ms: int = Field(10_000, ge=1)
     """Early arrivals from other instances older than this are dropped on the next tick."""
     reassembly_stale_ms: int = Field(60_000, ge=1)

@@ -20,7 +20,7 @@ SHARDS = 2
 
 
 def _depths(engine: Engine) -> dict[tuple[str, int], int]:
-    return {(d.queue, d.shard): d.depth for d in engine.changed_depths()}
+    return {(d.queue, d.shard): d.depth for d in engine.changed_depths(0)}
 
 
 def _begin_and_send(c: Cluster, handle: str, n: int) -> None:
@@ -57,7 +57,7 @@ def test_each_owner_counts_its_shards_waiting_messages_and_hands_out_what_change
 def test_the_record_names_the_queues_services_so_a_sender_can_find_its_target() -> None:
     c = Cluster(1)
     _begin_and_send(c, "h0", 2)
-    [record] = c.engines[0].changed_depths()
+    [record] = c.engines[0].changed_depths(0)
     assert record == QueueDepth(queue="TQ", shard=0, depth=2, services=("Tgt",))
     assert parse_depth(dumps(record)) == record
 
@@ -66,7 +66,7 @@ def test_a_refused_commit_changes_no_count() -> None:
     c = Cluster(1)
     _begin_and_send(c, "h0", 1)
     engine = c.engines[0]
-    engine.changed_depths()
+    engine.changed_depths(0)
     group = _target_group(c, "h0")
     unknown = Receipt(queue="TQ", group=group, token=1, message_ids=("nope:1",))
     assert engine.handle(CommitRequest(receipt=unknown), 0).errors
@@ -85,7 +85,7 @@ def test_a_dropped_shard_is_forgotten_and_an_adopted_one_is_written_again() -> N
     taker = Engine(view, instance="u", max_body_bytes=1000, ownership=Ownership(SHARDS, ()))
     rebuilt = taker.rebuilding([shard])
     _fold(rebuilt, c, shard)
-    rebuilt.changed_depths()  # what the rebuild counted on its own is not what is written...
+    rebuilt.changed_depths(0)  # what the rebuild counted on its own is not what is written...
     taker.adopt(rebuilt)
     assert _depths(taker) == {("TQ", shard): 2}  # ... the adopted counts are, once
 
@@ -125,3 +125,20 @@ def test_a_sender_remembers_the_targets_of_the_dialogs_it_began_up_to_its_capaci
     for h in ("a", "b", "c"):
         rule.began(h, f"S{h}")
     assert [rule.target(h) for h in ("a", "b", "c")] == [None, "Sb", "Sc"]
+
+
+def test_changed_depths_are_handed_out_at_most_every_depth_every_ms_and_come_due() -> None:
+    """A dispatcher writes the counts at most every `depth_every_ms` (a partition more in a
+    transaction costs a produce request more); a count held back makes the engine's next
+    deadline its due time, so a quiet dispatcher still writes it."""
+    c = Cluster(1)
+    engine = c.engines[0]
+    engine.depth_every_ms = 100
+    _begin_and_send(c, "h0", 1)
+    assert [d.depth for d in engine.changed_depths(1_000)] == [1]
+    assert engine.next_deadline_ms() is None, "nothing owed"
+    c.request(SendRequest(handles=("h0",), message_type="Req", body="x"), "h0", now=1_050)
+    assert engine.changed_depths(1_050) == [], "too soon after the last write"
+    assert engine.next_deadline_ms() == 1_100
+    assert [d.depth for d in engine.changed_depths(1_100)] == [2]
+    assert engine.next_deadline_ms() is None

@@ -333,6 +333,7 @@ def test_a_shard_rebuilt_in_an_engine_of_its_own_then_adopted_is_the_shard_loade
     assert [adopted.fences.get("TQ", g) for g in groups] == [
         in_place.fences.get("TQ", g) for g in groups
     ]
+    assert adopted.changed_depths(0) and in_place.changed_depths(0)  # written; no longer due
     assert adopted.next_deadline_ms() == in_place.next_deadline_ms() == 60_000
     assert adopted._group_sizes == in_place._group_sizes  # when a group's fence is forgotten
     # ... and does the same: a receipt on the adopted shard, a stale token, the lifetimes.

@@ -154,6 +154,11 @@ class Membership(Mapping[str, Inflight]):
             depth[queue] = depth.get(queue, 0) + n
         return depth
 
+    @property
+    def depths_changed(self) -> bool:
+        """Whether a count changed since `take_changed` last handed them out."""
+        return bool(self._changed)
+
     def take_changed(self) -> dict[DepthKey, int]:
         """The counts that changed since the last call, with their values now."""
         changed = {key: self.shard_depth.get(key, 0) for key in self._changed}
