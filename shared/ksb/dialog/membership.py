@@ -10,8 +10,8 @@ the endpoint's. A backlog of a million messages therefore costs the dispatcher t
 not the messages themselves.
 
 It also counts the waiting messages of each queue per shard, and which counts changed since the
-dispatcher last wrote them: each transaction writes the new ones to the ``depth`` topic
-(`ksb.wire.depth`), which SDK senders read to slow down before a queue outgrows its readers.
+dispatcher last wrote them to the ``depth`` topic (`ksb.wire.depth`, `Engine.changed_depths`),
+which SDK senders read to slow down before a queue outgrows its readers.
 
 Messages whose id does not name a live endpoint (a replayed dead letter whose conversation ended,
 a record written before ids had this form) are kept whole, as are received messages of RETENTION

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import KafkaError, Message, TopicPartition
 
 from ksb.clock import Clock, SystemClock
 from ksb.dialog.shards import shard_of
@@ -96,23 +95,16 @@ class QueueDepths:
 class DepthWatch:
     """Follows the ``depth`` topic and holds SENDs while their target queue is over its share."""
 
-    def __init__(
-        self,
-        settings: ClientSettings,
-        *,
-        clock: Clock | None = None,
-        consumer: Callable[[], Consumer] | None = None,
-    ) -> None:
+    def __init__(self, settings: ClientSettings, *, clock: Clock | None = None) -> None:
         self.rule = QueueDepths(settings.max_queue_depth, settings.request_partitions)
         self.timeout_ms = int(settings.backpressure_timeout_s * 1000)
         self._settings = settings
         self._clock = clock or SystemClock()
-        self._make_consumer = consumer or self._consumer
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._behind: set[int] | None = None
-        """Partitions not read to their end yet; None until the watch starts."""
+        self._caught_up = False
+        """The topic was read to its end once: until then every SEND that could wait does."""
         self.waited_ms = 0
         """Time SENDs spent waiting here, in total: how much back-pressure there was."""
 
@@ -125,8 +117,8 @@ class DepthWatch:
         start = self._clock.now_ms()
         with self._cond:
             while True:
-                over = None if self._behind else self.rule.over(service, group)
-                if not self._behind and over is None:
+                over = self.rule.over(service, group) if self._caught_up else None
+                if self._caught_up and over is None:
                     break
                 waited = self._clock.now_ms() - start
                 if waited >= self.timeout_ms:
@@ -150,17 +142,13 @@ class DepthWatch:
         with self._cond:
             if self._thread is not None:
                 return
-            self._behind = {0}
             self._thread = threading.Thread(target=self._run, name="ksb-depth", daemon=True)
             self._thread.start()
 
-    def _consumer(self) -> Consumer:
-        conf: dict[str, Any] = {"fetch.wait.max.ms": _FETCH_WAIT_MS}
-        return kafka.consumer(self._settings, **conf)
-
     def _run(self) -> None:
         topic = Names(self._settings.instance).depth
-        c = self._make_consumer()
+        conf: dict[str, Any] = {"fetch.wait.max.ms": _FETCH_WAIT_MS}
+        c = kafka.consumer(self._settings, **conf)
         try:
             c.assign([TopicPartition(topic, 0, -2)])
             while not self._stop.is_set():
@@ -177,8 +165,8 @@ class DepthWatch:
             for m in msgs:
                 err = m.error()
                 if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF and self._behind is not None:
-                        self._behind.discard(m.partition() or 0)
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        self._caught_up = True
                     else:
                         kafka.log_consumer_error(m, log)
                     continue
