@@ -19,7 +19,7 @@ from ksb.sdk.client import KsbClient
 from ksb.security.principals import Role
 from ksb.settings import CliSettings, settings_env
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
-from tests.integration.support import errors, receive_all, wait_endpoint
+from tests.integration.support import errors, receive_all, wait_endpoint, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -203,3 +203,10 @@ def test_endpoints_leaked_errors_and_queue_peek(
     assert "3 ready" in first_only
     assert ready[0]["message_id"] in first_only and ready[-1]["message_id"] not in first_only
     assert "NoSuchQueue" in refused(ksb(settings, "queue", "peek", "NoSuchQueue"))
+
+    def target_depth() -> int:
+        rows = json.loads(ok(ksb(settings, "queue", "depth", "--json")))
+        return sum(r["depth"] for r in rows if r["queue"] == "TargetQueue")
+
+    wait_for("the target queue's depth written", lambda: target_depth() == len(ready), 10, 0.2)
+    assert "TargetQueue" in ok(ksb(settings, "queue", "depth"))

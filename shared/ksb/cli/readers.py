@@ -27,6 +27,7 @@ from ksb.sdk.bodies import messages_from
 from ksb.sdk.fetch import RecordFetcher
 from ksb.sdk.queue_index import QueueIndex, pack_position
 from ksb.settings import KsbSettings
+from ksb.wire.depth import QueueDepth, parse_depth
 from ksb.wire.protocol import (
     CommitOutcome,
     DeadLetterRecord,
@@ -37,6 +38,7 @@ from ksb.wire.protocol import (
 
 __all__ = [
     "read_dead_letters",
+    "read_depths",
     "read_endpoints",
     "read_errors",
     "read_forwarded",
@@ -63,6 +65,20 @@ def read_endpoints(settings: KsbSettings) -> dict[str, Endpoint]:
 
     read_topic(settings, Names(settings.instance).endpoints, keep)
     return latest
+
+
+def read_depths(settings: KsbSettings) -> list[QueueDepth]:
+    """Each queue's unreceived messages per shard, as its dispatchers last wrote them (the
+    compacted depth topic: the last record of each ``<queue>/<shard>``)."""
+    latest: dict[str, QueueDepth] = {}
+
+    def keep(m: Message) -> None:
+        key, value = m.key(), m.value()
+        if key is not None and value is not None:
+            latest[key.decode()] = parse_depth(value)
+
+    read_topic(settings, Names(settings.instance).depth, keep)
+    return sorted(latest.values(), key=lambda d: (d.queue, d.shard))
 
 
 def read_errors(settings: KsbSettings, principal: str | None = None) -> list[dict[str, Any]]:

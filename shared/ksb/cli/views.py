@@ -1,4 +1,5 @@
-"""`ksb endpoints|errors|queue peek|monitors|tasks|transmission|forwarded|dlq`: live state.
+"""`ksb endpoints|errors|queue peek|queue depth|monitors|tasks|transmission|forwarded|dlq`:
+live state.
 
 Each command reads through `ksb.cli.readers` and prints a table (or JSON with ``--json``), the
 KSB counterparts of Service Broker's catalog views and DMVs.
@@ -16,6 +17,7 @@ from ksb.cli.app import app, cli_settings, dlq_app, echo_json, make_console, que
 from ksb.cli.catalog import table
 from ksb.cli.readers import (
     read_dead_letters,
+    read_depths,
     read_endpoints,
     read_errors,
     read_forwarded,
@@ -134,6 +136,21 @@ def queue_peek(
         for m in shown
     ]
     _print_rows(f"Queue {queue}: {len(messages)} ready, showing", rows)
+
+
+@queue_app.command("depth")
+@reported
+def queue_depth(
+    as_json: Annotated[bool, typer.Option("--json", help="rows as JSON")] = False,
+) -> None:
+    """Unreceived messages per queue and shard, as the dispatchers last wrote them (what SDK
+    senders with a queue-depth limit wait on)."""
+    depths = read_depths(cli_settings())
+    rows = [{"queue": d.queue, "shard": d.shard, "depth": d.depth} for d in depths]
+    if as_json:
+        echo_json(rows)
+        return
+    _print_rows("Queue depth per shard", rows)
 
 
 def _preview(m: QueueMessage, width: int = 60) -> str:
