@@ -68,7 +68,7 @@ from ksb.wire.protocol import (
     dumps,
 )
 from ksb.wire.relay import RelayRequest
-from services.dispatcher.journal import STALE_EPOCH, JournaledProducer, write_again
+from services.dispatcher.journal import STALE_EPOCH, TXN_PRODUCER, JournaledProducer, write_again
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, coordinator_shards
@@ -83,13 +83,6 @@ START_TIMEOUT_S = 10.0
 """How long one start attempt waits for Kafka's metadata before it counts as failed."""
 
 log = logging.getLogger("ksb.dispatcher")
-
-_TXN_PRODUCER = {"linger.ms": 1, "retry.backoff.ms": 5, "retry.backoff.max.ms": 100}
-"""The transactional producer's own settings. A transaction begun while the coordinator is
-still writing the previous one's commit markers is refused CONCURRENT_TRANSACTIONS and asked
-again after ``retry.backoff.ms``: librdkafka's 100 ms stood the dispatcher still for a tenth of
-a second in 7 % of the transactions of `make bench`'s load (librdkafka's eos debug log), and in
-one-at-a-time traffic after every transaction that came right after another."""
 
 
 class Dispatcher(Service):
@@ -212,7 +205,7 @@ class Dispatcher(Service):
                 s,
                 transactional_id=f"{self.names.dispatcher_txn_id}.{self.member}",
                 txn_timeout_ms=s.txn_timeout_ms,
-                extra=_TXN_PRODUCER,
+                extra=TXN_PRODUCER,
             )
         )
         self._producer.init_transactions(60)
