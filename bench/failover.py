@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import Tally, bench_catalog, run_ksb
-from bench.scaling import applied_by, sharded_instance
+from bench.scaling import sharded_instance
 from bench.stats import now_ns
 from devtools.deployment import Deployment
 from devtools.dispatchers import DispatcherPool
@@ -118,7 +118,7 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
         owned_after = pool.owned()
         logged_at_end = {n: len(p.log_text()) for n, p in pool.members.items()}
         pool.stop()
-        applied = applied_by(pool)
+        applied = {name: a.records for name, a in pool.applied().items()}
     if failures:
         raise RuntimeError("the kill failed") from failures[0]
     rebuilds = _rebuilds(pool, opts.victim, kill["logged"], logged_at_end)

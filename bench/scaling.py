@@ -29,7 +29,6 @@ fresh broker's cost, not KSB's steady state.
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -45,7 +44,6 @@ from ksb.runtime.catalog_store import apply_catalog
 
 __all__ = [
     "ScalingOptions",
-    "applied_by",
     "cpu_ms_per_message",
     "format_lines",
     "ratios",
@@ -55,8 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("bench.scaling")
-
-_APPLIED = re.compile(r"dispatcher (\S+): (\d+) applied(?: in (\d+) transactions)?")
 
 
 @dataclass(frozen=True)
@@ -93,25 +89,6 @@ def sharded_instance(base: Deployment, suffix: str, shards: int, **update: Any) 
             update={"instance": f"{base.instance}{suffix}", "request_partitions": shards, **update}
         )
     )
-
-
-def applied_by(pool: DispatcherPool) -> dict[str, int]:
-    """The records each stopped member says it applied (its last words)."""
-    return {name: n for name, (n, _txns) in _last_words(pool).items()}
-
-
-def transactions_by(pool: DispatcherPool) -> dict[str, int]:
-    """The transactions each stopped member says it committed (records per transaction is the
-    batching the linger buys, `DispatcherSettings.txn_linger_ms`)."""
-    return {name: t for name, (_n, t) in _last_words(pool).items() if t is not None}
-
-
-def _last_words(pool: DispatcherPool) -> dict[str, tuple[int, int | None]]:
-    found: dict[str, tuple[int, int | None]] = {}
-    for proc in pool.members.values():
-        for m in _APPLIED.finditer(proc.log_text()):
-            found[m[1]] = (int(m[2]), int(m[3]) if m[3] else None)
-    return found
 
 
 def cpu_ms_per_message(spent_s: dict[str, float], messages: int) -> float:
@@ -206,7 +183,7 @@ def _run_one(
         result = _load(settings, opts, opts.messages, tally, probes=opts.probes, on_load=meter.mark)
         rss = {name: peak_rss_kb(pid) for name, pid in pids.items()}
         pool.stop()
-        applied, transactions = applied_by(pool), transactions_by(pool)
+        applied = pool.applied()
     delivered = result.rate.messages
     per_dialog = delivered // opts.dialogs
     shard_dialogs = [shard_of(h, opts.shards) for h in tally.handles]
@@ -214,8 +191,8 @@ def _run_one(
         name: {
             "shards": sorted(shards),
             "messages": per_dialog * sum(1 for s in shard_dialogs if s in shards),
-            "applied": applied.get(name),
-            "transactions": transactions.get(name),
+            "applied": applied[name].records if name in applied else None,
+            "transactions": applied[name].transactions if name in applied else None,
             "cpu_s": meter.spent_s.get(name),
             "peak_rss_kb": rss.get(name),
         }

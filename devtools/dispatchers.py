@@ -16,9 +16,19 @@ from pathlib import Path
 from devtools.runner import ServiceProcess
 from ksb.settings import KsbSettings
 
-__all__ = ["DispatcherPool", "owned_in_log"]
+__all__ = ["Applied", "DispatcherPool", "owned_in_log"]
 
 _OWNING = re.compile(r"owning \[([0-9, ]*)\]")
+_APPLIED = re.compile(r"dispatcher (\S+): (\d+) applied in (\d+) transactions")
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What a stopped member says it did (its last log line)."""
+
+    records: int
+    """Requests and relayed records applied (warm-up and probes included)."""
+    transactions: int
 
 
 def owned_in_log(text: str) -> set[int]:
@@ -101,6 +111,14 @@ class DispatcherPool:
     def resume(self, name: str) -> None:
         self.members[name].resume()
         self.paused.discard(name)
+
+    def applied(self) -> dict[str, Applied]:
+        """What each member that has stopped says it applied, and in how many transactions."""
+        found: dict[str, Applied] = {}
+        for proc in self.members.values():
+            for m in _APPLIED.finditer(proc.log_text()):
+                found[m[1]] = Applied(int(m[2]), int(m[3]))
+        return found
 
     def stop(self) -> None:
         for name in list(self.paused):

@@ -111,11 +111,13 @@ def dispatchers_summary(pool: DispatcherPool) -> str:
 def dispatchers_applied(pool: DispatcherPool) -> str:
     """What each dispatcher applied (requests and relayed records), from the count it logs when
     it stops."""
-    parts = []
-    for name, proc in sorted(pool.members.items()):
-        found = [ln for ln in proc.log_text().splitlines() if f"dispatcher {name}: " in ln]
-        count = found[-1].rsplit(": ", 1)[1].removesuffix(" applied") if found else "?"
-        parts.append(f"{name} {count}")
+    applied = pool.applied()
+    parts = [
+        f"{name} {applied[name].records} in {applied[name].transactions} transactions"
+        if name in applied
+        else f"{name} ?"
+        for name in sorted(pool.members)
+    ]
     return "records applied per dispatcher: " + ", ".join(parts)
 
 

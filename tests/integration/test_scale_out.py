@@ -105,16 +105,6 @@ def assert_exactly_once_in_order(result: KsbResult, failures: list[BaseException
     assert result.refused == 0 and result.lock_lost == 0
 
 
-def applied_by(pool: DispatcherPool) -> dict[str, int]:
-    """Records each member applied, from the count it logs when it stops."""
-    counts: dict[str, int] = {}
-    for name, proc in pool.members.items():
-        for line in proc.log_text().splitlines():
-            if f"dispatcher {name}: " in line and " applied" in line:
-                counts[name] = int(line.rsplit(": ", 1)[1].split()[0])
-    return counts
-
-
 def test_a_killed_dispatchers_shards_move_to_the_others(
     scaled: Deployment, pool: DispatcherPool
 ) -> None:
@@ -167,7 +157,7 @@ def test_a_fourth_dispatcher_joins_mid_stream_and_takes_a_share(
     owned = pool.owned()
     assert len(owned) == 4 and all(owned.values())
     pool.stop()
-    counts = applied_by(pool)
+    counts = {name: a.records for name, a in pool.applied().items()}
     assert set(counts) == {"d1", "d2", "d3", "d4"} and counts["d4"] > 0, counts
 
 

@@ -141,33 +141,22 @@ class GroupLocks:
         self, lease: Lease, after: tuple[int, int] | None, *, committed: bool = False
     ) -> bool:
         """Give the group back; a commit also ends the queue's run of rollbacks."""
-        keys, args = self._release_keys(lease), self._release_args(lease, after, committed)
-        return bool(self._release(keys=keys, args=args))
+        return self.release_all([(lease, after, committed)])[0]
 
     def release_all(
         self, releases: Sequence[tuple[Lease, tuple[int, int] | None, bool]]
     ) -> list[bool]:
         """`release` for many (lease, after, committed), in one pipelined round trip."""
         pipe = self._r.pipeline(transaction=False)
+        rollbacks = self._names.rollbacks_key(self._queue)
         for lease, after, committed in releases:
+            mark = f"{after[0]}:{after[1]}" if after else ""
             self._release(
-                keys=self._release_keys(lease),
-                args=self._release_args(lease, after, committed),
+                keys=[self._names.lock_key(self._queue, lease.group), rollbacks],
+                args=[lease.token, mark, self._keep_after_ms, "1" if committed else "0"],
                 client=pipe,
             )
         return [bool(v) for v in pipe.execute()]
-
-    def _release_keys(self, lease: Lease) -> list[str]:
-        return [
-            self._names.lock_key(self._queue, lease.group),
-            self._names.rollbacks_key(self._queue),
-        ]
-
-    def _release_args(
-        self, lease: Lease, after: tuple[int, int] | None, committed: bool
-    ) -> list[str | int]:
-        mark = f"{after[0]}:{after[1]}" if after else ""
-        return [lease.token, mark, self._keep_after_ms, "1" if committed else "0"]
 
     def holder_of(self, group: str) -> str | None:
         raw = self._r.hget(self._names.lock_key(self._queue, group), "holder")
