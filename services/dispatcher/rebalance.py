@@ -29,7 +29,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from ksb.catalog.model import CatalogView
@@ -37,7 +43,13 @@ from ksb.dialog.engine import Engine
 from ksb.names import Names
 from services.dispatcher.rebuild import ShardRebuild, Spawn, load_shard
 
-__all__ = ["AssignmentFailed", "ShardKeeper", "coordinator_shards", "fencing_offsets"]
+__all__ = [
+    "AssignmentFailed",
+    "ShardKeeper",
+    "coordinator_shards",
+    "fencing_offsets",
+    "rewind_to",
+]
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -321,6 +333,17 @@ def fencing_offsets(
         if offset is not None:
             out.append(TopicPartition(tp.topic, tp.partition, offset))
     return out
+
+
+def rewind_to(committed: list[TopicPartition]) -> list[TopicPartition]:
+    """Where the consumer goes back to after a failed transaction: each partition's committed
+    offset, or its beginning where none is committed yet (what ``auto.offset.reset=earliest``
+    started it from). A partition whose first records were in the failed transaction has no
+    committed offset; left where the consumer stood, those records were skipped for good."""
+    return [
+        TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else OFFSET_BEGINNING)
+        for tp in committed
+    ]
 
 
 def coordinator_shards(make_admin: Callable[[], AdminClient], group: str, relay: str) -> HeldShards:

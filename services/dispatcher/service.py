@@ -71,7 +71,12 @@ from ksb.wire.relay import RelayRequest
 from services.dispatcher.journal import STALE_EPOCH, TXN_PRODUCER, JournaledProducer, write_again
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
-from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, coordinator_shards
+from services.dispatcher.rebalance import (
+    AssignmentFailed,
+    ShardKeeper,
+    coordinator_shards,
+    rewind_to,
+)
 from services.dispatcher.rebuild import LOADER_CONF
 from services.dispatcher.routing import Router
 from services.dispatcher.watchdog import Watchdog
@@ -555,9 +560,8 @@ class Dispatcher(Service):
             self.engine.drop_shard(shard)
         relay = [tp for tp in assignment if tp.topic == self.names.relay]
         self.shards.load(self._consumer, relay)
-        for tp in self._consumer.committed(assignment, timeout=60):
-            if tp.offset >= 0:
-                self._consumer.seek(tp)
+        for tp in rewind_to(self._consumer.committed(assignment, timeout=60)):
+            self._consumer.seek(tp)
         self._pieces = Reassembler()
         assert self.engine is not None
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
