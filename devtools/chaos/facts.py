@@ -64,7 +64,15 @@ def read_side(settings: Deployment, queue: str, *, dead_letters: bool) -> Side:
     def on_endpoint(m: Message) -> None:
         key = (m.key() or b"").decode()
         raw = m.value()
-        side.endpoints[key] = None if raw is None else decode_endpoint(raw).state.value
+        if raw is None:
+            side.endpoints[key] = None
+            return
+        ep = decode_endpoint(raw)
+        side.endpoints[key] = ep.state.value
+        side.notes[key] = (
+            f"timer due {ep.timer_deadline_ms}, updated {ep.updated_ms}, "
+            f"enqueued {ep.enqueued}, outstanding {ep.outstanding}, group {ep.group}"
+        )
 
     _fold(settings, names.queue(queue), on_queue)
     side.outcomes = [by_partition[p] for p in sorted(by_partition)]

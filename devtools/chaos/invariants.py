@@ -53,6 +53,9 @@ class Side:
     dead_lettered: list[QueueMessage] = field(default_factory=list)
     endpoints: dict[str, str | None] = field(default_factory=dict)
     """Handle -> state of its newest record (None: tombstoned)."""
+    notes: dict[str, str] = field(default_factory=dict)
+    """Handle -> what else its newest record says that explains an endpoint left open (its
+    conversation timer, its counters), for the report."""
     applied_batches: list[list[str]] = field(default_factory=list)
     """Message ids of each batch a reader of this side logged as applied (``C``)."""
 
@@ -214,8 +217,8 @@ def check_round(workload: Workload, handles: list[str], a: Side, b: Side, pendin
                 f"{name}: commit {o.request_id} of group {o.group} applied "
                 f"with token {o.token} after a newer one",
             )
-    _check_endpoints(verdict, "A", a.endpoints, handles)
-    _check_endpoints(verdict, "B", b.endpoints, list(b_dialog) + _b_only(b, b_dialog))
+    _check_endpoints(verdict, "A", a, handles)
+    _check_endpoints(verdict, "B", b, list(b_dialog) + _b_only(b, b_dialog))
     verdict.add(
         "open",
         max(0, len(handles) - len(b.endpoints)),
@@ -229,10 +232,9 @@ def _b_only(b: Side, known: dict[str, int]) -> list[str]:
     return [h for h in b.endpoints if h not in known]
 
 
-def _check_endpoints(
-    verdict: Verdict, name: str, states: dict[str, str | None], handles: Iterable[str]
-) -> None:
+def _check_endpoints(verdict: Verdict, name: str, side: Side, handles: Iterable[str]) -> None:
     for h in handles:
-        state = states.get(h, "MISSING")
+        state = side.endpoints.get(h, "MISSING")
         if state is not None and state != "CLOSED":
-            verdict.add("open", 1, f"{name}: endpoint {h} is {state}")
+            note = side.notes.get(h)
+            verdict.add("open", 1, f"{name}: endpoint {h} is {state}{f' ({note})' if note else ''}")

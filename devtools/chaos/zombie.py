@@ -62,9 +62,15 @@ def zombie_commit(settings: Deployment, queue: str, partitions: int, timeout_s: 
             receipt=Receipt(queue=queue, group=group, message_ids=ids, token=token),
         )
         producer = kafka.producer(settings)
-        producer.produce(names.requests, key=group.encode(), value=dumps(req))
-        if producer.flush(30) != 0:
-            return "skipped: commit not stored"
+        failed: list[str] = []
+        producer.produce(
+            names.requests_for(settings.sender),
+            key=group.encode(),
+            value=dumps(req),
+            on_delivery=lambda err, _msg: failed.append(str(err)) if err is not None else None,
+        )
+        if producer.flush(30) != 0 or failed:
+            return f"skipped: commit not stored ({', '.join(failed) or 'flush timed out'})"
         found: list[CommitOutcome] = []
 
         def mine(o: CommitOutcome) -> bool:

@@ -126,7 +126,9 @@ def test_each_broken_invariant_is_counted() -> None:
     b.messages.append(_msg("t:9", "t", 9, REQUEST, json.dumps({"d": 0, "s": 0})))
     b.committed.append("t:9")  # the same request enqueued again and received again
     a.endpoints["i"] = "DISCONNECTED_INBOUND"
+    a.notes["i"] = "timer due 1234"
     verdict = check_round(w, handles, a, b, pending=3)
+    assert "open: A: endpoint i is DISCONNECTED_INBOUND (timer due 1234)" in verdict.problems
     assert verdict.counts["order"] >= 1 and verdict.counts["lost"] >= 1
     assert verdict.counts["dup"] >= 2 and verdict.counts["open"] == 1
     assert verdict.counts["pending"] == 3 and not verdict.ok
