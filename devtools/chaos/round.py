@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -227,6 +228,22 @@ def _group_views(topology: Topology) -> list[str]:
     return views
 
 
+_STORY = re.compile(r"^\d{4}-.*(WARNING|ERROR|shards \[|given; taking|rejoin|ready \()")
+"""The lines of a dispatcher's own log (not librdkafka's) that tell what became of its shards."""
+
+
+def _dispatcher_stories(topology: Topology, lines: int = 12) -> list[str]:
+    """The last of each dispatcher's shard lines (`_STORY`), for a round that did not drain: what
+    CI keeps of a failed round is its report, not the round's logs."""
+    out = []
+    for name, m in topology.processes():
+        if not re.fullmatch(r"[ab]\.d\d+", name):
+            continue
+        story = [line for line in m.tail(1_000_000).splitlines() if _STORY.search(line)]
+        out += [f"{name}: {line[:240]}" for line in story[-lines:]]
+    return out
+
+
 def run_round(
     stack: ChaosStack, opts: RoundOptions, round_no: int, seed: int, workdir: Path, run_id: str
 ) -> RoundResult:
@@ -286,6 +303,7 @@ def run_round(
         if note:
             errors.append(note)
             errors += _group_views(topology)
+            errors += _dispatcher_stories(topology)
     finally:
         watch.stop()
         topology.stop()
