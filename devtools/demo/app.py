@@ -39,6 +39,7 @@ from devtools.demo.processes import (
     wait_until_interrupted,
 )
 from devtools.deployment import Deployment, secure_instance, stack_fields
+from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStackError, start_stack
 from ksb.catalog.model import Catalog, load_catalog_file
 from ksb.errors import KsbError
@@ -119,7 +120,7 @@ def demo(opts: DemoOptions) -> int:
             dead = [s.name for s in services if not s.alive()]
             if dead:
                 say(f"service(s) exited during the demo: {', '.join(dead)}")
-            ok = outcome.ok and cross.ok and pool.settled() and not dead
+            ok = outcome.ok and cross.ok and _settles(pool) and not dead
             say("demo OK" if ok else "demo FAILED")
             if opts.keep_running:
                 print_env(stack, settings)
@@ -132,6 +133,17 @@ def demo(opts: DemoOptions) -> int:
         say("stopping the stack")
         stack.stop()
         (opts.workdir / "demo.pid").unlink(missing_ok=True)
+
+
+def _settles(pool: DispatcherPool, timeout_s: float = 30) -> bool:
+    """Whether every shard has one owner, or gets one within `timeout_s`: a look at one instant
+    would fail a demo whose dispatchers happen to be in the middle of a rebalance."""
+    try:
+        pool.wait_settled(timeout_s)
+    except TimeoutError as exc:
+        say(str(exc))
+        return False
+    return True
 
 
 def _queue_of(catalog: Catalog, service: str) -> str:
