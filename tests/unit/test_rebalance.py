@@ -9,14 +9,25 @@ from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
-from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    OFFSET_INVALID,
+    KafkaError,
+    KafkaException,
+    TopicPartition,
+)
 
 from ksb.catalog.model import CatalogView, parse_catalog
 from ksb.dialog.engine import Engine
 from ksb.dialog.shards import Ownership
 from ksb.names import Names
 from services.dispatcher import rebalance
-from services.dispatcher.rebalance import AssignmentFailed, ShardKeeper, fencing_offsets
+from services.dispatcher.rebalance import (
+    AssignmentFailed,
+    ShardKeeper,
+    fencing_offsets,
+    rewind_to,
+)
 
 
 def _pairs(tps: list[TopicPartition]) -> list[tuple[str, int, int]]:
@@ -43,6 +54,16 @@ def test_a_timer_only_transaction_still_commits_offsets_the_generation_is_checke
 
 def test_a_partition_never_committed_nor_read_is_left_out() -> None:
     assert fencing_offsets([TopicPartition("relay", 2, OFFSET_INVALID)], {}) == []
+
+
+def test_after_a_failed_transaction_a_partition_without_a_committed_offset_starts_over() -> None:
+    """Its first records may have been in the failed batch: where the consumer stood is past
+    them."""
+    committed = [TopicPartition("requests", 0, 17), TopicPartition("requests", 1, OFFSET_INVALID)]
+    assert _pairs(rewind_to(committed)) == [
+        ("requests", 0, 17),
+        ("requests", 1, OFFSET_BEGINNING),
+    ]
 
 
 class _Consumer:
