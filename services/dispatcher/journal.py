@@ -24,12 +24,18 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-__all__ = ["STALE_EPOCH", "TXN_PRODUCER", "JournaledProducer", "write_again"]
+__all__ = ["NOT_A_MEMBER", "STALE_EPOCH", "TXN_PRODUCER", "JournaledProducer", "write_again"]
 
 log = logging.getLogger("ksb.dispatcher")
 
 STALE_EPOCH = frozenset({KafkaError.ILLEGAL_GENERATION, KafkaError.STALE_MEMBER_EPOCH})
-"""The refusals that only say the group metadata is older than the member's epoch."""
+"""The refusals that only say the group metadata is older than the member's epoch: the
+transaction is written again (`write_again`), not its shards rebuilt. Rejoining on them, as the
+dispatcher once did, gave every member a new id with no shards whenever one joined or left, and
+every shard of the instance moved and stood still while it was rebuilt (the scale-out test)."""
+
+NOT_A_MEMBER = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_MEMBER_EPOCH})
+"""The refusals that say the group has moved on without this member: it rejoins."""
 
 
 TXN_PRODUCER: dict[str, Any] = {"linger.ms": 1, "retry.backoff.ms": 5, "retry.backoff.max.ms": 100}

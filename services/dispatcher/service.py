@@ -68,7 +68,13 @@ from ksb.wire.protocol import (
     dumps,
 )
 from ksb.wire.relay import RelayRequest
-from services.dispatcher.journal import STALE_EPOCH, TXN_PRODUCER, JournaledProducer, write_again
+from services.dispatcher.journal import (
+    NOT_A_MEMBER,
+    STALE_EPOCH,
+    TXN_PRODUCER,
+    JournaledProducer,
+    write_again,
+)
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import (
@@ -500,7 +506,7 @@ class Dispatcher(Service):
             self._discard_clients()
             self.try_start(self.ticker.tick)
             return
-        if err.code() in _NOT_A_MEMBER:
+        if err.code() in NOT_A_MEMBER:
             self._rejoin()
         else:
             self._reset()
@@ -521,15 +527,21 @@ class Dispatcher(Service):
         """Abort whatever transaction is open, whatever the error was: a retriable one (an
         offsets commit that timed out while Kafka was down) leaves it open, and every later
         begin would fail in state InTransaction (found by the chaos harness). Nothing open is
-        fine; an abort Kafka does not answer yet is tried again by the next failure. False when
-        the producer is fenced or broken for good (start over)."""
+        fine. False when the producer is fenced or broken for good, or its abort does not end in
+        time: start over with a new producer, whose init_transactions fences this one and has the
+        coordinator abort what it left open. An abort left running ("retry call to resume") was
+        seen never to end after a broker stall: each retry blocked the loop past its poll
+        interval, the member lost its shard, got it back and blocked again, and the shard stood
+        still for the rest of the run (chaos harness, seed 1454)."""
         assert self._producer is not None
         try:
-            self._producer.abort_transaction(30)
+            self._producer.abort_transaction(_ABORT_TIMEOUT_S)
         except KafkaException as exc:
-            if exc.args[0].fatal():
+            err = exc.args[0]
+            if err.fatal() or err.code() == KafkaError._TIMED_OUT:
+                log.warning("abort not done (%s); starting over with a new producer", err)
                 return False
-            log.info("abort after a failed transaction: %s", exc.args[0])
+            log.info("abort after a failed transaction: %s", err)
         return True
 
     def _rejoin(self) -> None:
@@ -569,18 +581,9 @@ class Dispatcher(Service):
 
 _TXN_CALL_TIMEOUT_S = 30.0
 """How long one transaction call may block the loop; a failure is recovered (`_recover`)."""
-
-_NOT_A_MEMBER = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_MEMBER_EPOCH})
-"""Errors that say the consumer group has moved on without this member.
-
-Not among them: ILLEGAL_GENERATION and STALE_MEMBER_EPOCH, which is what an offsets commit gets
-when the member's epoch moved on while its transaction was open. Every assignment change bumps
-the epoch of every member it touches, so one dispatcher joining or leaving made the others'
-transactions fail so; rejoining then gave each of them a new member id with no shards, the
-assignor started from nothing, and every shard of the instance moved and stood still while it
-was rebuilt (found by the scale-out test with KSB's sticky assignor). Now such a dispatcher
-rebuilds the shards it holds (`_reset`); if the coordinator no longer counts them as its own (a
-member paused past its session), the rebuild's check fails and it rejoins after all."""
+_ABORT_TIMEOUT_S = 10.0
+"""How long an abort may take before the producer is replaced: well inside the poll interval
+(`KSB_REBALANCE_TIMEOUT_MS`), so a member whose abort hangs does not lose its shards for it."""
 
 
 def _handed_over(relay: RelayRequest) -> Outputs:

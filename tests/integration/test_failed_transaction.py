@@ -47,3 +47,35 @@ def test_a_failed_first_transaction_is_redone_from_the_partitions_beginning(
     got = receive_all(client, "TargetQueue", 1)
     assert failed, "no transaction with requests in it was failed"
     assert [m.message_body for m in got] == [b'{"first": true}']
+
+
+def test_an_abort_that_does_not_end_in_time_starts_the_dispatcher_over(
+    client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """The abort after a failed commit times out (as one left running after a broker stall never
+    ended): the dispatcher gives up on that producer and starts over with a new one, whose
+    init_transactions has the coordinator abort what the old one left open; the requests are
+    applied once, by the new one."""
+    dispatcher.wait_owning_every_shard()
+    d = dispatcher.dispatcher
+    stuck = d._producer
+    assert stuck is not None
+    hung: list[str] = []
+
+    def fail_with_requests(*_args: Any) -> None:
+        if d._batch > 0:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected commit time-out"))
+
+    def hang(*_args: Any) -> None:
+        hung.append("abort")
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected: retry call to resume"))
+
+    stuck.commit_transaction = fail_with_requests  # type: ignore[method-assign, assignment]
+    stuck.abort_transaction = hang  # type: ignore[method-assign, assignment]
+    handle = client.begin_dialog(I, T, C)
+    client.send(handle, "//t/Request", '{"once": true}')
+    client.flush()
+    got = receive_all(client, "TargetQueue", 2, timeout_s=30)
+    assert hung, "the dispatcher never tried to abort"
+    assert [m.message_body for m in got] == [b'{"once": true}']
+    assert d._producer is not stuck
