@@ -24,7 +24,15 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
 
-__all__ = ["NOT_A_MEMBER", "STALE_EPOCH", "TXN_PRODUCER", "JournaledProducer", "write_again"]
+__all__ = [
+    "ABORT_TIMEOUT_S",
+    "NOT_A_MEMBER",
+    "STALE_EPOCH",
+    "TXN_CALL_TIMEOUT_S",
+    "TXN_PRODUCER",
+    "JournaledProducer",
+    "write_again",
+]
 
 log = logging.getLogger("ksb.dispatcher")
 
@@ -37,6 +45,12 @@ every shard of the instance moved and stood still while it was rebuilt (the scal
 NOT_A_MEMBER = frozenset({KafkaError.UNKNOWN_MEMBER_ID, KafkaError.FENCED_MEMBER_EPOCH})
 """The refusals that say the group has moved on without this member: it rejoins."""
 
+
+TXN_CALL_TIMEOUT_S = 30.0
+"""How long one transaction call may block the dispatcher's loop; a failure is recovered."""
+ABORT_TIMEOUT_S = 10.0
+"""How long an abort may take before the producer is replaced: well inside the poll interval
+(`KSB_REBALANCE_TIMEOUT_MS`), so a member whose abort hangs does not lose its shards for it."""
 
 TXN_PRODUCER: dict[str, Any] = {"linger.ms": 1, "retry.backoff.ms": 5, "retry.backoff.max.ms": 100}
 """The transactional producer's own settings. A transaction begun while the coordinator is

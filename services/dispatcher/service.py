@@ -69,8 +69,10 @@ from ksb.wire.protocol import (
 )
 from ksb.wire.relay import RelayRequest
 from services.dispatcher.journal import (
+    ABORT_TIMEOUT_S,
     NOT_A_MEMBER,
     STALE_EPOCH,
+    TXN_CALL_TIMEOUT_S,
     TXN_PRODUCER,
     JournaledProducer,
     write_again,
@@ -420,10 +422,10 @@ class Dispatcher(Service):
             # answers CONCURRENT_TRANSACTIONS after a broker restart (found by the chaos harness).
             with self.watchdog.guard("send_offsets_to_transaction"):
                 p.send_offsets_to_transaction(
-                    offsets, self._consumer.consumer_group_metadata(), _TXN_CALL_TIMEOUT_S
+                    offsets, self._consumer.consumer_group_metadata(), TXN_CALL_TIMEOUT_S
                 )
         with self.watchdog.guard("commit_transaction"):
-            p.commit_transaction(_TXN_CALL_TIMEOUT_S)
+            p.commit_transaction(TXN_CALL_TIMEOUT_S)
         self.applied += len(records)
         self.transactions += 1
         TXN_SECONDS.observe(time.perf_counter() - started)
@@ -517,7 +519,7 @@ class Dispatcher(Service):
         assert self._producer is not None and self._consumer is not None
         with self.watchdog.guard("write_again"):
             written = write_again(
-                self._producer, self._consumer.consumer_group_metadata, _TXN_CALL_TIMEOUT_S
+                self._producer, self._consumer.consumer_group_metadata, TXN_CALL_TIMEOUT_S
             )
         if written:
             self.applied += self._batch
@@ -535,7 +537,7 @@ class Dispatcher(Service):
         still for the rest of the run (chaos harness, seed 1454)."""
         assert self._producer is not None
         try:
-            self._producer.abort_transaction(_ABORT_TIMEOUT_S)
+            self._producer.abort_transaction(ABORT_TIMEOUT_S)
         except KafkaException as exc:
             err = exc.args[0]
             if err.fatal() or err.code() == KafkaError._TIMED_OUT:
@@ -577,13 +579,6 @@ class Dispatcher(Service):
         self._pieces = Reassembler()
         assert self.engine is not None
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
-
-
-_TXN_CALL_TIMEOUT_S = 30.0
-"""How long one transaction call may block the loop; a failure is recovered (`_recover`)."""
-_ABORT_TIMEOUT_S = 10.0
-"""How long an abort may take before the producer is replaced: well inside the poll interval
-(`KSB_REBALANCE_TIMEOUT_MS`), so a member whose abort hangs does not lose its shards for it."""
 
 
 def _handed_over(relay: RelayRequest) -> Outputs:
