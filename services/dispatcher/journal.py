@@ -50,7 +50,11 @@ TXN_CALL_TIMEOUT_S = 30.0
 """How long one transaction call may block the dispatcher's loop; a failure is recovered."""
 ABORT_TIMEOUT_S = 10.0
 """How long an abort may take before the producer is replaced: well inside the poll interval
-(`KSB_REBALANCE_TIMEOUT_MS`), so a member whose abort hangs does not lose its shards for it."""
+(`KSB_REBALANCE_TIMEOUT_MS`), so a member whose abort hangs does not lose its shards for it. An
+abort left running ("retry call to resume") was seen never to end after a broker stall: each
+retry blocked the loop past its poll interval, the member lost its shard, got it back and
+blocked again, and the shard stood still for the rest of the run (chaos harness, seed 1454).
+A refused transaction written again (`write_again`) is aborted under this limit too."""
 
 TXN_PRODUCER: dict[str, Any] = {"linger.ms": 1, "retry.backoff.ms": 5, "retry.backoff.max.ms": 100}
 """The transactional producer's own settings. A transaction begun while the coordinator is
@@ -87,14 +91,14 @@ class JournaledProducer(Producer):
 def write_again(
     producer: JournaledProducer, group_metadata: Callable[[], Any], timeout_s: float
 ) -> bool:
-    """Abort the refused transaction and commit its records and offsets in a new one with the
-    consumer's current group metadata; False when that fails too, or when the refused
-    transaction sent no offsets (nothing a stale epoch could have refused)."""
+    """Commit the records and offsets of a transaction refused for its group epoch, and aborted
+    since, in a new one with the consumer's current group metadata; False when that fails too,
+    or when the refused transaction sent no offsets (nothing a stale epoch could have refused).
+    The abort is the caller's, with the abort's own time limit (`ABORT_TIMEOUT_S`)."""
     records, offsets = producer.journal, producer.offsets
     if offsets is None:
         return False
     try:
-        producer.abort_transaction(timeout_s)
         producer.begin_transaction()
         for args, kwargs in records:
             producer.produce(*args, **kwargs)

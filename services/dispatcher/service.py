@@ -502,12 +502,15 @@ class Dispatcher(Service):
         log.warning("transaction failed (%s); its work is dropped and redone from Kafka", err)
         assert self._producer is not None and self._writer is not None
         self._writer.discard()
-        if err.code() in STALE_EPOCH and self._write_again():
-            return
         if err.fatal() or not self._abort():
-            self._discard_clients()
-            self.try_start(self.ticker.tick)
+            self._start_over()
             return
+        if err.code() in STALE_EPOCH:
+            if self._write_again():
+                return
+            if not self._abort():  # what the write-again began
+                self._start_over()
+                return
         if err.code() in NOT_A_MEMBER:
             self._rejoin()
         else:
@@ -530,11 +533,8 @@ class Dispatcher(Service):
         offsets commit that timed out while Kafka was down) leaves it open, and every later
         begin would fail in state InTransaction (found by the chaos harness). Nothing open is
         fine. False when the producer is fenced or broken for good, or its abort does not end in
-        time: start over with a new producer, whose init_transactions fences this one and has the
-        coordinator abort what it left open. An abort left running ("retry call to resume") was
-        seen never to end after a broker stall: each retry blocked the loop past its poll
-        interval, the member lost its shard, got it back and blocked again, and the shard stood
-        still for the rest of the run (chaos harness, seed 1454)."""
+        `ABORT_TIMEOUT_S` (why: its docstring): start over with a new producer, whose
+        init_transactions fences this one and has the coordinator abort what it left open."""
         assert self._producer is not None
         try:
             self._producer.abort_transaction(ABORT_TIMEOUT_S)
@@ -545,6 +545,11 @@ class Dispatcher(Service):
                 return False
             log.info("abort after a failed transaction: %s", err)
         return True
+
+    def _start_over(self) -> None:
+        """A new producer and consumer, and every owned shard rebuilt (`try_start`)."""
+        self._discard_clients()
+        self.try_start(self.ticker.tick)
 
     def _rejoin(self) -> None:
         """The group no longer counts this dispatcher in (it was paused past its session): its

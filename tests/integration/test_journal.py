@@ -89,6 +89,7 @@ def _stale_epoch_then_again(
         producer.send_offsets_to_transaction(offsets, stale, 10)
     assert refused.value.args[0].code() in STALE_EPOCH
 
+    producer.abort_transaction(10)
     assert write_again(producer, a.consumer_group_metadata, 10)
 
     assert _read_all(admin, sink, 3) == [b"v0", b"v1", b"v2"]
