@@ -293,7 +293,7 @@ class Engine:
             if before is None or ep.handle in stage.persist or durable_change(before, ep):
                 changed.append(ep)
         for mid in stage.gone_inflight:
-            if self.inflight.remove(mid) is None:
+            if not self.inflight.remove(mid):
                 self.inflight.retained.pop(mid, None)
         for mid, info in stage.new_inflight.items():
             self.inflight.add(mid, info)

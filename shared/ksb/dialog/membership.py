@@ -95,6 +95,10 @@ class Waiting:
         self._ns.insert(i, n)
         self._meta.insert(i, meta)
 
+    def newest(self, n: int) -> bool:
+        """Whether `n` is above every number waiting (a new message, nothing to replace)."""
+        return len(self._ns) == self._start or n > self._ns[-1]
+
     def get(self, n: int) -> int | None:
         i = self._index(n)
         return None if i is None else self._meta[i]
@@ -165,8 +169,8 @@ class Membership(Mapping[str, Inflight]):
         self._changed.clear()
         return changed
 
-    def _count_one(self, info: Inflight, step: int) -> None:
-        key = (info.queue, self._shard(info.group))
+    def _count_one(self, queue: str, group: str, step: int) -> None:
+        key = (queue, self._shard(group))
         self.shard_depth[key] = self.shard_depth.get(key, 0) + step
         self._changed.add(key)
 
@@ -206,31 +210,37 @@ class Membership(Mapping[str, Inflight]):
     # ----------------------------------------------------------------- changes
     def add(self, mid: str, info: Inflight) -> None:
         """A message now waiting in `info.queue` (a newer record with the same id replaces it)."""
-        self.remove(mid)
         parts = _split(mid)
         compact = info.retained is None and info.handle in self._endpoints
         if compact and parts is not None and parts[0] == info.handle:
-            self._waiting.setdefault(info.handle, Waiting()).add(parts[1], _pack(info))
+            waiting = self._waiting.get(info.handle)
+            if waiting is None or not waiting.newest(parts[1]) or mid in self._orphans:
+                self.remove(mid)  # a record read back again, or one kept whole before
+                waiting = self._waiting.get(info.handle)
+            if waiting is None:
+                waiting = self._waiting[info.handle] = Waiting()
+            waiting.add(parts[1], _pack(info))
         else:
+            self.remove(mid)
             self._orphans[mid] = info
-        self._count_one(info, 1)
+        self._count_one(info.queue, info.group, 1)
 
-    def remove(self, mid: str) -> Inflight | None:
-        """The message left its queue (received, dead-lettered, dropped); what it was, if waiting."""
+    def remove(self, mid: str) -> bool:
+        """The message left its queue (received, dead-lettered, dropped): whether it was waiting.
+        (Every receipt's messages leave through here: what they were is not built again.)"""
         info = self._orphans.pop(mid, None)
-        if info is None:
-            parts = _split(mid)
-            waiting = None if parts is None else self._waiting.get(parts[0])
-            if parts is None or waiting is None:
-                return None
-            meta = waiting.remove(parts[1])
-            if meta is None:
-                return None
-            info = self._info(mid, parts[0], meta)
-            if not waiting:
-                del self._waiting[parts[0]]
-        self._count_one(info, -1)
-        return info
+        if info is not None:
+            self._count_one(info.queue, info.group, -1)
+            return True
+        parts = _split(mid)
+        waiting = None if parts is None else self._waiting.get(parts[0])
+        if parts is None or waiting is None or waiting.remove(parts[1]) is None:
+            return False
+        if not waiting:
+            del self._waiting[parts[0]]
+        ep = self._endpoints[parts[0]]
+        self._count_one(ep.queue, ep.group, -1)
+        return True
 
     def retain(self, mid: str, info: Inflight) -> None:
         """A RETENTION queue's message was received: it stays, as received, until its dialog ends."""
@@ -275,7 +285,7 @@ class Membership(Mapping[str, Inflight]):
     def load(self, key: str, value: QueueMessage | None, partition: int, retains: bool) -> None:
         """Fold one queue record read back from Kafka (records come in offset order)."""
         if value is None:
-            if self.remove(key) is None:
+            if not self.remove(key):
                 self.retained.pop(key, None)
             return
         info = _from_record(key, value, partition, retains)
