@@ -95,6 +95,15 @@ class AuditEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 _ENCODER = msgspec.json.Encoder()
 _DECODER = msgspec.json.Decoder(AuditEvent)
+_EVENT_START = b'{"kind":'
+
+
+def _events_json(events: list[AuditEvent]) -> bytes:
+    """A JSON array of `events`, each as `AuditEvent.to_json` writes it, in one encoder call (the
+    dispatcher writes two events per message). Every object in it is an event, which begins with
+    its ``kind``; a string value cannot hold the bytes ``{"kind":`` unescaped, so putting the
+    version back in front of each is a plain replace."""
+    return _ENCODER.encode(events).replace(_EVENT_START, b'{"v":1,"kind":')
 
 
 BATCH_EVENTS = 500
@@ -162,9 +171,8 @@ class KafkaAudit(AuditHook):
             by_queue.setdefault(event.queue, []).append(event)
         for queue, mine in by_queue.items():
             for start in range(0, len(mine), BATCH_EVENTS):
-                chunk = mine[start : start + BATCH_EVENTS]
-                value = b'{"kind":"batch","v":1,"events":[%s]}' % b",".join(
-                    e.to_json() for e in chunk
+                value = b'{"kind":"batch","v":1,"events":%s}' % _events_json(
+                    mine[start : start + BATCH_EVENTS]
                 )
                 self._producer.produce(
                     self._topic, key=queue.encode(), value=value, on_delivery=_report

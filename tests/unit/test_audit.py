@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from ksb.audit import (
     BATCH_EVENTS,
     Audit,
@@ -237,6 +239,16 @@ def test_a_batch_is_one_record_per_queue_in_order_and_reads_back() -> None:
         assert mine == sorted(mine)
     single = events[0].to_json()
     assert parse_audit_record(single) == [events[0]]
+    first = json.loads(rec.records[0][2])["events"]
+    assert [next(iter(e.items())) for e in first[:2]] == [("v", 1), ("v", 1)]
+    assert rec.records[0][2].count(b'{"v":1,"kind":"enqueue"') == BATCH_EVENTS
+
+
+def test_an_event_whose_text_looks_like_an_event_survives_the_batch() -> None:
+    tricky = AuditEvent(kind="error", event_ms=1, instance="i", reason='{"kind":"x"} {"kind":')
+    rec = _Recorder()
+    KafkaAudit(rec, Names("i")).emit_batch([tricky])  # type: ignore[arg-type]
+    assert parse_audit_record(rec.records[0][2]) == [tricky]
 
 
 def test_a_clients_events_wait_for_the_drain_then_go_as_one_record_per_queue() -> None:
