@@ -178,7 +178,9 @@ def _run_one(
         start_s = time.monotonic() - started
         owned = pool.owned()
         pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
-        meter = CpuMeter({**pids, **stack_pids, "client": None}, jvm="kafka")
+        meter = CpuMeter(
+            {**pids, **stack_pids, "client": None}, jvm="kafka", librdkafka=tuple(pids)
+        )
         log.info("scaling: %d dispatcher(s) own %s", count, owned)
         result = _load(settings, opts, opts.messages, tally, probes=opts.probes, on_load=meter.mark)
         rss = {name: peak_rss_kb(pid) for name, pid in pids.items()}
@@ -207,6 +209,7 @@ def _run_one(
         "cpu_s": meter.spent_s,
         "cpu_ms_per_message": {
             "dispatchers": cpu_ms_per_message(dispatcher_cpu, delivered),
+            "dispatchers_librdkafka": meter.librdkafka_ms_per_message(delivered),
             **{
                 n: meter.spent_s[n] * 1000 / delivered
                 for n in (*stack_pids, "client")
@@ -326,6 +329,13 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
                 )
                 for r in runs
             ),
+        ]
+    )
+    rows.append(
+        [
+            "  of which librdkafka threads",
+            "-",
+            *(fmt_ms(r["cpu_ms_per_message"].get("dispatchers_librdkafka"), 3) for r in runs),
         ]
     )
     rows.append(

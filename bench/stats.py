@@ -129,10 +129,13 @@ _JIT_THREADS = ("C1 CompilerThre", "C2 CompilerThre")
 """HotSpot's JIT compiler threads, as /proc names them (comm is cut at 15 characters)."""
 
 
-def jit_seconds(pid: int) -> float | None:
-    """User + system CPU time so far of the JVM ``pid``'s JIT compiler threads: a broker that
-    has run for a minute still compiles the code KSB's requests take, work a long-running
-    broker did long ago. None once it is gone."""
+_LIBRDKAFKA_THREADS = ("rdk:",)
+"""librdkafka's own threads (``rdk:main``, ``rdk:broker…``, ``rdk:bg``), as /proc names them."""
+
+
+def thread_seconds(pid: int, prefixes: tuple[str, ...]) -> float | None:
+    """User + system CPU time so far of the threads of ``pid`` whose names start with one of
+    ``prefixes``; None once the process is gone."""
     total = 0
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
@@ -143,9 +146,22 @@ def jit_seconds(pid: int) -> float | None:
             stat = (task / "stat").read_text()
         except OSError:
             continue  # a thread that ended meanwhile
-        if stat[stat.index("(") + 1 : stat.rindex(")")].startswith(_JIT_THREADS):
+        if stat[stat.index("(") + 1 : stat.rindex(")")].startswith(prefixes):
             total += _cpu_ticks(stat)
     return total / _CLOCK_TICKS
+
+
+def jit_seconds(pid: int) -> float | None:
+    """User + system CPU time so far of the JVM ``pid``'s JIT compiler threads: a broker that
+    has run for a minute still compiles the code KSB's requests take, work a long-running
+    broker did long ago. None once it is gone."""
+    return thread_seconds(pid, _JIT_THREADS)
+
+
+def librdkafka_seconds(pid: int) -> float | None:
+    """User + system CPU time so far of the librdkafka threads of the process ``pid`` (its
+    Kafka clients' network, fetch, batching and compression work, beside its Python)."""
+    return thread_seconds(pid, _LIBRDKAFKA_THREADS)
 
 
 def jit_settle(pid: int, *, quiet_s: float = 1.0, timeout_s: float = 30.0) -> float:
@@ -204,15 +220,21 @@ class CpuMeter:
     """Per name, once the phase has ended (a process that died meanwhile is left out)."""
     jit_s: float | None = None
     """Of `jvm`'s share, its JIT compiler threads' (already counted in `spent_s`)."""
+    librdkafka: tuple[str, ...] = ()
+    """Names among `pids` whose librdkafka threads are measured too (`librdkafka_s`)."""
+    librdkafka_s: float | None = None
+    """Of the share of the `librdkafka` processes, their librdkafka threads' (all processes)."""
     _start: dict[str, float | None] = field(default_factory=dict)
     _jit_start: float | None = None
+    _rdk_start: float | None = None
 
     def mark(self, starting: bool) -> None:
         now = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
         jvm_pid = self.pids.get(self.jvm) if self.jvm is not None else None
         jit = None if jvm_pid is None else jit_seconds(jvm_pid)
+        rdk = self._librdkafka_now()
         if starting:
-            self._start, self._jit_start = now, jit
+            self._start, self._jit_start, self._rdk_start = now, jit, rdk
             return
         self.spent_s = {
             name: end - begin
@@ -221,6 +243,25 @@ class CpuMeter:
         }
         if jit is not None and self._jit_start is not None:
             self.jit_s = jit - self._jit_start
+        if rdk is not None and self._rdk_start is not None:
+            self.librdkafka_s = rdk - self._rdk_start
+
+    def _librdkafka_now(self) -> float | None:
+        """The `librdkafka` processes' librdkafka threads' CPU so far; None if one is gone."""
+        total = 0.0
+        for name in self.librdkafka:
+            pid = self.pids.get(name)
+            spent = None if pid is None else librdkafka_seconds(pid)
+            if spent is None:
+                return None
+            total += spent
+        return total if self.librdkafka else None
+
+    def librdkafka_ms_per_message(self, messages: int) -> float | None:
+        """The `librdkafka` processes' librdkafka threads' CPU per message, when measured."""
+        if self.librdkafka_s is None or not messages:
+            return None
+        return self.librdkafka_s * 1000 / messages
 
     def jit_ms_per_message(self, messages: int) -> dict[str, float]:
         """``{"<jvm>_jit": ms}``, the JIT compiler's share per message, when it was measured."""
