@@ -16,6 +16,7 @@ from typing import Literal
 
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Message
 
+from ksb.dialog.outputs import Outputs
 from ksb.dialog.shards import shard_of
 from ksb.names import Names
 from ksb.wire.protocol import (
@@ -27,7 +28,7 @@ from ksb.wire.protocol import (
 )
 from ksb.wire.relay import RelayAction, RelayRecord, RelayRequest, parse_relay
 
-__all__ = ["Incoming", "Router"]
+__all__ = ["Incoming", "Router", "handed_over"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +112,10 @@ def _sent_ms(m: Message) -> int | None:
     """The record's timestamp (the producer's create time): when the client sent it."""
     kind, ts = m.timestamp()
     return ts if kind != TIMESTAMP_NOT_AVAILABLE and ts > 0 else None
+
+
+def handed_over(relay: RelayRequest) -> Outputs:
+    """The outputs of a record that belongs to another shard: only its relay to the owner."""
+    out = Outputs()
+    out.relays.append(relay)
+    return out

@@ -86,7 +86,7 @@ from services.dispatcher.rebalance import (
     rewind_to,
 )
 from services.dispatcher.rebuild import LOADER_CONF
-from services.dispatcher.routing import Router
+from services.dispatcher.routing import Router, handed_over
 from services.dispatcher.watchdog import Watchdog
 from services.dispatcher.writer import OutputWriter
 
@@ -443,7 +443,7 @@ class Dispatcher(Service):
         try:
             incoming = self._router.read(m)
             if incoming.elsewhere is not None:
-                return _handed_over(incoming.elsewhere)
+                return handed_over(incoming.elsewhere)
             if incoming.relayed is not None:
                 self._relayed[incoming.relayed.action.kind].inc()
                 return self.engine.handle_relayed(incoming.relayed, now)
@@ -454,7 +454,7 @@ class Dispatcher(Service):
                 if joined is None:
                     return Outputs()
                 if isinstance(joined, RelayRequest):
-                    return _handed_over(joined)
+                    return handed_over(joined)
                 request = joined
         except ProtocolError as exc:
             self._errors[exc.code].inc()
@@ -586,17 +586,6 @@ class Dispatcher(Service):
         self._publish(self.broker.on_catalog(self.engine.catalog.version, self.clock.now_ms()))
 
 
-def _handed_over(relay: RelayRequest) -> Outputs:
-    """The outputs of a record that belongs to another shard: only its relay to the owner."""
-    out = Outputs()
-    out.relays.append(relay)
-    return out
-
-
 def _is_record(m: Message) -> bool:
-    err = m.error()
-    if err is None:
-        return True
-    if err.code() != KafkaError._PARTITION_EOF:
-        log.warning("consumer error: %s", err)
-    return False
+    kafka.log_consumer_error(m, log)  # an end-of-partition marker is not worth a line
+    return m.error() is None

@@ -9,33 +9,13 @@ import json
 
 import pytest
 
-from ksb.dialog.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
+from ksb.dialog.endpoint import decode_endpoint, encode_endpoint
 from ksb.errors import ProtocolError
-
-
-def _endpoint(**changes: object) -> Endpoint:
-    ep = Endpoint(
-        handle="h",
-        conversation_id="h",
-        is_initiator=True,
-        state=State.CONVERSING,
-        local_service="Init",
-        remote_service="Tgt",
-        contract="C",
-        queue="IQ",
-        group="g",
-        priority=5,
-        far_handle="t",
-        created_ms=1,
-        updated_ms=2,
-    )
-    for name, value in changes.items():
-        setattr(ep, name, value)
-    return ep
+from tests.unit.endpoints import make_endpoint
 
 
 def _record(**changes: object) -> bytes:
-    d = json.loads(encode_endpoint(_endpoint()))
+    d = json.loads(encode_endpoint(make_endpoint()))
     d.update(changes)
     return json.dumps({k: v for k, v in d.items() if v is not ...}).encode()
 
@@ -82,9 +62,9 @@ def test_a_damaged_endpoint_record_is_refused_with_the_reason(raw: bytes, words:
 
 def test_an_endpoint_without_a_far_handle_reads_back_as_written() -> None:
     """Null fields are left out of the record, so a missing nullable field must read as null."""
-    ep = _endpoint(far_handle=None, error_code=-8489, error_description="lifetime")
+    ep = make_endpoint(far_handle=None, error_code=-8489, error_description="lifetime")
     assert decode_endpoint(encode_endpoint(ep)) == ep
 
 
 def test_fields_a_newer_writer_added_are_ignored() -> None:
-    assert decode_endpoint(_record(shiny_new_field=[1, 2])) == _endpoint()
+    assert decode_endpoint(_record(shiny_new_field=[1, 2])) == make_endpoint()

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-from ksb.dialog.endpoint import Endpoint, State
+from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.membership import Membership, message_id
 from ksb.dialog.outputs import Inflight
+from tests.unit.endpoints import make_endpoint
 
 
 def _endpoint(handle: str) -> Endpoint:
-    return Endpoint(
-        handle=handle,
-        conversation_id="c-" + handle,
-        is_initiator=False,
-        state=State.CONVERSING,
-        local_service="S",
-        remote_service="I",
-        contract="C",
-        queue="Q",
-        group="g-" + handle,
-        priority=5,
-        far_handle=None,
-        created_ms=0,
-        updated_ms=0,
+    return make_endpoint(
+        handle=handle, is_initiator=False, queue="Q", group="g-" + handle, far_handle=None
     )
 
 

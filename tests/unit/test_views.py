@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.views import ONE_SIDED_GRACE_MS, endpoint_row, leaked
+from tests.unit.endpoints import make_endpoint
 
 NOW = 1_700_000_000_000
 IDLE_MS = 3_600_000
@@ -12,32 +13,26 @@ IDLE_MS = 3_600_000
 def _pair(
     initiator: State, target: State, *, updated_ms: int = NOW, conv: str = "c1"
 ) -> dict[str, Endpoint]:
-    i = Endpoint(
+    i = make_endpoint(
         handle=f"{conv}-i",
         conversation_id=conv,
-        is_initiator=True,
         state=initiator,
         local_service="I",
         remote_service="T",
-        contract="C",
-        queue="IQ",
         group=f"{conv}-gi",
-        priority=5,
         far_handle=f"{conv}-t",
         created_ms=updated_ms,
         updated_ms=updated_ms,
     )
-    t = Endpoint(
+    t = make_endpoint(
         handle=f"{conv}-t",
         conversation_id=conv,
         is_initiator=False,
         state=target,
         local_service="T",
         remote_service="I",
-        contract="C",
         queue="TQ",
         group=f"{conv}-gt",
-        priority=5,
         far_handle=f"{conv}-i",
         created_ms=updated_ms,
         updated_ms=updated_ms,
