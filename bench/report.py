@@ -16,6 +16,7 @@ from bench.scaling import format_lines as scaling_lines
 from bench.security import format_lines as security_lines
 from bench.spark_audit import format_lines as spark_lines
 from bench.transmission import format_lines as scheduler_lines
+from bench.txn_hop import format_lines as hop_lines
 
 __all__ = ["format_table", "write_json"]
 
@@ -49,6 +50,8 @@ def format_table(r: dict[str, Any]) -> str:
         "(other work on the machine skews every figure)",
         *scaling_lines(r["scaling"], r["raw"]),
     ]
+    if r.get("txn_hop") is not None:
+        lines.extend(hop_lines(r["txn_hop"], r["scaling"]))
     for key, title, format_lines in _SECTIONS:
         section = r.get(key)
         if section is None:

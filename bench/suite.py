@@ -31,6 +31,7 @@ from bench.security import SecurityOptions, run_security
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import CpuMeter, jit_settle, peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
+from bench.txn_hop import run_txn_hop
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import start_stack
 from ksb.security.principals import ADMIN
@@ -132,6 +133,16 @@ def run(opts: Options) -> dict[str, Any]:
             phase("raw")
             scaling = run_scaling(settings, opts.scaling, workdir, stack_pids)
             phase("scaling")
+            # After the scaling runs: their transactions have warmed the broker's transaction
+            # paths, which a fresh JVM runs several times slower (p50 17 -> 12 -> 7 ms in three
+            # runs of 120 hops back to back on one broker).
+            txn_hop = run_txn_hop(
+                settings.as_principal(ADMIN),
+                probes=opts.probes,
+                body_bytes=opts.body_bytes,
+                timeout_s=opts.timeout_s,
+            )
+            phase("txn_hop")
             if opts.failover is not None:
                 failover_opts = opts.failover
                 sections["failover"] = _section(
@@ -195,6 +206,7 @@ def run(opts: Options) -> dict[str, Any]:
             "load_average_at_end": [round(v, 2) for v in load_at_end],
         },
         "raw": raw_j,
+        "txn_hop": txn_hop,
         "scaling": scaling,
         "ratio_ksb_over_raw": {run_label(r): ratios(r, raw_j) for r in scaling["runs"]},
         **sections,

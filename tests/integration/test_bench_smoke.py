@@ -56,6 +56,7 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     assert any(line.startswith("dispatcher CPU per message") for line in lines), result.stdout
     assert any("killed one's shards: delivering again" in line for line in lines), result.stdout
     assert any(line.strip().startswith("dispatcher d1") for line in lines), result.stdout
+    assert any(line.startswith("one exactly-once hop on raw Kafka") for line in lines)
     figures = json.loads(out.read_text())
     runs = figures["scaling"]["runs"]
     # 1 and 2 dispatchers, then 2 again with a queue-depth limit (`--depth-dispatchers`)
@@ -74,6 +75,9 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     assert failover["verified_exactly_once_in_order"] is True
     assert failover["lost_shards"]["resumed_after_kill_s"] > 0
     assert figures["backlog"]["verified_exactly_once_in_order"] is True
+    hop = figures["txn_hop"]
+    assert hop["latency"]["count"] == hop["probes"] == figures["config"]["probes"] > 0
+    assert hop["latency"]["p50_ms"] > 0
 
 
 @pytest.mark.integration
