@@ -31,7 +31,7 @@ from bench.security import SecurityOptions, run_security
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import CpuMeter, jit_settle, peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
-from bench.txn_hop import run_txn_hop
+from bench.txn_hop import run_txn_hops
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import start_stack
 from ksb.security.principals import ADMIN
@@ -136,7 +136,7 @@ def run(opts: Options) -> dict[str, Any]:
             # After the scaling runs: their transactions have warmed the broker's transaction
             # paths, which a fresh JVM runs several times slower (p50 17 -> 12 -> 7 ms in three
             # runs of 120 hops back to back on one broker).
-            txn_hop = run_txn_hop(
+            txn_hop = run_txn_hops(
                 settings.as_principal(ADMIN),
                 probes=opts.probes,
                 body_bytes=opts.body_bytes,

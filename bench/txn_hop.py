@@ -27,21 +27,52 @@ from bench.stats import fmt_ms, make_body, now_ns, parse_body, summarize
 from devtools.deployment import Deployment
 from services.dispatcher.journal import TXN_PRODUCER
 
-__all__ = ["format_lines", "run_txn_hop"]
+__all__ = ["WIDTHS", "format_lines", "run_txn_hop", "run_txn_hops"]
+
+WIDTHS = (1, 4)
+"""Partitions each hop's transaction writes: the message alone, and as many as a KSB SEND's
+one-message transaction writes (the queue, the endpoints, the audit and the depth topics'). librdkafka
+sends one produce request per partition, and the broker answers one connection's requests one
+after another, so each partition more is a request more on the transaction's path."""
+
+_SIDE_RECORD = b"x" * 100
 
 _WARMUP = 200
 """Unmeasured hops first: the group's join, the first transactions, metadata, and more of the
 broker's JIT warm-up for these request paths (about two seconds)."""
 
 
-def run_txn_hop(
-    settings: Deployment, *, probes: int, body_bytes: int, timeout_s: float
+def run_txn_hops(
+    settings: Deployment,
+    *,
+    probes: int,
+    body_bytes: int,
+    timeout_s: float,
+    widths: tuple[int, ...] = WIDTHS,
 ) -> dict[str, Any]:
-    """`probes` single messages through one exactly-once hop; their latencies, produce to read."""
+    """`run_txn_hop` once per transaction width, one after the other."""
+    return {
+        "probes": probes,
+        "widths": {
+            str(w): run_txn_hop(
+                settings, probes=probes, body_bytes=body_bytes, timeout_s=timeout_s, width=w
+            )
+            for w in widths
+        },
+    }
+
+
+def run_txn_hop(
+    settings: Deployment, *, probes: int, body_bytes: int, timeout_s: float, width: int = 1
+) -> dict[str, Any]:
+    """`probes` single messages through one exactly-once hop whose transaction writes `width`
+    partitions (the message, and a 100-byte record to each of the others); the latencies,
+    produce to read, as `bench.stats.summarize` gives them."""
     run = uuid.uuid4().hex[:8]
     source, sink = f"bench.hop.{run}.in", f"bench.hop.{run}.out"
+    sides = [f"bench.hop.{run}.side{k}" for k in range(1, width)]
     kafka.ensure_topics(
-        kafka.admin(settings), [kafka.TopicSpec(source, 1), kafka.TopicSpec(sink, 1)]
+        kafka.admin(settings), [kafka.TopicSpec(t, 1) for t in (source, sink, *sides)]
     )
     sender = kafka.request_producer(settings)
     member = kafka.group_consumer(
@@ -61,6 +92,8 @@ def run_txn_hop(
             request = _next(member, deadline)
             relay.begin_transaction()
             relay.produce(sink, value=request.value())
+            for side in sides:
+                relay.produce(side, value=_SIDE_RECORD)
             relay.send_offsets_to_transaction(
                 member.position(member.assignment()), member.consumer_group_metadata(), timeout_s
             )
@@ -74,7 +107,7 @@ def run_txn_hop(
         sender.flush(5)
         member.close()
         reader.close()
-    return {"probes": probes, "latency": summarize(latencies).as_json()}
+    return summarize(latencies).as_json()
 
 
 def _next(consumer: Consumer, deadline: float) -> Message:
@@ -91,10 +124,16 @@ def _next(consumer: Consumer, deadline: float) -> Message:
     raise TimeoutError("the exactly-once hop did not deliver in time")
 
 
-def format_lines(hop: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
-    """The hop's latency, and each KSB run's one-at-a-time p50 against two hops."""
-    lat = hop["latency"]
-    p50 = lat["p50_ms"] if math.isfinite(lat["p50_ms"]) and lat["p50_ms"] > 0 else None
+def format_lines(hops: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
+    """Each width's hop latency, and each KSB run's one-at-a-time p50 against two of the
+    narrowest hops."""
+    widths = hops["widths"]
+    figures = "; ".join(
+        f"{w} partition(s) p50 {fmt_ms(_finite(lat['p50_ms']))}, p99 {fmt_ms(_finite(lat['p99_ms']))}"
+        for w, lat in widths.items()
+    )
+    narrowest = widths[min(widths, key=int)]["p50_ms"] if widths else None
+    p50 = _finite(narrowest)
     floor = None if p50 is None else 2 * p50
     against = (
         "n/a"
@@ -106,7 +145,13 @@ def format_lines(hop: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
     )
     return [
         f"one exactly-once hop on raw Kafka (produce -> group member -> transaction with its "
-        f"offsets -> read_committed), {hop['probes']} one at a time: p50 {fmt_ms(p50)}, "
-        f"p99 {fmt_ms(lat['p99_ms'])}; a KSB round trip crosses the dispatchers twice, so "
-        f"its one-at-a-time p50 against two hops ({fmt_ms(floor)}): {against}",
+        f"offsets -> read_committed), {hops['probes']} one at a time, by the partitions its "
+        f"transaction writes: {figures}",
+        f"  a KSB round trip crosses the dispatchers twice, so its one-at-a-time p50 against two "
+        f"1-partition hops ({fmt_ms(floor)}): {against}",
     ]
+
+
+def _finite(ms: float | None) -> float | None:
+    """A figure worth printing: None for one that was not measured (NaN) or is not positive."""
+    return ms if ms is not None and math.isfinite(ms) and ms > 0 else None

@@ -1,4 +1,5 @@
-"""The exactly-once hop's line in `make bench`: each KSB run's one-at-a-time p50 against two hops."""
+"""The exactly-once hop's lines in `make bench`: each width's latency, and each KSB run's
+one-at-a-time p50 against two of the narrowest hops."""
 
 from __future__ import annotations
 
@@ -15,14 +16,21 @@ def _run(dispatchers: int, p50_ms: float) -> dict[str, Any]:
     }
 
 
-def test_each_run_is_set_against_two_hops() -> None:
-    hop = {"probes": 100, "latency": {"p50_ms": 5.0, "p99_ms": 12.0}}
-    (line,) = format_lines(hop, {"runs": [_run(1, 15.0), _run(4, 10.0)]})
-    assert "100 one at a time: p50 5.00 ms, p99 12.00 ms" in line
-    assert "two hops (10.00 ms): 1 dispatcher(s) 1.5x, 4 dispatcher(s) 1.0x" in line
+def test_each_run_is_set_against_two_of_the_narrowest_hops() -> None:
+    hops = {
+        "probes": 100,
+        "widths": {"4": {"p50_ms": 9.0, "p99_ms": 20.0}, "1": {"p50_ms": 5.0, "p99_ms": 12.0}},
+    }
+    head, against = format_lines(hops, {"runs": [_run(1, 15.0), _run(4, 10.0)]})
+    assert "100 one at a time" in head
+    assert "4 partition(s) p50 9.00 ms, p99 20.00 ms; 1 partition(s) p50 5.00 ms" in head
+    assert against.endswith(
+        "two 1-partition hops (10.00 ms): 1 dispatcher(s) 1.5x, 4 dispatcher(s) 1.0x"
+    )
 
 
 def test_a_hop_without_a_figure_compares_nothing() -> None:
-    hop = {"probes": 0, "latency": {"p50_ms": float("nan"), "p99_ms": None}}
-    (line,) = format_lines(hop, {"runs": [_run(1, 15.0)]})
-    assert "p50 nan ms" not in line and line.endswith("two hops (n/a): n/a")
+    hops = {"probes": 0, "widths": {"1": {"p50_ms": float("nan"), "p99_ms": float("nan")}}}
+    head, against = format_lines(hops, {"runs": [_run(1, 15.0)]})
+    assert "nan" not in head and "1 partition(s) p50 n/a, p99 n/a" in head
+    assert against.endswith("(n/a): n/a")
