@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
@@ -30,8 +31,12 @@ __all__ = [
     "STALE_EPOCH",
     "TXN_CALL_TIMEOUT_S",
     "TXN_PRODUCER",
+    "WRITE_AGAIN_ATTEMPTS",
     "JournaledProducer",
+    "Rewrite",
+    "worth_writing_again",
     "write_again",
+    "write_again_or_give_up",
 ]
 
 log = logging.getLogger("ksb.dispatcher")
@@ -55,6 +60,14 @@ abort left running ("retry call to resume") was seen never to end after a broker
 retry blocked the loop past its poll interval, the member lost its shard, got it back and
 blocked again, and the shard stood still for the rest of the run (chaos harness, seed 1454).
 A refused transaction written again (`write_again`) is aborted under this limit too."""
+
+WRITE_AGAIN_ATTEMPTS = 2
+"""How often a refused transaction is written again before its shards are rebuilt instead. A
+write-again was seen to fail with OUT_OF_ORDER_SEQUENCE_NUMBER ("skipped sequence numbers,
+requires epoch bump": 4 of 31 in the failover runs of 2026-11-26), which cost that dispatcher a
+rebuild of every shard it held, about 2.5 s of their traffic, in the middle of another member's
+failover. librdkafka mends that error by bumping the producer epoch in the abort that follows it
+(librdkafka pull requests 3577 and 4058), so one more attempt after that abort starts clean."""
 
 TXN_PRODUCER: dict[str, Any] = {"linger.ms": 1, "retry.backoff.ms": 5, "retry.backoff.max.ms": 100}
 """The transactional producer's own settings. A transaction begun while the coordinator is
@@ -90,14 +103,15 @@ class JournaledProducer(Producer):
 
 def write_again(
     producer: JournaledProducer, group_metadata: Callable[[], Any], timeout_s: float
-) -> bool:
+) -> KafkaError | None:
     """Commit the records and offsets of a transaction refused for its group epoch, and aborted
-    since, in a new one with the consumer's current group metadata; False when that fails too,
-    or when the refused transaction sent no offsets (nothing a stale epoch could have refused).
-    The abort is the caller's, with the abort's own time limit (`ABORT_TIMEOUT_S`)."""
+    since, in a new one with the consumer's current group metadata. None when written; else what
+    failed (a `KafkaError._STATE` one when the refused transaction sent no offsets: nothing a
+    stale epoch could have refused). The abort is the caller's, with the abort's own time limit
+    (`ABORT_TIMEOUT_S`)."""
     records, offsets = producer.journal, producer.offsets
     if offsets is None:
-        return False
+        return KafkaError(KafkaError._STATE, "the refused transaction sent no offsets")
     try:
         producer.begin_transaction()
         for args, kwargs in records:
@@ -105,7 +119,45 @@ def write_again(
         producer.send_offsets_to_transaction(offsets, group_metadata(), timeout_s)
         producer.commit_transaction(timeout_s)
     except KafkaException as exc:
-        log.warning("transaction not written again (%s)", exc.args[0])
-        return False
+        err: KafkaError = exc.args[0]
+        log.warning("transaction not written again (%s)", err)
+        return err
     log.info("transaction refused for a stale group epoch written again (%d records)", len(records))
-    return True
+    return None
+
+
+def worth_writing_again(err: KafkaError) -> bool:
+    """May a write-again that failed with `err` be tried once more, after its abort? Only when
+    the abort is all it needs: not for a producer that is broken, nor for a member the group has
+    moved on without (it rejoins), nor for a transaction with nothing to write."""
+    return err.txn_requires_abort() and not err.fatal() and err.code() not in NOT_A_MEMBER
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """How `write_again_or_give_up` ended."""
+
+    failure: KafkaError | None = None
+    """What the last attempt failed with, aborted since: recover from it as from any failed
+    transaction. None: the transaction is written."""
+    stuck: bool = False
+    """An abort did not end: start over with a new producer."""
+
+
+def write_again_or_give_up(
+    write: Callable[[], KafkaError | None],
+    abort: Callable[[], bool],
+    attempts: int = WRITE_AGAIN_ATTEMPTS,
+) -> Rewrite:
+    """`write` (a `write_again`) up to `attempts` times while its failures are
+    `worth_writing_again`, with `abort` (False: it did not end) after each one."""
+    failure: KafkaError | None = None
+    for _ in range(attempts):
+        failure = write()
+        if failure is None:
+            return Rewrite()
+        if not abort():
+            return Rewrite(failure, stuck=True)
+        if not worth_writing_again(failure):
+            break
+    return Rewrite(failure)

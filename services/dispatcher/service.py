@@ -76,6 +76,7 @@ from services.dispatcher.journal import (
     TXN_PRODUCER,
     JournaledProducer,
     write_again,
+    write_again_or_give_up,
 )
 from services.dispatcher.notifications import BCN_FLUSH_S, BcnPublisher, KafkaProbe, kafka_answers
 from services.dispatcher.queue_metrics import QueueMetrics
@@ -506,27 +507,29 @@ class Dispatcher(Service):
             self._start_over()
             return
         if err.code() in STALE_EPOCH:
-            if self._write_again():
+            rewrite = write_again_or_give_up(self._write_again, self._abort)
+            if rewrite.failure is None:
                 return
-            if not self._abort():  # what the write-again began
+            if rewrite.stuck:
                 self._start_over()
                 return
+            err = rewrite.failure
         if err.code() in NOT_A_MEMBER:
             self._rejoin()
         else:
             self._reset()
 
-    def _write_again(self) -> bool:
+    def _write_again(self) -> KafkaError | None:
         """The transaction was refused only for the group epoch it carried: write it again with
         the current one (`services.dispatcher.journal`) instead of rebuilding the shards."""
         assert self._producer is not None and self._consumer is not None
         with self.watchdog.guard("write_again"):
-            written = write_again(
+            failure = write_again(
                 self._producer, self._consumer.consumer_group_metadata, TXN_CALL_TIMEOUT_S
             )
-        if written:
+        if failure is None:
             self.applied += self._batch
-        return written
+        return failure
 
     def _abort(self) -> bool:
         """Abort whatever transaction is open, whatever the error was: a retriable one (an

@@ -90,7 +90,7 @@ def _stale_epoch_then_again(
     assert refused.value.args[0].code() in STALE_EPOCH
 
     producer.abort_transaction(10)
-    assert write_again(producer, a.consumer_group_metadata, 10)
+    assert write_again(producer, a.consumer_group_metadata, 10) is None
 
     assert _read_all(admin, sink, 3) == [b"v0", b"v1", b"v2"]
     committed = a.committed(list(offsets), timeout=10)
