@@ -31,7 +31,8 @@ __all__ = ["WIDTHS", "format_lines", "run_txn_hop", "run_txn_hops"]
 
 WIDTHS = (1, 4)
 """Partitions each hop's transaction writes: the message alone, and as many as a KSB SEND's
-one-message transaction writes (the queue, the endpoints, the audit and the depth topics'). librdkafka
+one-message transaction writes at most (the queue, the endpoints, the audit and, at most every
+`KSB_DEPTH_EVERY_MS`, the depth topics'). librdkafka
 sends one produce request per partition, and the broker answers one connection's requests one
 after another, so each partition more is a request more on the transaction's path."""
 
