@@ -31,7 +31,7 @@ from devtools.chaos.schedule import READERS, SERVICES
 from devtools.chaos.stack import ChaosStack
 from devtools.chaos.workload import INITIATOR_QUEUE, TARGET_QUEUE, catalogs
 from devtools.deployment import Deployment, secure_instance
-from devtools.dispatchers import owned_in_log
+from devtools.dispatchers import owned_in_log, shares_settled
 from devtools.processes import REPO_ROOT
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
@@ -279,15 +279,15 @@ class Topology:
             time.sleep(0.1)
 
     def wait_settled(self, side: str, deadline: float) -> None:
-        """Every shard of `side`'s requests owned by exactly one of its dispatchers."""
+        """Every shard of `side`'s requests owned by exactly one of its dispatchers, each with
+        its fair share (`devtools.dispatchers.shares_settled`)."""
         while True:
-            owned = [
-                owned_in_log(m.log_text())
+            owned = {
+                name: owned_in_log(m.log_text())
                 for name, m in self.members.items()
                 if name.startswith(f"{side}.d") and isinstance(m, _Service)
-            ]
-            every = sorted(s for shards in owned for s in shards)
-            if every == list(range(self.shards)) and all(owned):
+            }
+            if shares_settled(owned, self.shards):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{side}'s dispatchers not settled: {owned}")
