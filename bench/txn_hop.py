@@ -133,8 +133,7 @@ def format_lines(hops: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
         f"{w} partition(s) p50 {fmt_ms(_finite(lat['p50_ms']))}, p99 {fmt_ms(_finite(lat['p99_ms']))}"
         for w, lat in widths.items()
     )
-    narrowest = widths[min(widths, key=int)]["p50_ms"] if widths else None
-    p50 = _finite(narrowest)
+    p50 = _finite(widths[min(widths, key=int)]["p50_ms"]) if widths else None
     floor = None if p50 is None else 2 * p50
     against = (
         "n/a"
