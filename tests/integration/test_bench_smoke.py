@@ -63,9 +63,12 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     assert [(r["dispatchers"], r["max_queue_depth"]) for r in runs] == [(1, 0), (2, 0), (2, 2000)]
     assert all(r["verified_exactly_once_in_order"] for r in runs)
     assert all(r["cpu_ms_per_message"]["dispatchers"] > 0 for r in runs)
-    # the dispatchers' librdkafka threads are a part of their CPU, not all of it
+    # the dispatchers' librdkafka threads are a part of their CPU, not all of it. /proc counts in
+    # 10 ms ticks, and a quick run's 400 messages cost those threads 2-7 ticks: one run may read
+    # 0, so "some" is asked of the runs together.
     cpu = [r["cpu_ms_per_message"] for r in runs]
-    assert all(0 < c["dispatchers_librdkafka"] < c["dispatchers"] for c in cpu), cpu
+    assert all(0 <= c["dispatchers_librdkafka"] < c["dispatchers"] for c in cpu), cpu
+    assert sum(c["dispatchers_librdkafka"] for c in cpu) > 0, cpu
     assert (
         sum(m["messages"] for m in runs[1]["members"].values()) == runs[1]["throughput"]["messages"]
     )
