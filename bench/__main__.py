@@ -39,6 +39,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     g.add_argument("--messages", type=int, help="KSB messages per run (default 20000)")
     g.add_argument("--dialogs", type=int, help="KSB dialogs (default 1000)")
     g.add_argument("--raw-messages", type=int, help="raw Kafka messages (default: --messages)")
+    g.add_argument(
+        "--raw-runs",
+        type=int,
+        default=3,
+        help="loaded runs of raw Kafka; the median one is the baseline (default 3)",
+    )
     g.add_argument("--body-bytes", type=int, default=1024, help="message size (default 1024)")
     g.add_argument("--dispatchers", default="1,2,4", help="dispatcher counts (default 1,2,4)")
     g.add_argument("--shards", type=int, default=8, help="requests partitions (default 8)")
@@ -115,6 +121,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     )
     opts = Options(
         raw_messages=a.raw_messages or messages,
+        raw_runs=a.raw_runs,
         body_bytes=a.body_bytes,
         probes=probes,
         timeout_s=timeout_s,

@@ -263,6 +263,15 @@ def _warmed(cfg: dict[str, Any], seconds: float | None) -> str:
     )
 
 
+def raw_runs_note(raw: dict[str, Any]) -> str:
+    """What the table's raw Kafka column is, when it is the median of several runs."""
+    runs = raw.get("throughput_runs") or []
+    if len(runs) < 2:
+        return ""
+    rates = ", ".join(f"{r:,.0f}" for r in runs)
+    return f"; raw Kafka's figures are its median run of {len(runs)} ({rates} msg/s)"
+
+
 def _count(n: int | None) -> str:
     return "?" if n is None else f"{n:,}"
 
@@ -378,7 +387,8 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         f"{cfg['queue_partitions']} partitions, {cfg['receivers']} receiver threads x window "
         f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight"
         " (and, where the column says so, a target queue depth at which SENDs wait)"
-        + _warmed(cfg, s.get("warmup_s")),
+        + _warmed(cfg, s.get("warmup_s"))
+        + raw_runs_note(raw),
         *_table(rows),
         "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
         "warm-up and probes included; CPU over the loaded phase):",
