@@ -53,7 +53,7 @@ from bench.e2e import (
     run_ksb,
     start_receivers,
 )
-from bench.stats import fmt_ms, fmt_x, now_ns
+from bench.stats import fmt_ms, fmt_x, now_ns, run_ratios
 from devtools.deployment import Deployment, secure_instance
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
@@ -301,28 +301,6 @@ def _drain(sa: Deployment, sb: Deployment, o: CrossOptions) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- the section
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b <= 0 else a / b
-
-
-def _ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, float | None]:
-    return {
-        "throughput": _ratio(top["throughput"]["per_s"], bottom["throughput"]["per_s"]),
-        "latency_loaded_p50": _ratio(
-            top["latency_loaded"]["p50_ms"], bottom["latency_loaded"]["p50_ms"]
-        ),
-        "latency_loaded_p99": _ratio(
-            top["latency_loaded"]["p99_ms"], bottom["latency_loaded"]["p99_ms"]
-        ),
-        "latency_unloaded_p50": _ratio(
-            top["latency_unloaded"]["p50_ms"], bottom["latency_unloaded"]["p50_ms"]
-        ),
-        "latency_unloaded_p99": _ratio(
-            top["latency_unloaded"]["p99_ms"], bottom["latency_unloaded"]["p99_ms"]
-        ),
-    }
-
-
 def run_cross_instance(
     base: Deployment, o: CrossOptions, log_dir: Path, raw: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -400,9 +378,9 @@ def run_cross_instance(
         },
         "local": local_j,
         "cross": cross_j,
-        "ratio_cross_over_local": _ratios(cross_j, local_j),
-        "ratio_local_over_raw": None if raw is None else _ratios(local_j, raw),
-        "ratio_cross_over_raw": None if raw is None else _ratios(cross_j, raw),
+        "ratio_cross_over_local": run_ratios(cross_j, local_j),
+        "ratio_local_over_raw": None if raw is None else run_ratios(local_j, raw),
+        "ratio_cross_over_raw": None if raw is None else run_ratios(cross_j, raw),
         "drain": drain,
         "verified": local.verified and cross.verified and drain["verified_exactly_once_in_order"],
         "phase_seconds": phases,

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.stats import fmt_ms, fmt_x, make_body, now_ns, parse_body
+from bench.stats import Phases, fmt_ms, fmt_x, make_body, now_ns, parse_body
 from devtools.deployment import Deployment, secure_instance
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
@@ -455,14 +455,7 @@ def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> di
     settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}prio"}))
     apply_catalog(settings, priority_catalog(opts.partitions))
     dispatcher = ServiceProcess("dispatcher", settings, log_dir / "prio-dispatcher.log")
-    phases: dict[str, float] = {}
-    mark = time.monotonic()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.monotonic()
-        phases[name] = round(now - mark, 2)
-        mark = now
+    phase = Phases()
 
     try:
         dispatcher.start().wait_ready("dispatcher ready")
@@ -506,7 +499,7 @@ def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> di
         },
         "throughput": throughput,
         "problems": problems,
-        "phase_seconds": phases,
+        "phase_seconds": phase.seconds,
     }
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
-from bench.stats import CpuMeter, fmt_ms, jit_settle, peak_rss_kb
+from bench.stats import CpuMeter, fmt_ms, jit_settle, peak_rss_kb, ratio, run_ratios
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
 from ksb.dialog.shards import shard_of
@@ -231,26 +231,10 @@ def run_label(run: dict[str, Any]) -> str:
 
 def ratios(run: dict[str, Any], raw: dict[str, Any]) -> dict[str, float | None]:
     """A KSB run's figures over raw Kafka's (throughput up is good, the rest down)."""
-
-    def over(a: float | None, b: float | None) -> float | None:
-        return a / b if a is not None and b else None
-
     cpu = run["cpu_ms_per_message"]["all"]
     return {
-        "throughput": over(run["throughput"]["per_s"], raw["throughput"]["per_s"]),
-        "latency_loaded_p50": over(
-            run["latency_loaded"]["p50_ms"], raw["latency_loaded"]["p50_ms"]
-        ),
-        "latency_loaded_p99": over(
-            run["latency_loaded"]["p99_ms"], raw["latency_loaded"]["p99_ms"]
-        ),
-        "latency_unloaded_p50": over(
-            run["latency_unloaded"]["p50_ms"], raw["latency_unloaded"]["p50_ms"]
-        ),
-        "latency_unloaded_p99": over(
-            run["latency_unloaded"]["p99_ms"], raw["latency_unloaded"]["p99_ms"]
-        ),
-        "cpu_all": over(cpu, raw.get("cpu_ms_per_message", {}).get("all")),
+        **run_ratios(run, raw),
+        "cpu_all": ratio(cpu, raw.get("cpu_ms_per_message", {}).get("all")),
     }
 
 

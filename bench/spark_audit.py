@@ -32,6 +32,7 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from prometheus_client import CollectorRegistry
 
+from bench.stats import Phases
 from devtools.deployment import Deployment, secure_instance
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
@@ -375,14 +376,7 @@ class _InProcessSpark:
 def run_spark_audit(
     base: Deployment, opts: SparkOptions, tmp: Path, log_dir: Path
 ) -> dict[str, Any]:
-    phases: dict[str, float] = {}
-    mark = time.monotonic()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.monotonic()
-        phases[name] = round(now - mark, 2)
-        mark = now
+    phase = Phases()
 
     tp = secure_instance(base.model_copy(update={"instance": f"{base.instance}sparktp"}))
     warm = secure_instance(base.model_copy(update={"instance": f"{base.instance}sparkwu"}))
@@ -417,7 +411,7 @@ def run_spark_audit(
             },
             "ratio_spark_over_raw": events / run["wall_seconds"] / raw["per_s"],
         },
-        "phase_seconds": phases,
+        "phase_seconds": phase.seconds,
     }
 
 

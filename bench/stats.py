@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 __all__ = [
     "CpuMeter",
     "LatencySummary",
+    "Phases",
     "Rate",
     "cpu_seconds",
     "fmt_ms",
@@ -20,16 +22,59 @@ __all__ = [
     "now_ns",
     "parse_body",
     "peak_rss_kb",
+    "ratio",
     "rss_kb",
+    "run_ratios",
     "summarize",
 ]
 
 _TS_DIGITS = 20
 
 
+class Phases:
+    """How long each part of a run took, in the order they ended: the ``phase_seconds`` every
+    section reports, so a slow run shows which part was slow."""
+
+    def __init__(
+        self, log: logging.Logger | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.seconds: dict[str, float] = {}
+        self._log = log
+        self._clock = clock
+        self._mark = clock()
+
+    def __call__(self, name: str) -> None:
+        """The part called `name` has ended (it began when the previous one ended)."""
+        now = self._clock()
+        self.seconds[name] = round(now - self._mark, 2)
+        self._mark = now
+        if self._log is not None:
+            self._log.info("bench: %s done in %.1f s", name, self.seconds[name])
+
+
 def fmt_ms(v: float | None, digits: int = 2) -> str:
     """A millisecond figure for the printed tables ("n/a" when it was not measured)."""
     return "n/a" if v is None else f"{v:,.{digits}f} ms"
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either was not measured (or b is no figure to divide by)."""
+    return None if a is None or b is None or b <= 0 else a / b
+
+
+def run_ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, float | None]:
+    """One run's throughput and latencies over another's (a run's `as_json` shape: throughput
+    up is good, the rest down)."""
+    return {
+        "throughput": ratio(top["throughput"]["per_s"], bottom["throughput"]["per_s"]),
+        **{
+            f"latency_{load}_{p}": ratio(
+                top[f"latency_{load}"][f"{p}_ms"], bottom[f"latency_{load}"][f"{p}_ms"]
+            )
+            for load in ("loaded", "unloaded")
+            for p in ("p50", "p99")
+        },
+    }
 
 
 def fmt_x(v: float | None) -> str:

@@ -29,7 +29,7 @@ from bench.raw_kafka import run_raw
 from bench.scaling import ScalingOptions, cpu_ms_per_message, ratios, run_label, run_scaling
 from bench.security import SecurityOptions, run_security
 from bench.spark_audit import SparkOptions, run_spark_audit
-from bench.stats import CpuMeter, jit_settle, peak_rss_kb
+from bench.stats import CpuMeter, Phases, jit_settle, peak_rss_kb
 from bench.transmission import SchedulerOptions, run_scheduler
 from bench.txn_hop import run_txn_hops
 from devtools.deployment import Deployment, secure_instance, stack_fields
@@ -75,15 +75,7 @@ def run(opts: Options) -> dict[str, Any]:
     # Other work on the machine skews every figure; the load average says how much there was.
     load_at_start = os.getloadavg()
     rss_kb: dict[str, int | None] = {}
-    phases: dict[str, float] = {}
-    mark = time.monotonic()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.monotonic()
-        phases[name] = round(now - mark, 2)
-        mark = now
-        log.info("bench: %s done in %.1f s", name, phases[name])
+    phase = Phases(log)
 
     sections: dict[str, dict[str, Any] | None] = {
         "failover": None,
@@ -226,7 +218,7 @@ def run(opts: Options) -> dict[str, Any]:
         "ratio_ksb_over_raw": {run_label(r): ratios(r, raw_j) for r in scaling["runs"]},
         **sections,
         "peak_rss_kb": rss_kb,
-        "phase_seconds": phases,
+        "phase_seconds": phase.seconds,
         "wall_seconds": time.monotonic() - started,
     }
 

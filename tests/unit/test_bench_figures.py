@@ -1,5 +1,6 @@
-"""Raw Kafka's baseline in `make bench` is the median of several loaded runs: which run that is,
-and how the table says so."""
+"""The figures `make bench` builds its tables from: raw Kafka's baseline, the median of several
+loaded runs (which run that is, and how the table says so); every KSB figure as a ratio over it;
+and how long each part of a run took."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from bench.raw_kafka import median_run
 from bench.scaling import raw_runs_note
+from bench.stats import Phases, ratio, run_ratios
 
 
 def test_the_median_run_is_the_middle_rate_wherever_it_ran() -> None:
@@ -33,3 +35,33 @@ def test_the_table_names_every_run_behind_the_median() -> None:
 def test_one_run_needs_no_note() -> None:
     assert raw_runs_note({"throughput_runs": [35_000.0]}) == ""
     assert raw_runs_note({}) == ""
+
+
+def test_a_run_over_another_is_each_figure_divided_where_both_were_measured() -> None:
+    top = {
+        "throughput": {"per_s": 3_000.0},
+        "latency_loaded": {"p50_ms": 300.0, "p99_ms": 900.0},
+        "latency_unloaded": {"p50_ms": 15.0, "p99_ms": None},
+    }
+    bottom = {
+        "throughput": {"per_s": 30_000.0},
+        "latency_loaded": {"p50_ms": 150.0, "p99_ms": 300.0},
+        "latency_unloaded": {"p50_ms": 1.5, "p99_ms": 4.0},
+    }
+    assert run_ratios(top, bottom) == {
+        "throughput": 0.1,
+        "latency_loaded_p50": 2.0,
+        "latency_loaded_p99": 3.0,
+        "latency_unloaded_p50": 10.0,
+        "latency_unloaded_p99": None,
+    }
+    assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
+
+
+def test_each_part_of_a_run_is_timed_from_the_end_of_the_one_before() -> None:
+    ticks = iter([100.0, 101.5, 101.5, 104.25])
+    phase = Phases(clock=lambda: next(ticks))
+    phase("stack_start")
+    phase("secure")
+    phase("raw")
+    assert list(phase.seconds.items()) == [("stack_start", 1.5), ("secure", 0.0), ("raw", 2.75)]
