@@ -1,7 +1,9 @@
-"""The local stack's Kafka: one KRaft node (broker and controller) from Maven Central's jars.
+"""The local stack's Kafka: KRaft nodes (each broker and controller) from Maven Central's jars.
 
-`make setup` fetches the jars into .cache/kafka/libs; the node runs as ``java -cp libs/* kafka.Kafka``
-on free 127.0.0.1 ports with its data under the stack's directory, formatted fresh each time.
+`make setup` fetches the jars into .cache/kafka/libs; a node runs as ``java -cp libs/* kafka.Kafka``
+on free 127.0.0.1 ports with its data under the stack's directory, formatted fresh each time. One
+node is the default; a cluster of several (`KafkaLayout.voters`, `replication_settings`) is how
+the tests show KSB on Kafka's own replication: every topic on three brokers, a broker killed.
 
 Secured (the default, `devtools.stack_security`): the client listener takes SASL/SCRAM-SHA-512
 (over TLS in ``tls`` mode), the StandardAuthorizer refuses whatever no ACL allows, and only
@@ -35,8 +37,10 @@ __all__ = [
     "KafkaLayout",
     "format_kafka_storage",
     "java_binary",
+    "kafka_cluster_id",
     "kafka_libs_dir",
     "kafka_ready",
+    "replication_settings",
     "start_kafka",
     "write_kafka_properties",
 ]
@@ -113,6 +117,11 @@ class KafkaLayout:
     port: int
     controller_port: int
     security: StackSecurity
+    node_id: int = 1
+    voters: str = ""
+    """The cluster's ``controller.quorum.voters`` (``id@host:port,...``); empty: this node alone."""
+    nodes: int = 1
+    """How many nodes the cluster has (`replication_settings`)."""
 
     @property
     def data(self) -> Path:
@@ -141,8 +150,26 @@ class KafkaLayout:
         )
 
 
+def replication_settings(nodes: int) -> dict[str, str]:
+    """Replication of a cluster of `nodes`: three copies of every partition where there are three
+    brokers (internal topics and, by `default.replication.factor`, every topic KSB creates), and a
+    write acknowledged once two have it, so one broker may fail without losing an acknowledged
+    record or refusing a write. One node keeps one copy (KAFKA_BROKER_SETTINGS)."""
+    if nodes <= 1:
+        return {}
+    copies = min(3, nodes)
+    in_sync = str(max(1, copies - 1))
+    return {
+        "default.replication.factor": str(copies),
+        "offsets.topic.replication.factor": str(copies),
+        "transaction.state.log.replication.factor": str(copies),
+        "transaction.state.log.min.isr": in_sync,
+        "min.insync.replicas": in_sync,
+    }
+
+
 def write_kafka_properties(k: KafkaLayout) -> None:
-    """Static voters, not a dynamic quorum: one node never changes membership, and with
+    """Static voters, not a dynamic quorum: the local cluster never changes membership, and with
     static voters `StorageTool format` needs neither --standalone nor --initial-controllers.
 
     The file holds the broker's password (its JAAS login) when secured, so it is 0600.
@@ -151,8 +178,8 @@ def write_kafka_properties(k: KafkaLayout) -> None:
     controller = "SASL_PLAINTEXT" if k.security.enabled else "PLAINTEXT"
     settings = {
         "process.roles": "broker,controller",
-        "node.id": "1",
-        "controller.quorum.voters": f"1@127.0.0.1:{k.controller_port}",
+        "node.id": str(k.node_id),
+        "controller.quorum.voters": k.voters or f"{k.node_id}@127.0.0.1:{k.controller_port}",
         "listeners": f"{listener}://127.0.0.1:{k.port},CONTROLLER://127.0.0.1:{k.controller_port}",
         "advertised.listeners": f"{listener}://127.0.0.1:{k.port}",
         "controller.listener.names": "CONTROLLER",
@@ -161,6 +188,7 @@ def write_kafka_properties(k: KafkaLayout) -> None:
         "log.dirs": str(k.data),
         **_security_properties(k.security),
         **KAFKA_BROKER_SETTINGS,
+        **replication_settings(k.nodes),
     }
     text = "".join(f"{key}={value}\n" for key, value in settings.items())
     fd = os.open(k.properties, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -229,14 +257,15 @@ def _java_cmd(libs: Path, k: KafkaLayout, main: str, *args: str) -> list[str]:
     ]
 
 
-def format_kafka_storage(libs: Path, k: KafkaLayout) -> None:
+def format_kafka_storage(libs: Path, k: KafkaLayout, cluster_id: str | None = None) -> None:
     """Format the node's storage; secured, with the ``broker`` and ``admin`` SCRAM users in it.
+    The nodes of one cluster are formatted with one `cluster_id` (default: a new one).
 
     The format prints the bootstrap metadata, SCRAM salts and keys included, so its output is
     never kept; on failure only its error stream is shown. The passwords are in its argv for the
     second or two it runs (the tool has no other way to take them).
     """
-    cluster_id = _kafka_cluster_id()
+    cluster_id = cluster_id or kafka_cluster_id()
     scram: list[str] = []
     if k.security.enabled:
         for user in (BROKER, ADMIN):
@@ -261,7 +290,7 @@ def format_kafka_storage(libs: Path, k: KafkaLayout) -> None:
         )
 
 
-def _kafka_cluster_id() -> str:
+def kafka_cluster_id() -> str:
     """What `StorageTool random-uuid` prints, without paying for a second JVM start."""
     import base64
 
@@ -297,8 +326,9 @@ PROBE_TOPIC = "ksb-localstack.probe"
 """Where readiness commits its transaction (the stack's own; no instance uses it)."""
 
 
-def kafka_ready(bootstrap: str, deadline: float, login: KafkaLogin) -> None:
-    """Wait for metadata, a working transaction coordinator AND a committed transaction.
+def kafka_ready(bootstrap: str, deadline: float, login: KafkaLogin, brokers: int = 1) -> None:
+    """Wait for metadata listing `brokers` brokers, a working transaction coordinator AND a
+    committed transaction.
 
     A broker that answers metadata may still fail the first `init_transactions` while it
     creates __transaction_state; tests that start with a transaction would flake on that. And a
@@ -316,14 +346,15 @@ def kafka_ready(bootstrap: str, deadline: float, login: KafkaLogin) -> None:
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"Kafka at {bootstrap} did not report a broker in time")
+            raise TimeoutError(f"Kafka at {bootstrap} did not report {brokers} broker(s) in time")
         try:
-            if admin.list_topics(timeout=min(2.0, remaining)).brokers:
+            if len(admin.list_topics(timeout=min(2.0, remaining)).brokers) >= brokers:
                 break
         except KafkaException:
             pass
         time.sleep(0.1)
-    for fut in admin.create_topics([NewTopic(PROBE_TOPIC, 1, 1)]).values():
+    # -1: the cluster's default.replication.factor, as KSB's own topics are made.
+    for fut in admin.create_topics([NewTopic(PROBE_TOPIC, 1, -1)]).values():
         try:
             fut.result(max(1.0, deadline - time.monotonic()))
         except KafkaException as exc:

@@ -22,7 +22,6 @@ import contextlib
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ from typing import Any
 from devtools.kafka_node import (
     KafkaLayout,
     format_kafka_storage,
+    kafka_cluster_id,
     kafka_libs_dir,
     kafka_ready,
     start_kafka,
@@ -83,6 +83,14 @@ class LocalStack:
     kafka_pid: int
     redis_pid: int
     security_mode: SecurityMode = "sasl"
+    other_kafka_pids: tuple[int, ...] = ()
+    """The cluster's other Kafka nodes, when it has several (`start_stack`'s ``kafka_nodes``)."""
+
+    @property
+    def kafka_pids(self) -> tuple[int, ...]:
+        """Every Kafka node, the first (`kafka_pid`, ``kafka/``) first; node i+1 is in
+        ``kafka-<i+1>/``."""
+        return (self.kafka_pid, *self.other_kafka_pids)
 
     @property
     def security(self) -> StackSecurity:
@@ -96,7 +104,7 @@ class LocalStack:
         (fixture finaliser, atexit, failed start) overlap. Both processes are signalled
         before waiting so their shutdowns overlap instead of adding up.
         """
-        pids = [self.kafka_pid, self.redis_pid]
+        pids = [*self.kafka_pids, self.redis_pid]
         for pid in pids:
             signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -115,6 +123,7 @@ class LocalStack:
             "kafka_pid": self.kafka_pid,
             "redis_pid": self.redis_pid,
             "security": self.security_mode,
+            "other_kafka_pids": list(self.other_kafka_pids),
         }
 
 
@@ -153,58 +162,63 @@ def start_stack(
     timeout_s: float = 120.0,
     stop_at_exit: bool = True,
     security: SecurityMode | None = None,
+    kafka_nodes: int = 1,
 ) -> LocalStack:
     """Start Kafka and Redis under `workdir` and return once both are usable.
 
-    "Usable" means what the first test will do works: Kafka lists a broker and commits a
+    "Usable" means what the first test will do works: Kafka lists its brokers and commits a
     transaction, Redis answers PING (both as ``admin`` when secured). On any failure everything
     started here is stopped again and the error carries the tail of the Kafka log, because a
     bare timeout says nothing about why a JVM did not come up.
 
     `security` is the mode (default: ``KSB_STACK_SECURITY``, else ``sasl``).
     `stop_at_exit=False` is for `python -m devtools.localstack up`, whose whole point is that
-    the processes outlive it.
+    the processes outlive it. `kafka_nodes` above 1 starts a cluster of that many KRaft nodes,
+    each broker and controller, replicating every topic (`replication_settings`).
     """
     deadline = time.monotonic() + timeout_s
     workdir = workdir.resolve()
     libs = kafka_libs_dir()
     sec = StackSecurity(security_mode(security), workdir / "security")
     sec.generate()
-    k = KafkaLayout(
-        root=workdir / "kafka", port=free_port(), controller_port=free_port(), security=sec
-    )
-    k.data.mkdir(parents=True, exist_ok=True)
-    k.logs.mkdir(parents=True, exist_ok=True)
+    nodes = _kafka_layouts(workdir, sec, kafka_nodes)
+    for k in nodes:
+        k.data.mkdir(parents=True, exist_ok=True)
+        k.logs.mkdir(parents=True, exist_ok=True)
+    bootstrap = ",".join(k.bootstrap for k in nodes)
     redis_port = free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
 
     # Redis first: it is up in milliseconds and runs while the storage-format JVM starts.
     redis_proc = start_redis(workdir / "redis", redis_port, sec)
-    kafka_proc: subprocess.Popen[bytes] | None = None
     stack: LocalStack | None = None
     try:
-        write_kafka_properties(k)
-        format_kafka_storage(libs, k)
-        kafka_proc = start_kafka(libs, k)
+        cluster_id = kafka_cluster_id()
+        for k in nodes:
+            write_kafka_properties(k)
+            format_kafka_storage(libs, k, cluster_id)
+        procs = [start_kafka(libs, k) for k in nodes]
         stack = LocalStack(
-            kafka_bootstrap=k.bootstrap,
+            kafka_bootstrap=bootstrap,
             redis_url=redis_url,
             workdir=workdir,
-            kafka_pid=kafka_proc.pid,
+            kafka_pid=procs[0].pid,
             redis_pid=redis_proc.pid,
             security_mode=sec.mode,
+            other_kafka_pids=tuple(p.pid for p in procs[1:]),
         )
         if stop_at_exit:
             _remember(stack)
-        while not port_open(k.port):
-            if kafka_proc.poll() is not None:
-                raise LocalStackError(f"Kafka exited with code {kafka_proc.returncode}")
+        while not all(port_open(k.port) for k in nodes):
+            for proc in procs:
+                if proc.poll() is not None:
+                    raise LocalStackError(f"Kafka exited with code {proc.returncode}")
             if redis_proc.poll() is not None:
                 raise LocalStackError(f"redis-server exited with code {redis_proc.returncode}")
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"Kafka did not listen on {k.bootstrap} in {timeout_s}s")
+                raise TimeoutError(f"Kafka did not listen on {bootstrap} in {timeout_s}s")
             time.sleep(0.05)
-        kafka_ready(k.bootstrap, deadline, sec.login())
+        kafka_ready(bootstrap, deadline, sec.login(), brokers=kafka_nodes)
         redis_ready(redis_url, deadline, sec)
     except BaseException as exc:
         if stack is not None:
@@ -213,12 +227,32 @@ def start_stack(
             signal_group(redis_proc.pid, signal.SIGKILL)
             wait_gone(redis_proc.pid, time.monotonic() + 5.0)
         if isinstance(exc, Exception):
+            tails = "\n".join(k.log_tails() for k in nodes)
             raise LocalStackError(
-                f"local stack failed to start in {workdir}: {exc}\n{k.log_tails()}\n"
+                f"local stack failed to start in {workdir}: {exc}\n{tails}\n"
                 f"--- redis ---\n{tail(workdir / 'redis' / 'redis.log', 20)}"
             ) from exc
         raise
     return stack
+
+
+def _kafka_layouts(workdir: Path, sec: StackSecurity, count: int) -> list[KafkaLayout]:
+    """Node 1 in ``kafka/`` (where a one-node stack has always kept it), node i in ``kafka-<i>/``,
+    every node voting in the cluster's controller quorum."""
+    ports = [(free_port(), free_port()) for _ in range(count)]
+    voters = ",".join(f"{i}@127.0.0.1:{c}" for i, (_p, c) in enumerate(ports, start=1))
+    return [
+        KafkaLayout(
+            root=workdir / ("kafka" if i == 1 else f"kafka-{i}"),
+            port=port,
+            controller_port=controller,
+            security=sec,
+            node_id=i,
+            voters=voters,
+            nodes=count,
+        )
+        for i, (port, controller) in enumerate(ports, start=1)
+    ]
 
 
 @contextlib.contextmanager
@@ -253,6 +287,7 @@ def _load_cli_stack() -> LocalStack | None:
         kafka_pid=int(data["kafka_pid"]),
         redis_pid=int(data["redis_pid"]),
         security_mode=security_mode(data.get("security", "sasl")),
+        other_kafka_pids=tuple(int(p) for p in data.get("other_kafka_pids", [])),
     )
 
 

@@ -261,11 +261,17 @@ def consume_batch(c: Consumer, max_n: int, timeout_s: float) -> list[Message]:
 
 
 def ensure_topics(client: AdminClient, specs: Iterable[TopicSpec], timeout_s: float = 30) -> None:
-    """Create missing topics with their explicit partition counts; existing ones are left alone."""
+    """Create missing topics with their explicit partition counts; existing ones are left alone.
+
+    Each gets as many copies as the cluster's ``default.replication.factor`` (and so its
+    ``min.insync.replicas``) says: one on the one-node local stack, three on a cluster of three
+    (tests/integration/test_kafka_cluster.py), where KSB's records, committed with ``acks=all``,
+    outlive a broker. A fixed factor of 1 would have left every KSB topic on a single broker of
+    a cluster, unreadable while it is down and gone with its disk."""
     wanted = list(specs)
     existing = set(client.list_topics(timeout=timeout_s).topics)
     new = [
-        NewTopic(s.name, num_partitions=s.partitions, replication_factor=1, config=dict(s.config))
+        NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1, config=dict(s.config))
         for s in wanted
         if s.name not in existing
     ]

@@ -1,0 +1,128 @@
+"""KSB on a Kafka cluster of three brokers, secured as the one-node stack is: every topic KSB makes
+has a copy on each broker, and a broker SIGKILLed under load loses nothing.
+
+Where a team outgrows one machine, KSB runs on Kafka's own replication, not on anything of its
+own: its topics take the cluster's ``default.replication.factor`` (three here, two in sync before a
+write is acknowledged; `devtools.kafka_node.replication_settings`), and its dispatchers, readers
+and senders ride out a lost broker the way any Kafka client does, by following the partitions'
+new leaders. The test keeps the same invariants as the scale-out tests: every message delivered
+once, in its dialog's order, none left to receive.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.e2e import Tally, bench_catalog, run_ksb
+from devtools.deployment import Deployment, secure_instance, stack_fields
+from devtools.dispatchers import DispatcherPool
+from devtools.localstack import LocalStack, start_stack
+from devtools.processes import signal_group, wait_gone
+from ksb.names import Names
+from ksb.runtime import kafka
+from ksb.runtime.catalog_store import apply_catalog
+from ksb.security.principals import ADMIN
+
+pytestmark = pytest.mark.integration
+
+BROKERS = 3
+SHARDS = 4
+DIALOGS = 300
+MESSAGES = 12_000
+KILL_AT = 0.3
+"""The broker dies once this share of the messages has been delivered."""
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    stack = start_stack(tmp_path_factory.mktemp("cluster"), kafka_nodes=BROKERS, timeout_s=240)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+@pytest.fixture
+def instance(cluster: LocalStack) -> Deployment:
+    base = Deployment.model_validate(
+        {
+            "instance": f"kc{uuid.uuid4().hex[:8]}",
+            "kafka_bootstrap": cluster.kafka_bootstrap,
+            "redis_url": cluster.redis_url,
+            "request_partitions": SHARDS,
+            "lock_ttl_ms": 30_000,
+            **stack_fields(cluster.security),
+        }
+    )
+    s = secure_instance(base)
+    apply_catalog(s, bench_catalog(SHARDS))
+    return s
+
+
+def _replicas(settings: Deployment) -> dict[str, list[tuple[int, int]]]:
+    """(replicas, in sync) of each partition of each of the instance's topics."""
+    admin = kafka.admin(settings.as_principal(ADMIN))
+    prefix = Names(settings.instance).prefix
+    topics = admin.list_topics(timeout=30).topics
+    return {
+        name: [(len(p.replicas), len(p.isrs)) for p in t.partitions.values()]
+        for name, t in topics.items()
+        if name.startswith(prefix)
+    }
+
+
+def test_every_topic_has_a_copy_on_each_broker(instance: Deployment) -> None:
+    replicas = _replicas(instance)
+    assert len(replicas) >= 5, replicas  # requests, endpoints, the queues, errors, ...
+    assert all(r == (BROKERS, BROKERS) for parts in replicas.values() for r in parts), replicas
+
+
+def test_a_broker_killed_under_load_loses_nothing(
+    cluster: LocalStack, instance: Deployment, tmp_path: Path
+) -> None:
+    victim = cluster.other_kafka_pids[-1]
+    tally = Tally(expected=MESSAGES)
+    failures: list[BaseException] = []
+    killed_at: list[int] = []
+
+    def kill() -> None:
+        try:
+            while tally.delivered < KILL_AT * MESSAGES and not tally.done.is_set():
+                time.sleep(0.05)
+            assert not tally.done.is_set(), "the run ended before the broker was killed"
+            killed_at.append(tally.delivered)
+            signal_group(victim, signal.SIGKILL)
+            assert wait_gone(victim, time.monotonic() + 30)
+        except BaseException as exc:
+            failures.append(exc)
+
+    with DispatcherPool(instance, tmp_path).start(2):
+        killer = threading.Thread(target=kill, daemon=True)
+        killer.start()
+        result = run_ksb(
+            instance,
+            dialogs=DIALOGS,
+            messages=MESSAGES,
+            body_bytes=64,
+            receivers=2,
+            window=16,
+            top=None,
+            probes=0,
+            timeout_s=300,
+            tally=tally,
+        )
+        killer.join(60)
+    assert not failures, failures
+    assert killed_at and killed_at[0] < MESSAGES, killed_at
+    assert result.problems == ()
+    assert result.verified and result.rate.messages == MESSAGES
+    # Two copies of every partition are left, and in sync: writes go on being acknowledged.
+    after = _replicas(instance)
+    assert all(isr >= BROKERS - 1 for parts in after.values() for _n, isr in parts), after
