@@ -8,7 +8,7 @@ and reaps the configured shell commands. A faust timer keeps each queue's minimu
 Why faust: the events are a plain keyed stream, and a faust agent gives the consumer group, offset
 commits after processing, rebalancing and a supervised actor for free. No tables are used, so faust
 creates no changelog topics; its only internal topic (the assignor's leader topic) is created with
-replication factor 1, which the one-broker stack needs.
+``KSB_FAUST_REPLICATION_FACTOR`` copies (1, which the one-broker stack needs, by default).
 
 Delivery is at least once: a record re-read after a crash can start one extra command, still
 within ``max``. A fresh consumer group starts at the earliest offset on purpose: the activation
@@ -211,7 +211,7 @@ def build_app(
         broker_credentials=faust_credentials(settings),
         store="memory://",
         web_enabled=False,
-        topic_replication_factor=1,
+        topic_replication_factor=settings.faust_replication_factor,
         topic_partitions=partitions,
         datadir=datadir,
         autodiscover=False,

@@ -311,6 +311,11 @@ class ExternalActivatorSettings(ServiceSettings):
     """The YAML file of per-queue reader commands."""
     lock_ttl_ms: int = Field(30_000, ge=100)
     """Passed to the readers it starts."""
+    faust_replication_factor: int = Field(1, ge=1)
+    """Copies of faust's own internal topic (its assignor's leader topic, which holds no
+    records). faust creates topics with a protocol version that cannot ask for the cluster's
+    default, as KSB's other topics do: on a cluster of three brokers, set it to 3 so the
+    activator does not depend on one broker."""
 
 
 class SparkSettings(KsbSettings):

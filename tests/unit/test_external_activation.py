@@ -17,6 +17,8 @@ from ksb.activation.external import (
     parse_event,
 )
 from ksb.errors import CatalogError, ProtocolError
+from ksb.settings import ExternalActivatorSettings
+from services.external_activator.service import ReaderSupervisor, build_app
 
 INSTANCE = "i1"
 
@@ -171,3 +173,21 @@ def test_disabled_queue_starts_nothing_until_an_activation_event_re_enables_it()
     # The activation service only sends QUEUE_ACTIVATION for an enabled queue.
     assert p.on_event(event(), running=0).start == 1 and not p.disabled("Q")
     assert p.keep_minimum("Q", running=0, now_ms=0).start == 1
+
+
+# -- the faust app -----------------------------------------------------------------------------
+@pytest.mark.parametrize("copies", [1, 3])
+def test_fausts_own_topic_gets_the_copies_the_deployment_asks_for(
+    copies: int, tmp_path: Path
+) -> None:
+    settings = ExternalActivatorSettings(
+        instance=INSTANCE,
+        kafka_bootstrap="127.0.0.1:9",
+        kafka_security_protocol="PLAINTEXT",
+        faust_replication_factor=copies,
+    )
+    app = build_app(
+        settings, ReaderSupervisor(settings, planner()), partitions=4, datadir=str(tmp_path)
+    )
+    assert app.conf.topic_replication_factor == copies
+    assert app.conf.topic_partitions == 4
