@@ -12,7 +12,6 @@ once, in its dialog's order, none left to receive.
 from __future__ import annotations
 
 import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.e2e import Tally, bench_catalog, run_ksb
+from bench.e2e import Tally, bench_catalog
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStack, start_stack
@@ -29,13 +28,13 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.security.principals import ADMIN
+from tests.integration.faulted_load import Load, assert_exactly_once_in_order, run_with_fault
 
 pytestmark = pytest.mark.integration
 
 BROKERS = 3
 SHARDS = 4
-DIALOGS = 300
-MESSAGES = 12_000
+LOAD = Load(messages=12_000, dialogs=300, receivers=2, timeout_s=300)
 KILL_AT = 0.3
 """The broker dies once this share of the messages has been delivered."""
 
@@ -88,41 +87,17 @@ def test_a_broker_killed_under_load_loses_nothing(
     cluster: LocalStack, instance: Deployment, tmp_path: Path
 ) -> None:
     victim = cluster.other_kafka_pids[-1]
-    tally = Tally(expected=MESSAGES)
-    failures: list[BaseException] = []
     killed_at: list[int] = []
 
-    def kill() -> None:
-        try:
-            while tally.delivered < KILL_AT * MESSAGES and not tally.done.is_set():
-                time.sleep(0.05)
-            assert not tally.done.is_set(), "the run ended before the broker was killed"
-            killed_at.append(tally.delivered)
-            signal_group(victim, signal.SIGKILL)
-            assert wait_gone(victim, time.monotonic() + 30)
-        except BaseException as exc:
-            failures.append(exc)
+    def kill(tally: Tally) -> None:
+        killed_at.append(tally.delivered)
+        signal_group(victim, signal.SIGKILL)
+        assert wait_gone(victim, time.monotonic() + 30)
 
     with DispatcherPool(instance, tmp_path).start(2):
-        killer = threading.Thread(target=kill, daemon=True)
-        killer.start()
-        result = run_ksb(
-            instance,
-            dialogs=DIALOGS,
-            messages=MESSAGES,
-            body_bytes=64,
-            receivers=2,
-            window=16,
-            top=None,
-            probes=0,
-            timeout_s=300,
-            tally=tally,
-        )
-        killer.join(60)
-    assert not failures, failures
-    assert killed_at and killed_at[0] < MESSAGES, killed_at
-    assert result.problems == ()
-    assert result.verified and result.rate.messages == MESSAGES
+        result, failures = run_with_fault(instance, LOAD, kill, KILL_AT)
+    assert_exactly_once_in_order(result, failures, LOAD)
+    assert killed_at and killed_at[0] < LOAD.messages, killed_at
     # Two copies of every partition are left, and in sync: writes go on being acknowledged.
     after = _replicas(instance)
     assert all(isr >= BROKERS - 1 for parts in after.values() for _n, isr in parts), after

@@ -10,9 +10,8 @@ refused, nothing left to receive.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,23 +24,21 @@ from bench.e2e import (
     MESSAGE_TYPE,
     TARGET,
     TARGET_QUEUE,
-    KsbResult,
     Tally,
     bench_catalog,
-    run_ksb,
 )
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
 from ksb.dialog.shards import shard_of
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
+from tests.integration.faulted_load import Load, assert_exactly_once_in_order, run_with_fault
 from tests.integration.support import endpoints, queue_receipts
 
 pytestmark = pytest.mark.integration
 
 SHARDS = 6
-DIALOGS = 1_000
-MESSAGES = 100_000
+LOAD = Load(messages=100_000, dialogs=1_000)
 FAULT_AT = 0.3
 """The fault comes once this share of the messages has been delivered."""
 
@@ -64,47 +61,6 @@ def pool(scaled: Deployment, tmp_path: Path) -> Iterator[DispatcherPool]:
         yield p
 
 
-def run_with_fault(
-    scaled: Deployment, fault: Callable[[Tally], None], at: float = FAULT_AT
-) -> tuple[KsbResult, list[BaseException]]:
-    """The workload, with `fault` run once the share `at` of it has been delivered."""
-    tally = Tally(expected=MESSAGES)
-    failures: list[BaseException] = []
-
-    def inject() -> None:
-        try:
-            while tally.delivered < at * MESSAGES and not tally.done.is_set():
-                time.sleep(0.05)
-            assert not tally.done.is_set(), "the run ended before the fault"
-            fault(tally)
-        except BaseException as exc:
-            failures.append(exc)
-
-    injector = threading.Thread(target=inject, daemon=True)
-    injector.start()
-    result = run_ksb(
-        scaled,
-        dialogs=DIALOGS,
-        messages=MESSAGES,
-        body_bytes=64,
-        receivers=4,
-        window=16,
-        top=None,
-        probes=0,
-        timeout_s=600,
-        tally=tally,
-    )
-    injector.join(120)
-    return result, failures
-
-
-def assert_exactly_once_in_order(result: KsbResult, failures: list[BaseException]) -> None:
-    assert not failures, failures
-    assert result.problems == ()
-    assert result.verified and result.rate.messages == MESSAGES
-    assert result.refused == 0 and result.lock_lost == 0
-
-
 def test_a_killed_dispatchers_shards_move_to_the_others(
     scaled: Deployment, pool: DispatcherPool
 ) -> None:
@@ -117,8 +73,8 @@ def test_a_killed_dispatchers_shards_move_to_the_others(
         # KSB's assignor: the survivors keep what they had (Kafka's range moved their shards).
         assert before["d1"] <= after["d1"] and before["d3"] <= after["d3"], (before, after)
 
-    result, failures = run_with_fault(scaled, kill)
-    assert_exactly_once_in_order(result, failures)
+    result, failures = run_with_fault(scaled, LOAD, kill, FAULT_AT)
+    assert_exactly_once_in_order(result, failures, LOAD)
 
 
 def test_a_paused_dispatcher_commits_nothing_once_its_shards_moved(
@@ -130,8 +86,8 @@ def test_a_paused_dispatcher_commits_nothing_once_its_shards_moved(
         assert set(pool.owned()) == {"d1", "d3"}
         pool.resume("d2")  # a zombie: its transaction, if one was open, must not commit
 
-    result, failures = run_with_fault(scaled, pause)
-    assert_exactly_once_in_order(result, failures)
+    result, failures = run_with_fault(scaled, LOAD, pause, FAULT_AT)
+    assert_exactly_once_in_order(result, failures, LOAD)
     log = pool.members["d2"].log_text()
     # It learnt it was out of the group (its shards lost, or its transaction refused) before it
     # took part again.
@@ -150,10 +106,10 @@ def test_a_fourth_dispatcher_joins_mid_stream_and_takes_a_share(
         assert all(after[m] <= before[m] for m in before), (before, after)
         # It is in while work is left to do (a process takes seconds to start and join, so it
         # is started early).
-        assert tally.delivered < MESSAGES, tally.delivered
+        assert tally.delivered < LOAD.messages, tally.delivered
 
-    result, failures = run_with_fault(scaled, add, at=0.02)
-    assert_exactly_once_in_order(result, failures)
+    result, failures = run_with_fault(scaled, LOAD, add, at=0.02)
+    assert_exactly_once_in_order(result, failures, LOAD)
     owned = pool.owned()
     assert len(owned) == 4 and all(owned.values())
     pool.stop()
