@@ -1,5 +1,6 @@
 """KSB on a Kafka cluster of three brokers, secured as the one-node stack is: every topic KSB makes
-has a copy on each broker, and a broker SIGKILLed under load loses nothing.
+has a copy on each broker, and the broker coordinating the dispatchers' group, SIGKILLed under
+load, loses nothing.
 
 Where a team outgrows one machine, KSB runs on Kafka's own replication, not on anything of its
 own: its topics take the cluster's ``default.replication.factor`` (three here, two in sync before a
@@ -83,21 +84,34 @@ def test_every_topic_has_a_copy_on_each_broker(instance: Deployment) -> None:
     assert all(r == (BROKERS, BROKERS) for parts in replicas.values() for r in parts), replicas
 
 
-def test_a_broker_killed_under_load_loses_nothing(
+def _coordinator(settings: Deployment) -> int:
+    """The node id of the broker coordinating the dispatchers' consumer group."""
+    admin = kafka.admin(settings.as_principal(ADMIN))
+    group = Names(settings.instance).dispatcher_group
+    described = admin.describe_consumer_groups([group])[group].result(30)
+    return int(described.coordinator.id)
+
+
+def test_the_broker_coordinating_the_dispatchers_killed_under_load_loses_nothing(
     cluster: LocalStack, instance: Deployment, tmp_path: Path
 ) -> None:
-    victim = cluster.other_kafka_pids[-1]
-    killed_at: list[int] = []
+    """The hardest broker to lose: besides leading a third of the partitions, it holds the
+    dispatchers' group, so the members must find its new coordinator and keep their shards while
+    their transactions to the dead broker time out and are redone."""
+    killed: list[tuple[int, int]] = []
 
     def kill(tally: Tally) -> None:
-        killed_at.append(tally.delivered)
-        signal_group(victim, signal.SIGKILL)
-        assert wait_gone(victim, time.monotonic() + 30)
+        node = _coordinator(instance)
+        killed.append((node, tally.delivered))
+        pid = cluster.kafka_pids[node - 1]
+        signal_group(pid, signal.SIGKILL)
+        assert wait_gone(pid, time.monotonic() + 30)
 
     with DispatcherPool(instance, tmp_path).start(2):
         result, failures = run_with_fault(instance, LOAD, kill, KILL_AT)
-    assert_exactly_once_in_order(result, failures, LOAD)
-    assert killed_at and killed_at[0] < LOAD.messages, killed_at
+        assert_exactly_once_in_order(result, failures, LOAD)
+        assert killed and killed[0][1] < LOAD.messages, killed
+        assert _coordinator(instance) != killed[0][0]  # the group lives on another broker
     # Two copies of every partition are left, and in sync: writes go on being acknowledged.
     after = _replicas(instance)
     assert all(isr >= BROKERS - 1 for parts in after.values() for _n, isr in parts), after
