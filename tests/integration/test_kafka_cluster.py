@@ -96,8 +96,8 @@ def test_the_broker_coordinating_the_dispatchers_killed_under_load_loses_nothing
     cluster: LocalStack, instance: Deployment, tmp_path: Path
 ) -> None:
     """The hardest broker to lose: besides leading a third of the partitions, it holds the
-    dispatchers' group, so the members must find its new coordinator and keep their shards while
-    their transactions to the dead broker time out and are redone."""
+    dispatchers' group, so the members must find its new coordinator and be given their shards
+    again while their transactions to the dead broker time out and are redone."""
     killed: list[tuple[int, int]] = []
 
     def kill(tally: Tally) -> None:
