@@ -17,6 +17,9 @@ __all__ = ["Load", "assert_exactly_once_in_order", "run_with_fault"]
 
 @dataclass(frozen=True)
 class Load:
+    """The benchmark's load shape (`bench.e2e.run_ksb`): `messages` over `dialogs`, received by
+    `receivers` threads with `window` commits in flight each, small bodies."""
+
     messages: int
     dialogs: int
     receivers: int = 4
