@@ -14,7 +14,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +34,7 @@ __all__ = [
     "Tally",
     "bench_catalog",
     "check_run",
+    "fault_at",
     "receive_batch",
     "run_ksb",
     "start_receivers",
@@ -422,3 +423,31 @@ def check_run(tally: Tally, receiver: KsbClient, dialogs: int, per_dialog: int) 
 def _record_outcome(tally: Any, batch: list[tuple[int, int, int]], fut: Future[Any]) -> None:
     """A commit's outcome, bound to its batch (a named function so its type is known)."""
     tally.outcome(fut, batch)
+
+
+@contextlib.contextmanager
+def fault_at(
+    tally: Tally, at: float, fault: Callable[[Tally], None], *, join_s: float = 130
+) -> Iterator[list[BaseException]]:
+    """Run `fault` in a thread of its own once the share `at` of `tally`'s expected messages has
+    been delivered, beside the `run_ksb` of the ``with`` block (the failover section, the
+    scale-out and Kafka-cluster tests). Yields the list that receives what the fault raised,
+    including that the run ended before it came."""
+    failures: list[BaseException] = []
+
+    def inject() -> None:
+        try:
+            while tally.delivered < at * tally.expected and not tally.done.is_set():
+                time.sleep(0.01)
+            if tally.done.is_set():
+                raise RuntimeError("the run ended before the fault")
+            fault(tally)
+        except BaseException as exc:
+            failures.append(exc)
+
+    injector = threading.Thread(target=inject, name="bench-fault", daemon=True)
+    injector.start()
+    try:
+        yield failures
+    finally:
+        injector.join(join_s)

@@ -26,13 +26,11 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import Tally, bench_catalog, run_ksb
+from bench.e2e import Tally, bench_catalog, fault_at, run_ksb
 from bench.scaling import sharded_instance
 from bench.stats import now_ns
 from devtools.deployment import Deployment
@@ -79,42 +77,32 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
     apply_catalog(settings, bench_catalog(opts.shards))
     tally = Tally(expected=opts.messages, keep_times=True)
     kill: dict[str, Any] = {}
-    failures: list[BaseException] = []
     with DispatcherPool(settings, workdir / f"failover-{limit}") as pool:
         pool.start(opts.dispatchers)
 
-        def inject() -> None:
-            try:
-                while tally.delivered < opts.kill_at * tally.expected and not tally.done.is_set():
-                    time.sleep(0.01)
-                if tally.done.is_set():
-                    raise RuntimeError("the run ended before the kill")
-                kill["owned"] = pool.owned()
-                kill["logged"] = {n: len(p.log_text()) for n, p in pool.members.items()}
-                kill["ns"] = now_ns()
-                kill["delivered"] = tally.delivered
-                pool.kill(opts.victim)
-                pool.wait_settled(120)
-                kill["settled_ns"] = now_ns()
-            except BaseException as exc:
-                failures.append(exc)
+        def kill_victim(_tally: Tally) -> None:
+            kill["owned"] = pool.owned()
+            kill["logged"] = {n: len(p.log_text()) for n, p in pool.members.items()}
+            kill["ns"] = now_ns()
+            kill["delivered"] = tally.delivered
+            pool.kill(opts.victim)
+            pool.wait_settled(120)
+            kill["settled_ns"] = now_ns()
 
-        injector = threading.Thread(target=inject, name="bench-failover-kill", daemon=True)
-        injector.start()
-        result = run_ksb(
-            settings,
-            dialogs=opts.dialogs,
-            messages=opts.messages,
-            body_bytes=opts.body_bytes,
-            receivers=opts.receivers,
-            window=opts.window,
-            top=None,
-            probes=0,
-            timeout_s=opts.timeout_s,
-            tally=tally,
-            rate=opts.rate,
-        )
-        injector.join(130)
+        with fault_at(tally, opts.kill_at, kill_victim) as failures:
+            result = run_ksb(
+                settings,
+                dialogs=opts.dialogs,
+                messages=opts.messages,
+                body_bytes=opts.body_bytes,
+                receivers=opts.receivers,
+                window=opts.window,
+                top=None,
+                probes=0,
+                timeout_s=opts.timeout_s,
+                tally=tally,
+                rate=opts.rate,
+            )
         owned_after = pool.owned()
         logged_at_end = {n: len(p.log_text()) for n, p in pool.members.items()}
         pool.stop()

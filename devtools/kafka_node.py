@@ -120,8 +120,11 @@ class KafkaLayout:
     node_id: int = 1
     voters: str = ""
     """The cluster's ``controller.quorum.voters`` (``id@host:port,...``); empty: this node alone."""
-    nodes: int = 1
-    """How many nodes the cluster has (`replication_settings`)."""
+
+    @property
+    def nodes(self) -> int:
+        """How many nodes the cluster has: every node votes (`replication_settings`)."""
+        return len(self.voters.split(",")) if self.voters else 1
 
     @property
     def data(self) -> Path:

@@ -249,7 +249,6 @@ def _kafka_layouts(workdir: Path, sec: StackSecurity, count: int) -> list[KafkaL
             security=sec,
             node_id=i,
             voters=voters,
-            nodes=count,
         )
         for i, (port, controller) in enumerate(ports, start=1)
     ]

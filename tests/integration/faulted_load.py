@@ -4,12 +4,10 @@ Kafka-cluster test (a broker killed) share."""
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from bench.e2e import KsbResult, Tally, run_ksb
+from bench.e2e import KsbResult, Tally, fault_at, run_ksb
 from devtools.deployment import Deployment
 
 __all__ = ["Load", "assert_exactly_once_in_order", "run_with_fault"]
@@ -30,35 +28,22 @@ class Load:
 def run_with_fault(
     settings: Deployment, load: Load, fault: Callable[[Tally], None], at: float
 ) -> tuple[KsbResult, list[BaseException]]:
-    """The load, with `fault` run (in a thread of its own) once the share `at` of its messages
-    has been delivered; what the fault raised is returned beside the result."""
+    """The load, with `fault` run once the share `at` of its messages has been delivered
+    (`bench.e2e.fault_at`); what the fault raised is returned beside the result."""
     tally = Tally(expected=load.messages)
-    failures: list[BaseException] = []
-
-    def inject() -> None:
-        try:
-            while tally.delivered < at * load.messages and not tally.done.is_set():
-                time.sleep(0.05)
-            assert not tally.done.is_set(), "the run ended before the fault"
-            fault(tally)
-        except BaseException as exc:
-            failures.append(exc)
-
-    injector = threading.Thread(target=inject, daemon=True)
-    injector.start()
-    result = run_ksb(
-        settings,
-        dialogs=load.dialogs,
-        messages=load.messages,
-        body_bytes=64,
-        receivers=load.receivers,
-        window=load.window,
-        top=None,
-        probes=0,
-        timeout_s=load.timeout_s,
-        tally=tally,
-    )
-    injector.join(120)
+    with fault_at(tally, at, fault) as failures:
+        result = run_ksb(
+            settings,
+            dialogs=load.dialogs,
+            messages=load.messages,
+            body_bytes=64,
+            receivers=load.receivers,
+            window=load.window,
+            top=None,
+            probes=0,
+            timeout_s=load.timeout_s,
+            tally=tally,
+        )
     return result, failures
 
 

@@ -43,7 +43,6 @@ def test_a_cluster_node_names_itself_and_the_whole_quorum(tmp_path: Path) -> Non
         security=StackSecurity("plaintext", tmp_path / "security"),
         node_id=2,
         voters=voters,
-        nodes=3,
     )
     write_kafka_properties(node)
     props = _properties(node.properties)
