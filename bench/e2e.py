@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.stats import LatencySummary, Rate, make_body, now_ns, parse_body, summarize
+from bench.stuck import stuck_report
 from devtools.deployment import Deployment
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.errors import KsbError
@@ -156,6 +157,16 @@ class Tally:
             self.last_ns = now
             if self.delivered >= self.expected:
                 self.done.set()
+
+    def short_of(self, per_dialog: int) -> dict[int, tuple[int, str]]:
+        """The dialogs that have not had `per_dialog` messages in order: dialog number ->
+        (how many they had, handle)."""
+        with self.lock:
+            return {
+                d: (self.next_seq.get(d, 0), h)
+                for d, h in enumerate(self.handles)
+                if self.next_seq.get(d, 0) != per_dialog
+            }
 
     def _problem(self, text: str) -> None:
         if len(self.problems) < 20:
@@ -327,7 +338,12 @@ def run_ksb(
             on_load(True)
         try:
             _send_all(sender, dialogs, per_dialog, body_bytes, marks, tally.handles, rate)
-            _wait_done(tally, stop, timeout_s)
+            try:
+                _wait_done(tally, stop, timeout_s)
+            except TimeoutError as exc:
+                short = tally.short_of(per_dialog)
+                report = stuck_report(receiver, TARGET_QUEUE, short)
+                raise TimeoutError(f"{exc}; problems {tally.problems[:5]}; {report}") from exc
         finally:
             if on_load is not None:
                 on_load(False)

@@ -22,7 +22,7 @@ class Load:
     dialogs: int
     receivers: int = 4
     window: int = 16
-    timeout_s: float = 600
+    timeout_s: float = 200
 
 
 def run_with_fault(

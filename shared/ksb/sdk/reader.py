@@ -411,6 +411,20 @@ class QueueReader:
         """The group's queue partition: its shard's, in a queue co-partitioned with the shards."""
         return partition_for(group, self.partitions)
 
+    def describe(self) -> str:
+        """What this reader holds now, for a report on a run that stopped short: commits
+        waiting for an outcome (request id, group, fencing token), groups locked, and the
+        messages the index counts ready."""
+        with self._cond:
+            pending = [
+                f"{rid} on {lease.group} (token {lease.token})"
+                for rid, (lease, _f) in list(self._pending.items())[:10]
+            ]
+            return (
+                f"{len(self._pending)} commits waiting [{', '.join(pending)}], "
+                f"{len(self.held)} groups held, {self.index.ready_messages} messages ready"
+            )
+
     def wait_idle(self, timeout_s: float = 30.0) -> None:
         """Block until every commit this reader sent has its outcome."""
         deadline = time.monotonic() + timeout_s
