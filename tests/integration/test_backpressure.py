@@ -73,3 +73,35 @@ def test_a_fast_sender_never_has_more_than_its_limit_unapplied(
     finally:
         probe.close()
     assert max(lags) <= limit, lags
+
+
+def test_a_commit_back_pressure_refuses_lets_its_group_go(
+    settings: Deployment, catalog: Catalog
+) -> None:
+    limited = settings.model_copy(
+        update={"max_inflight_requests": 2, "backpressure_timeout_s": 0.5}
+    )
+    d = ThreadDispatcher(limited)
+    with KsbClient(limited) as client:
+        h = client.begin_dialog(I, T, C)
+        client.send(h, "//t/Request", json.dumps({"n": 0}))
+        client.flush()
+        tx = client.transaction()
+        first = tx.receive("TargetQueue", waitfor_ms=10_000)
+        assert len(first) == 1
+        d.stop()
+        for n in (1, 2):  # nobody applies these: the client is at its limit
+            client.send(h, "//t/Request", json.dumps({"n": n}))
+        with pytest.raises(BackpressureTimeout):
+            tx.commit_async()
+        reader = client.reader("TargetQueue")
+        assert reader.describe().startswith("0 commits waiting [], 0 groups held")
+        group = first[0].conversation_group_id
+        assert reader.locks.holder_of(group) is None  # free for the next RECEIVE, not renewed
+        d = ThreadDispatcher(limited)
+        try:
+            d.wait_owning_every_shard()  # joined and rebuilt: the client's 0.5 s is for applying
+            got = receive_all(client, "TargetQueue", 3)
+            assert [json.loads(m.message_body)["n"] for m in got] == [0, 1, 2]
+        finally:
+            d.stop()

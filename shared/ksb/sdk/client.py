@@ -421,9 +421,17 @@ class Transaction:
         key = receipt.group if receipt else self._client.groups.of(_action_key(self._actions[0]))
         if receipt is None or self._reader is None or self._lease is None:
             return self._client._produce(req, key)
-        outcome: Future[CommitOutcome] = self._reader.expect_outcome(req.request_id, self._lease)
-        delivered = self._client._produce(req, key)
         reader, lease, rid = self._reader, self._lease, req.request_id
+        outcome: Future[CommitOutcome] = reader.expect_outcome(rid, lease)
+        try:
+            delivered = self._client._produce(req, key)
+        except BaseException:
+            # Not sent (back-pressure timed out, the producer's queue is full): no outcome will
+            # come, so the commit stops waiting and the group is let go. Left waiting, its lock
+            # was renewed for as long as the reader lived and its messages never came back.
+            reader.forget(rid)
+            reader.release(lease, None)
+            raise
 
         def on_delivery(f: Future[None]) -> None:
             if f.exception() is not None:
