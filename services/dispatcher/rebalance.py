@@ -59,6 +59,8 @@ STABLE_PROBE_S = 0.05
 """How long one look at a waiting shard's committed offsets may block the loop."""
 STABLE_RETRY_S = 0.1
 """How often a waiting shard's committed offsets are looked at."""
+RESUME_TIMEOUT_S = 10.0
+"""How long the loop may wait for the committed offsets a resumed partition is sought to."""
 
 
 class AssignmentFailed(RuntimeError):
@@ -161,7 +163,7 @@ class ShardKeeper:
         self._note_committed(committed)
         new = sorted(self._new_shards(partitions))
         if not new:
-            consumer.resume(partitions)
+            self._resume(consumer, partitions)
             return
         self._start(consumer, new, partitions)
 
@@ -196,10 +198,30 @@ class ShardKeeper:
         changed meanwhile has them rebuilt again, with the new one."""
         rebuild, partitions = self._end_rebuild()
         if self._own(rebuild, "assigned"):
-            consumer.resume(partitions)
+            self._resume(consumer, partitions)
             return
         log.info("shards %s rebuilt under an older catalog; rebuilding them again", rebuild.shards)
         self._wait(partitions)
+
+    def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Resume partitions paused since they were given, each from its committed offset (its
+        beginning where none is), sought explicitly: librdkafka can drop the start of a
+        partition paused right after it was assigned, as `on_assign` does (librdkafka issues
+        2190 and 5591, both open), and the partition then never fetches again, with no error.
+        A scale-out test hung that way once in CI: ownership settled, nothing failed, and the
+        readers waited minutes for messages of one shard. A seek after resuming is librdkafka's
+        own advice; its newer version makes the lost start stale whichever order they come in."""
+        consumer.resume(partitions)
+        try:
+            committed = consumer.committed(partitions, timeout=RESUME_TIMEOUT_S)
+        except KafkaException as exc:
+            log.warning("partitions %s resumed without a seek: %s", _named(partitions), exc)
+            return
+        for tp in rewind_to(committed):
+            try:
+                consumer.seek(tp)
+            except KafkaException as exc:
+                log.warning("%s resumed without a seek: %s", _named([tp]), exc)
 
     def _own(self, rebuild: ShardRebuild, what: str) -> bool:
         """Own what an ended `rebuild` read, if the coordinator still counts its shards as this

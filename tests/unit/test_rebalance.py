@@ -72,6 +72,8 @@ class _Consumer:
     def __init__(self, committed: dict[tuple[str, int], int]) -> None:
         self.assigned: list[tuple[str, int]] = []
         self.paused: set[tuple[str, int]] = set()
+        self.resumed: list[tuple[str, int]] = []
+        self.sought: list[tuple[str, int, int]] = []
         self.stable = True
         """False: a previous owner's transaction holds the offsets (`committed` times out)."""
         self.asked = 0
@@ -88,6 +90,11 @@ class _Consumer:
 
     def resume(self, partitions: list[TopicPartition]) -> None:
         self.paused -= {(tp.topic, tp.partition) for tp in partitions}
+        self.resumed += [(tp.topic, tp.partition) for tp in partitions]
+
+    def seek(self, tp: TopicPartition) -> None:
+        assert (tp.topic, tp.partition) in self.resumed, "sought before it was resumed"
+        self.sought.append((tp.topic, tp.partition, tp.offset))
 
     def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
         self.asked += 1
@@ -229,8 +236,18 @@ def test_a_shard_is_rebuilt_beside_the_loop_while_the_owned_ones_flow(
     assert (NAMES.inbound, 1) in consumer.paused  # a partition of the shard being rebuilt waits
     w.threads.run()
     assert w.loaded == [1] and w.engine.ownership.owned == {0}
+    consumer._committed[(NAMES.requests, 1)] = 40
     w.keeper.take_pending(cast(Any, consumer))
     assert w.engine.ownership.owned == {0, 1} and consumer.paused == set()
+    # Each resumed from its committed offset, or its beginning, sought after the resume: the
+    # start librdkafka was given at assignment may be lost to the pause (`ShardKeeper._resume`).
+    assert sorted(consumer.sought) == sorted(
+        [
+            (NAMES.relay, 1, OFFSET_BEGINNING),
+            (NAMES.requests, 1, 40),
+            (NAMES.inbound, 1, OFFSET_BEGINNING),
+        ]
+    )
 
 
 def test_a_shard_revoked_while_it_is_rebuilt_is_not_adopted_and_its_rebuild_stops(
