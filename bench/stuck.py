@@ -10,7 +10,10 @@ The report names each, so one failed run says which it was.
 
 from __future__ import annotations
 
-from confluent_kafka import IsolationLevel, KafkaException, TopicPartition
+import time
+from collections.abc import Iterable
+
+from confluent_kafka import Consumer, IsolationLevel, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._listoffsets import OffsetSpec
 
@@ -18,43 +21,91 @@ from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
 from ksb.settings import KsbSettings
 
-__all__ = ["held_back", "stuck_report"]
+__all__ = ["held_back", "stuck_report", "unconsumed"]
+
+_ATTEMPTS = 10
 
 
 def stuck_report(receiver: KsbClient, queue: str, short: dict[int, tuple[int, str]]) -> str:
     """`short`: dialog number -> (messages delivered in order, handle) of the dialogs short of
     theirs. The reader of `queue` tells its commits waiting and groups held; Kafka, the
-    partitions held back by an open transaction."""
+    partitions held back by an open transaction and those the dispatchers have not consumed
+    to their end."""
     shown = ", ".join(f"{d} at {n} ({h})" for d, (n, h) in list(short.items())[:10])
-    names = receiver.names
-    topics = [names.queue(queue), names.requests_for(receiver.settings.sender), names.relay]
+    names, settings = receiver.names, receiver.settings
+    inputs = [names.requests_for(settings.sender), names.relay]
     return (
         f"{len(short)} dialogs short: {shown}; reader: {receiver.reader(queue).describe()}; "
-        f"held back by an open transaction: {held_back(receiver.settings, topics) or 'none'}"
+        f"held back by an open transaction: {held_back(settings, [names.queue(queue), *inputs])}; "
+        f"not consumed by the dispatchers: {unconsumed(settings, inputs, names.dispatcher_group)}"
     )
 
 
 def held_back(settings: KsbSettings, topics: list[str]) -> str:
     """The partitions of `topics` whose last stable offset is behind their end, as
-    ``topic[partition] stable/end``; what Kafka failed to answer, in its place."""
-    admin = kafka.admin(settings)
+    ``topic[partition] stable/end`` ('none' if none); what Kafka failed to answer instead."""
     try:
-        meta = admin.list_topics(timeout=10).topics
-        tps = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
-        ends = _offsets(admin, tps, IsolationLevel.READ_UNCOMMITTED)
-        stable = _offsets(admin, tps, IsolationLevel.READ_COMMITTED)
+        ends, stable = _ends(settings, topics)
     except KafkaException as exc:
         return f"not known ({exc})"
-    return ", ".join(
+    return _listed(
         f"{t}[{p}] {stable[(t, p)]}/{end}"
         for (t, p), end in sorted(ends.items())
         if stable.get((t, p), end) < end
     )
 
 
-def _offsets(
-    admin: AdminClient, tps: list[TopicPartition], level: IsolationLevel
-) -> dict[tuple[str, int], int]:
+def unconsumed(settings: KsbSettings, topics: list[str], group: str) -> str:
+    """The partitions of `topics` whose offset committed by `group` is behind their last
+    stable offset, as ``topic[partition] committed/stable`` ('none' if none): records nobody
+    has applied, such as a partition its owner never fetches."""
+    reader = kafka.consumer(settings, group=group, read_committed=False)
+    try:
+        stable = _ends(settings, topics)[1]
+        committed = _committed(reader, [TopicPartition(t, p) for t, p in stable])
+    except KafkaException as exc:
+        return f"not known ({exc})"
+    finally:
+        reader.close()
+    return _listed(
+        f"{tp.topic}[{tp.partition}] {max(tp.offset, 0)}/{stable[(tp.topic, tp.partition)]}"
+        for tp in sorted(committed, key=lambda tp: (tp.topic, tp.partition))
+        if max(tp.offset, 0) < stable[(tp.topic, tp.partition)]
+    )
+
+
+def _committed(reader: Consumer, tps: list[TopicPartition]) -> list[TopicPartition]:
+    """The group's committed offsets, asked again while Kafka says to (a coordinator still
+    loading the group answers NOT_COORDINATOR at first)."""
+    for _ in range(_ATTEMPTS - 1):
+        try:
+            return reader.committed(tps, timeout=10)
+        except KafkaException as exc:
+            if not exc.args[0].retriable():
+                raise
+            time.sleep(0.5)
+    return reader.committed(tps, timeout=10)
+
+
+def _listed(items: Iterable[str]) -> str:
+    return ", ".join(items) or "none"
+
+
+Offsets = dict[tuple[str, int], int]
+
+
+def _ends(settings: KsbSettings, topics: list[str]) -> tuple[Offsets, Offsets]:
+    """Every partition's end and last stable offset."""
+    admin = kafka.admin(settings)
+    meta = admin.list_topics(timeout=10).topics
+    tps = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
+    return (
+        _offsets(admin, tps, IsolationLevel.READ_UNCOMMITTED),
+        _offsets(admin, tps, IsolationLevel.READ_COMMITTED),
+    )
+
+
+def _offsets(admin: AdminClient, tps: list[TopicPartition], level: IsolationLevel) -> Offsets:
     futures = admin.list_offsets(
         {tp: OffsetSpec.latest() for tp in tps},  # type: ignore[no-untyped-call]
         isolation_level=level,

@@ -1,14 +1,16 @@
 """The stuck-run report (`bench.stuck`): it names a partition an open transaction holds back,
-which a ``read_committed`` reader cannot see past, until the transaction commits; and the dialogs
-short of their messages beside what their reader holds."""
+which a ``read_committed`` reader cannot see past, until the transaction commits; a partition the
+dispatchers' group has not consumed to its end; and the dialogs short of their messages beside
+what their reader holds."""
 
 from __future__ import annotations
 
 import uuid
 
 import pytest
+from confluent_kafka import TopicPartition
 
-from bench.stuck import held_back, stuck_report
+from bench.stuck import held_back, stuck_report, unconsumed
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
 from tests.conftest import Stack
@@ -30,7 +32,14 @@ def test_an_open_transaction_is_reported_until_it_commits(stack: Stack) -> None:
     producer.flush(10)
     assert held_back(admin, [topic, quiet]) == f"{topic}[1] 0/1"
     producer.commit_transaction(30)
-    assert held_back(admin, [topic, quiet]) == ""
+    assert held_back(admin, [topic, quiet]) == "none"
+
+    group, applier = f"stuck-{unique}", kafka.consumer(admin, group=f"stuck-{unique}")
+    applier.commit(offsets=[TopicPartition(topic, 1, 0)], asynchronous=False)
+    assert unconsumed(admin, [topic, quiet], group) == f"{topic}[1] 0/2"  # record and marker
+    applier.commit(offsets=[TopicPartition(topic, 1, 2)], asynchronous=False)
+    applier.close()
+    assert unconsumed(admin, [topic, quiet], group) == "none"
 
 
 def test_the_report_names_a_dialog_short_and_what_its_reader_holds(
@@ -44,4 +53,5 @@ def test_the_report_names_a_dialog_short_and_what_its_reader_holds(
     report = stuck_report(client, "TargetQueue", {0: (0, handle)})
     assert report.startswith(f"1 dialogs short: 0 at 0 ({handle}); reader: 0 commits waiting")
     assert "0 groups held, 1 messages ready" in report
-    assert report.endswith("held back by an open transaction: none")
+    assert "held back by an open transaction: none; " in report
+    assert report.endswith("not consumed by the dispatchers: none")
