@@ -34,10 +34,14 @@ def stuck_report(receiver: KsbClient, queue: str, short: dict[int, tuple[int, st
     shown = ", ".join(f"{d} at {n} ({h})" for d, (n, h) in list(short.items())[:10])
     names, settings = receiver.names, receiver.settings
     inputs = [names.requests_for(settings.sender), names.relay]
+    try:
+        held = held_back(settings, [names.queue(queue), *inputs])
+        behind = unconsumed(settings, inputs, names.dispatcher_group)
+    except Exception as exc:  # the report must not hide the timeout it explains
+        held = behind = f"not known ({exc!r})"
     return (
         f"{len(short)} dialogs short: {shown}; reader: {receiver.reader(queue).describe()}; "
-        f"held back by an open transaction: {held_back(settings, [names.queue(queue), *inputs])}; "
-        f"not consumed by the dispatchers: {unconsumed(settings, inputs, names.dispatcher_group)}"
+        f"held back by an open transaction: {held}; not consumed by the dispatchers: {behind}"
     )
 
 
