@@ -1,9 +1,11 @@
-"""`make chaos` in small: two rounds of the chaos harness, every kind of fault in each.
+"""`make chaos` in small: one round of the chaos harness, hit by every kind of fault.
 
 The harness starts its own stack (it kills Kafka and Redis, so it must not touch the session's):
-two rounds of 400 requests over 150 dialogs across instances A, B and the forwarder F, each round
-hit once by every kind of fault (`FaultKind`), the killed broker included, then every invariant
-checked on what Kafka recorded (`devtools.chaos`; README, "Chaos harness"). A fixed seed keeps
+a round of 400 requests over 150 dialogs across instances A, B and the forwarder F, hit once by
+every kind of fault (`FaultKind`), the killed broker included, then every invariant checked on
+what Kafka recorded (`devtools.chaos`; README, "Chaos harness"). One round, not two as until
+2026-11-26: a round takes one to two minutes and `make test` was near its 30 minutes; `make chaos` runs
+as many as asked. A fixed seed keeps
 the schedule the same from run to run; the failure message names the seed of a round that broke,
 to replay it with ``python -m devtools.chaos --seed <seed> --rounds 1 --messages 400 --dialogs 150
 --faults 10``.
@@ -31,8 +33,8 @@ send_offsets_to_transaction (README, "Chaos harness", what it found); its watchd
 with the broker kill takes about two minutes instead of one."""
 
 
-@pytest.mark.timeout(720)
-def test_two_rounds_under_every_kind_of_fault_keep_every_invariant(tmp_path: Path) -> None:
+@pytest.mark.timeout(600)
+def test_a_round_under_every_kind_of_fault_keeps_every_invariant(tmp_path: Path) -> None:
     opts = RoundOptions(
         messages=400,
         dialogs=150,
@@ -42,7 +44,7 @@ def test_two_rounds_under_every_kind_of_fault_keep_every_invariant(tmp_path: Pat
         drain_timeout_s=90,
     )
     out = io.StringIO()
-    results = run(opts, rounds=2, seed=SEED, workdir=tmp_path / "chaos", out=out)
+    results = run(opts, rounds=1, seed=SEED, workdir=tmp_path / "chaos", out=out)
     report = table(results) + "\n" + "\n".join(details(r) for r in results)
     assert all(r.ok for r in results), f"seeds {[r.seed for r in results]}:\n{report}"
     for r in results:
