@@ -10,20 +10,18 @@ The report names each, so one failed run says which it was.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
-from confluent_kafka import Consumer, IsolationLevel, KafkaException, TopicPartition
+from confluent_kafka import IsolationLevel, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.admin._listoffsets import OffsetSpec
 
 from ksb.runtime import kafka
+from ksb.sdk.backpressure import CommittedOffsets
 from ksb.sdk.client import KsbClient
-from ksb.settings import KsbSettings
+from ksb.settings import ClientSettings, KsbSettings
 
 __all__ = ["held_back", "stuck_report", "unconsumed"]
-
-_ATTEMPTS = 10
 
 
 def stuck_report(receiver: KsbClient, queue: str, short: dict[int, tuple[int, str]]) -> str:
@@ -36,7 +34,7 @@ def stuck_report(receiver: KsbClient, queue: str, short: dict[int, tuple[int, st
     inputs = [names.requests_for(settings.sender), names.relay]
     try:
         held = held_back(settings, [names.queue(queue), *inputs])
-        behind = unconsumed(settings, inputs, names.dispatcher_group)
+        behind = unconsumed(settings, inputs)
     except Exception as exc:  # the report must not hide the timeout it explains
         held = behind = f"not known ({exc!r})"
     return (
@@ -49,7 +47,9 @@ def held_back(settings: KsbSettings, topics: list[str]) -> str:
     """The partitions of `topics` whose last stable offset is behind their end, as
     ``topic[partition] stable/end`` ('none' if none); what Kafka failed to answer instead."""
     try:
-        ends, stable = _ends(settings, topics)
+        ends, stable = _offsets(
+            settings, topics, IsolationLevel.READ_UNCOMMITTED, IsolationLevel.READ_COMMITTED
+        )
     except KafkaException as exc:
         return f"not known ({exc})"
     return _listed(
@@ -59,36 +59,23 @@ def held_back(settings: KsbSettings, topics: list[str]) -> str:
     )
 
 
-def unconsumed(settings: KsbSettings, topics: list[str], group: str) -> str:
-    """The partitions of `topics` whose offset committed by `group` is behind their last
-    stable offset, as ``topic[partition] committed/stable`` ('none' if none): records nobody
-    has applied, such as a partition its owner never fetches."""
-    reader = kafka.consumer(settings, group=group, read_committed=False)
+def unconsumed(settings: ClientSettings, topics: list[str]) -> str:
+    """The partitions of `topics` whose offset committed by the instance's dispatchers is
+    behind their last stable offset, as ``topic[partition] committed/stable`` ('none' if none):
+    records nobody has applied, such as a partition its owner never fetches."""
+    committed = CommittedOffsets(settings)  # what back-pressure reads them with
     try:
-        stable = _ends(settings, topics)[1]
-        committed = _committed(reader, [TopicPartition(t, p) for t, p in stable])
+        (stable,) = _offsets(settings, topics, IsolationLevel.READ_COMMITTED)
+        done = committed(list(stable), 10)
     except KafkaException as exc:
         return f"not known ({exc})"
     finally:
-        reader.close()
+        committed.close()
     return _listed(
-        f"{tp.topic}[{tp.partition}] {max(tp.offset, 0)}/{stable[(tp.topic, tp.partition)]}"
-        for tp in sorted(committed, key=lambda tp: (tp.topic, tp.partition))
-        if max(tp.offset, 0) < stable[(tp.topic, tp.partition)]
+        f"{t}[{p}] {done.get((t, p), 0)}/{end}"
+        for (t, p), end in sorted(stable.items())
+        if done.get((t, p), 0) < end
     )
-
-
-def _committed(reader: Consumer, tps: list[TopicPartition]) -> list[TopicPartition]:
-    """The group's committed offsets, asked again while Kafka says to (a coordinator still
-    loading the group answers NOT_COORDINATOR at first)."""
-    for _ in range(_ATTEMPTS - 1):
-        try:
-            return reader.committed(tps, timeout=10)
-        except KafkaException as exc:
-            if not exc.args[0].retriable():
-                raise
-            time.sleep(0.5)
-    return reader.committed(tps, timeout=10)
 
 
 def _listed(items: Iterable[str]) -> str:
@@ -98,18 +85,16 @@ def _listed(items: Iterable[str]) -> str:
 Offsets = dict[tuple[str, int], int]
 
 
-def _ends(settings: KsbSettings, topics: list[str]) -> tuple[Offsets, Offsets]:
-    """Every partition's end and last stable offset."""
+def _offsets(settings: KsbSettings, topics: list[str], *levels: IsolationLevel) -> list[Offsets]:
+    """Every partition's latest offset at each isolation level: its end (read_uncommitted),
+    its last stable offset (read_committed)."""
     admin = kafka.admin(settings)
     meta = admin.list_topics(timeout=10).topics
     tps = [TopicPartition(t, p) for t in topics if t in meta for p in meta[t].partitions]
-    return (
-        _offsets(admin, tps, IsolationLevel.READ_UNCOMMITTED),
-        _offsets(admin, tps, IsolationLevel.READ_COMMITTED),
-    )
+    return [_latest(admin, tps, level) for level in levels]
 
 
-def _offsets(admin: AdminClient, tps: list[TopicPartition], level: IsolationLevel) -> Offsets:
+def _latest(admin: AdminClient, tps: list[TopicPartition], level: IsolationLevel) -> Offsets:
     futures = admin.list_offsets(
         {tp: OffsetSpec.latest() for tp in tps},  # type: ignore[no-untyped-call]
         isolation_level=level,

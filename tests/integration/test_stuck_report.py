@@ -11,6 +11,7 @@ import pytest
 from confluent_kafka import TopicPartition
 
 from bench.stuck import held_back, stuck_report, unconsumed
+from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
 from tests.conftest import Stack
@@ -34,12 +35,12 @@ def test_an_open_transaction_is_reported_until_it_commits(stack: Stack) -> None:
     producer.commit_transaction(30)
     assert held_back(admin, [topic, quiet]) == "none"
 
-    group, applier = f"stuck-{unique}", kafka.consumer(admin, group=f"stuck-{unique}")
+    applier = kafka.consumer(admin, group=Names(admin.instance).dispatcher_group)
     applier.commit(offsets=[TopicPartition(topic, 1, 0)], asynchronous=False)
-    assert unconsumed(admin, [topic, quiet], group) == f"{topic}[1] 0/2"  # record and marker
+    assert unconsumed(admin, [topic, quiet]) == f"{topic}[1] 0/2"  # record and marker
     applier.commit(offsets=[TopicPartition(topic, 1, 2)], asynchronous=False)
     applier.close()
-    assert unconsumed(admin, [topic, quiet], group) == "none"
+    assert unconsumed(admin, [topic, quiet]) == "none"
 
 
 def test_the_report_names_a_dialog_short_and_what_its_reader_holds(

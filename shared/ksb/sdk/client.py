@@ -423,20 +423,23 @@ class Transaction:
             return self._client._produce(req, key)
         reader, lease, rid = self._reader, self._lease, req.request_id
         outcome: Future[CommitOutcome] = reader.expect_outcome(rid, lease)
-        try:
-            delivered = self._client._produce(req, key)
-        except BaseException:
-            # Not sent (back-pressure timed out, the producer's queue is full): no outcome will
-            # come, so the commit stops waiting and the group is let go. Left waiting, its lock
-            # was renewed for as long as the reader lived and its messages never came back.
+
+        def give_up() -> None:
+            # Not stored, so no outcome will come: the commit stops waiting and the group is
+            # let go. Left waiting, its lock was renewed for as long as the reader lived and
+            # its messages never came back.
             reader.forget(rid)
             reader.release(lease, None)
+
+        try:
+            delivered = self._client._produce(req, key)
+        except BaseException:  # back-pressure timed out, the producer's queue is full
+            give_up()
             raise
 
         def on_delivery(f: Future[None]) -> None:
             if f.exception() is not None:
-                reader.forget(rid)
-                reader.release(lease, None)
+                give_up()
                 outcome.set_exception(f.exception() or KsbError("commit not stored"))
 
         delivered.add_done_callback(on_delivery)
