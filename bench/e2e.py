@@ -79,6 +79,9 @@ class KsbResult:
     """SEND -> commit outcome under full load (includes time queued behind earlier messages)."""
     probe: LatencySummary
     """SEND -> RECEIVE -> commit outcome of one message at a time, nothing else in flight."""
+    delivered: LatencySummary
+    """SEND -> RECEIVE of the same messages: what raw Kafka's one at a time measures (produce ->
+    consume, no offset commit), so the like-for-like figure beside the round trip."""
     commits: int
     refused: int
     lock_lost: int
@@ -98,6 +101,7 @@ class KsbResult:
             "send_seconds": self.send_seconds,
             "latency_loaded": self.latency.as_json(),
             "latency_unloaded": self.probe.as_json(),
+            "latency_delivered": self.delivered.as_json(),
             "commits": self.commits,
             "messages_per_commit": self.rate.messages / self.commits if self.commits else 0,
             "refused_commits": self.refused,
@@ -277,9 +281,13 @@ def _pace(start_ns: int, sent: int, rate: float) -> None:
         time.sleep(ahead_s)
 
 
-def _probe(sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int) -> list[int]:
-    """One message at a time on a fresh dialog: SEND, RECEIVE, commit, wait for the outcome."""
+def _probe(
+    sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int
+) -> tuple[list[int], list[int]]:
+    """One message at a time on a fresh dialog: SEND, RECEIVE, commit, wait for the outcome.
+    Returns each message's latency to RECEIVE and to its commit's outcome (ns)."""
     handle = sender.begin_dialog(INITIATOR, TARGET, CONTRACT)
+    delivered: list[int] = []
     out: list[int] = []
     for i in range(count):
         sender.send(handle, MESSAGE_TYPE, make_body(body_bytes, now_ns(), f"probe:{i}"))
@@ -289,9 +297,10 @@ def _probe(sender: KsbClient, receiver: KsbClient, count: int, body_bytes: int) 
             tx.rollback()
             raise RuntimeError(f"probe {i}: received {len(msgs)} messages instead of 1")
         sent, _tag = parse_body(msgs[0].message_body)
+        delivered.append(now_ns() - sent)
         tx.commit(30)
         out.append(now_ns() - sent)
-    return out
+    return delivered, out
 
 
 def run_ksb(
@@ -354,7 +363,7 @@ def run_ksb(
             raise RuntimeError("a receiver thread failed") from errors[0]
         problems = check_run(tally, receiver, dialogs, per_dialog)
         verified_ns = now_ns()
-        probe = _probe(sender, receiver, probes, body_bytes)
+        delivered, probe = _probe(sender, receiver, probes, body_bytes)
         probe_ns = now_ns()
     return KsbResult(
         dialogs=dialogs,
@@ -362,6 +371,7 @@ def run_ksb(
         send_seconds=(marks[1] - marks[0]) / 1e9,
         latency=summarize(tally.latencies_ns),
         probe=summarize(probe),
+        delivered=summarize(delivered),
         commits=tally.commits,
         refused=tally.refused,
         lock_lost=tally.lock_lost,

@@ -64,8 +64,10 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def run_ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, float | None]:
     """One run's throughput and latencies over another's (a run's `as_json` shape: throughput
-    up is good, the rest down)."""
-    return {
+    up is good, the rest down). A KSB run's one-at-a-time latency to RECEIVE
+    (``latency_delivered``) is set against the other's to RECEIVE, or against its one at a time
+    where it has none: raw Kafka's, produce -> consume."""
+    out: dict[str, float | None] = {
         "throughput": ratio(top["throughput"]["per_s"], bottom["throughput"]["per_s"]),
         **{
             f"latency_{load}_{p}": ratio(
@@ -75,6 +77,13 @@ def run_ratios(top: dict[str, Any], bottom: dict[str, Any]) -> dict[str, float |
             for p in ("p50", "p99")
         },
     }
+    if "latency_delivered" in top:
+        under = bottom.get("latency_delivered", bottom["latency_unloaded"])
+        for p in ("p50", "p99"):
+            out[f"latency_delivered_{p}"] = ratio(
+                top["latency_delivered"][f"{p}_ms"], under[f"{p}_ms"]
+            )
+    return out
 
 
 def fmt_x(v: float | None) -> str:

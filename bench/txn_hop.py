@@ -126,8 +126,8 @@ def _next(consumer: Consumer, deadline: float) -> Message:
 
 
 def format_lines(hops: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
-    """Each width's hop latency, and each KSB run's one-at-a-time p50 against two of the
-    narrowest hops."""
+    """Each width's hop latency, each KSB run's one-at-a-time p50 against two of the narrowest
+    hops, and its p50 to RECEIVE (one crossing) against one of the widest."""
     widths = hops["widths"]
     figures = "; ".join(
         f"{w} partition(s) p50 {fmt_ms(_finite(lat['p50_ms']))}, p99 {fmt_ms(_finite(lat['p99_ms']))}"
@@ -143,13 +143,30 @@ def format_lines(hops: dict[str, Any], scaling: dict[str, Any]) -> list[str]:
             for r in scaling["runs"]
         )
     )
-    return [
+    lines = [
         f"one exactly-once hop on raw Kafka (produce -> group member -> transaction with its "
         f"offsets -> read_committed), {hops['probes']} one at a time, by the partitions its "
         f"transaction writes: {figures}",
         f"  a KSB round trip crosses the dispatchers twice, so its one-at-a-time p50 against two "
         f"1-partition hops ({fmt_ms(floor)}): {against}",
     ]
+    runs = [r for r in scaling["runs"] if "latency_delivered" in r]
+    if runs and widths:
+        widest = max(widths, key=int)
+        hop = _finite(widths[widest]["p50_ms"])
+        delivered = (
+            "n/a"
+            if hop is None
+            else ", ".join(
+                f"{run_label(r)} {r['latency_delivered']['p50_ms'] / hop:.1f}x" for r in runs
+            )
+        )
+        lines.append(
+            f"  SEND -> RECEIVE crosses them once, in a transaction of up to {widest} "
+            f"partitions, so its p50 against one {widest}-partition hop ({fmt_ms(hop)}): "
+            f"{delivered}"
+        )
+    return lines
 
 
 def _finite(ms: float | None) -> float | None:

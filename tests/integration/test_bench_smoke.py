@@ -63,6 +63,12 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     assert [(r["dispatchers"], r["max_queue_depth"]) for r in runs] == [(1, 0), (2, 0), (2, 2000)]
     assert all(r["verified_exactly_once_in_order"] for r in runs)
     assert all(r["cpu_ms_per_message"]["dispatchers"] > 0 for r in runs)
+    # to RECEIVE is a part of each probe's round trip, measured on the same messages
+    for r in runs:
+        to_receive, round_trip = r["latency_delivered"], r["latency_unloaded"]
+        assert to_receive["count"] == round_trip["count"] > 0
+        assert 0 < to_receive["p50_ms"] < round_trip["p50_ms"], r
+    assert any(line.strip().startswith("p50 to RECEIVE") for line in lines), result.stdout
     # the dispatchers' librdkafka threads are a part of their CPU, not all of it. /proc counts in
     # 10 ms ticks, and a quick run's 400 messages cost those threads 2-7 ticks: one run may read
     # 0, so "some" is asked of the runs together.

@@ -58,6 +58,26 @@ def test_a_run_over_another_is_each_figure_divided_where_both_were_measured() ->
     assert ratio(1.0, 0.0) is None and ratio(None, 2.0) is None
 
 
+def test_the_latency_to_receive_is_set_against_the_other_runs_one_at_a_time() -> None:
+    top = {
+        "throughput": {"per_s": 3_000.0},
+        "latency_loaded": {"p50_ms": 300.0, "p99_ms": 900.0},
+        "latency_unloaded": {"p50_ms": 15.0, "p99_ms": 40.0},
+        "latency_delivered": {"p50_ms": 6.0, "p99_ms": 20.0},
+    }
+    bottom = {
+        "throughput": {"per_s": 30_000.0},
+        "latency_loaded": {"p50_ms": 150.0, "p99_ms": 300.0},
+        "latency_unloaded": {"p50_ms": 1.5, "p99_ms": 4.0},
+    }
+    got = run_ratios(top, bottom)
+    assert got["latency_unloaded_p50"] == 10.0
+    assert got["latency_delivered_p50"] == 4.0 and got["latency_delivered_p99"] == 5.0
+    other = {**bottom, "latency_delivered": {"p50_ms": 3.0, "p99_ms": 10.0}}  # a KSB run
+    got = run_ratios(top, other)
+    assert got["latency_delivered_p50"] == 2.0 and got["latency_delivered_p99"] == 2.0
+
+
 def test_each_part_of_a_run_is_timed_from_the_end_of_the_one_before() -> None:
     ticks = iter([100.0, 101.5, 101.5, 104.25])
     phase = Phases(clock=lambda: next(ticks))

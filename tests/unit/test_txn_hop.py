@@ -34,3 +34,19 @@ def test_a_hop_without_a_figure_compares_nothing() -> None:
     head, against = format_lines(hops, {"runs": [_run(1, 15.0)]})
     assert "nan" not in head and "1 partition(s) p50 n/a, p99 n/a" in head
     assert against.endswith("(n/a): n/a")
+
+
+def test_the_latency_to_receive_is_set_against_one_of_the_widest_hops() -> None:
+    hops = {
+        "probes": 100,
+        "widths": {"1": {"p50_ms": 5.0, "p99_ms": 12.0}, "4": {"p50_ms": 8.0, "p99_ms": 20.0}},
+    }
+    run = {**_run(2, 20.0), "latency_delivered": {"p50_ms": 12.0}}
+    lines = format_lines(hops, {"runs": [run]})
+    assert len(lines) == 3
+    assert lines[2].endswith("one 4-partition hop (8.00 ms): 2 dispatcher(s) 1.5x")
+
+
+def test_runs_without_a_latency_to_receive_add_no_line() -> None:
+    hops = {"probes": 100, "widths": {"1": {"p50_ms": 5.0, "p99_ms": 12.0}}}
+    assert len(format_lines(hops, {"runs": [_run(1, 15.0)]})) == 2
