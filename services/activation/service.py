@@ -224,19 +224,27 @@ class ActivationService(Service):
         until the next catalog)."""
         with self._disabling_lock:
             # A queue being disabled stays so while its catalog write is still on its way.
-            disabled = sorted(self._disabling)
-        disabled += [q.name for q in view.queues.values() if q.status == "OFF"]
+            disabled = set(self._disabling)
+        disabled |= {q.name for q in view.queues.values() if q.status == "OFF"}
         policies: dict[str | bytes | bytearray | memoryview[int] | int | float, Any] = {
             q.name: q.dead_letter.max_rollbacks for q in view.queues.values() if q.dead_letter
         }
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.names.disabled_key, self.names.dead_letter_policy_key)
-        if disabled:
-            pipe.sadd(self.names.disabled_key, *disabled)
+        # The policies replace the hash whole, in one MULTI (one key: one slot on a cluster);
+        # each queue's disabled flag lives in its queue's slot, so the flags go as a plain
+        # pipeline, which a cluster client splits by node.
+        policy = self.redis.pipeline(transaction=True)
+        policy.delete(self.names.dead_letter_policy_key)
         if policies:
-            pipe.hset(self.names.dead_letter_policy_key, mapping=policies)
+            policy.hset(self.names.dead_letter_policy_key, mapping=policies)
+        flags = self.redis.pipeline(transaction=False)
+        for name in sorted(disabled | set(view.queues)):
+            if name in disabled:
+                flags.set(self.names.disabled_key(name), 1)
+            else:
+                flags.delete(self.names.disabled_key(name))
         try:
-            pipe.execute()
+            policy.execute()
+            flags.execute()
         except redis.RedisError as exc:
             log.warning("disabled queues and policies not mirrored into Redis this time: %r", exc)
 
@@ -444,7 +452,7 @@ class ActivationService(Service):
             if name in self._disabling:
                 return
             self._disabling[name] = 0
-        self.redis.sadd(self.names.disabled_key, name)
+        self.redis.set(self.names.disabled_key(name), 1)
         self.redis.set(self.names.rollbacks_key(name), 0)
         reason = f"{rollbacks} rollbacks in a row"
         log.warning("queue %s disabled after %s", name, reason)

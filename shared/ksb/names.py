@@ -140,43 +140,52 @@ class Names:
         return f"{self.prefix}.dispatcher.txn"
 
     # Redis keys -------------------------------------------------------------------------------
+    # Every key of one queue carries a Redis Cluster hash tag naming the queue and its instance
+    # (``{<instance>/<queue>}``), so they all hash to one slot: a lock script touches the queue's
+    # disabled flag, activity, locks and fences in one call, which a cluster allows only within
+    # one slot. Queues, and the same queue of two instances, spread over the slots. On one Redis
+    # server the braces are just characters of the name.
+    def queue_tag(self, queue_name: str) -> str:
+        return f"{{{self.instance}/{queue_name}}}"
+
+    def _queue_key(self, kind: str, queue_name: str) -> str:
+        return f"ksb:{self.instance}:{kind}:{self.queue_tag(queue_name)}"
+
     def lock_key(self, queue_name: str, group_id: str) -> str:
-        return f"ksb:{self.instance}:lock:{queue_name}:{group_id}"
+        return f"{self._queue_key('lock', queue_name)}:{group_id}"
 
     def fence_key(self, queue_name: str, group_id: str) -> str:
-        return f"ksb:{self.instance}:fence:{queue_name}:{group_id}"
+        return f"{self._queue_key('fence', queue_name)}:{group_id}"
 
     def waiting_key(self, queue_name: str) -> str:
-        return f"ksb:{self.instance}:waiting:{queue_name}"
+        return self._queue_key("waiting", queue_name)
 
     def tasks_key(self, queue_name: str) -> str:
-        return f"ksb:{self.instance}:tasks:{queue_name}"
+        return self._queue_key("tasks", queue_name)
 
     def activity_key(self, queue_name: str) -> str:
         """Hash: last_receive_ms, last_empty_ms of RECEIVEs without WHERE (for queue monitors)."""
-        return f"ksb:{self.instance}:activity:{queue_name}"
+        return self._queue_key("activity", queue_name)
 
     def rollbacks_key(self, queue_name: str) -> str:
         """Rollbacks in a row of transactions that received from the queue (poison detection)."""
-        return f"ksb:{self.instance}:rollbacks:{queue_name}"
-
-    def events_channel(self, queue_name: str) -> str:
-        """Pub/sub channel where readers announce receive, empty and rollback to the monitor."""
-        return f"ksb:{self.instance}:events:{queue_name}"
+        return self._queue_key("rollbacks", queue_name)
 
     def message_rollbacks_key(self, queue_name: str) -> str:
         """Hash message id -> rollbacks of that message (for dead-letter policies)."""
-        return f"ksb:{self.instance}:msgrb:{queue_name}"
+        return self._queue_key("msgrb", queue_name)
+
+    def disabled_key(self, queue_name: str) -> str:
+        """Present while the queue is disabled (STATUS = OFF), mirrored from the catalog so
+        RECEIVE can refuse in its lock script. One key per queue, in the queue's slot: the script
+        may only touch keys of one slot on a cluster, and a receiver may write only its own
+        queues' keys."""
+        return self._queue_key("disabled", queue_name)
 
     @property
     def dead_letter_policy_key(self) -> str:
         """Hash queue -> max_rollbacks, mirrored from the catalog so a rollback can act at once."""
         return f"ksb:{self.instance}:dlpolicy"
-
-    @property
-    def disabled_key(self) -> str:
-        """Set of disabled queues, mirrored from the catalog so RECEIVE can refuse in its Lua call."""
-        return f"ksb:{self.instance}:disabled"
 
     @property
     def monitors_key(self) -> str:

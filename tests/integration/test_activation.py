@@ -176,7 +176,7 @@ def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
             tx.rollback()
         r = redis_client(fast_settings)
         deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and not r.sismember(names.disabled_key, "TargetQueue"):
+        while time.monotonic() < deadline and not r.exists(names.disabled_key("TargetQueue")):
             time.sleep(0.1)
         with pytest.raises(QueueDisabled):
             client.transaction().receive("TargetQueue", waitfor_ms=100)
@@ -193,7 +193,7 @@ def test_five_rollbacks_in_a_row_disable_the_queue_and_lose_nothing(
         assert status["TargetQueue"] == "OFF"
         # Re-enable: the message is still there.
         apply_catalog(fast_settings, parse_catalog(cat))
-        while time.monotonic() < deadline + 15 and r.sismember(names.disabled_key, "TargetQueue"):
+        while time.monotonic() < deadline + 15 and r.exists(names.disabled_key("TargetQueue")):
             time.sleep(0.1)
         got = receive_all(client, "TargetQueue", 1, timeout_s=15)
         assert json.loads(got[0].message_body) == {"poison": True}

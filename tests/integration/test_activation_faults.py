@@ -436,7 +436,7 @@ def test_poison_message_handling_off_keeps_the_queue_enabled(
             tx.rollback()
         assert int(r.get(names.rollbacks_key(QUEUE)) or 0) >= 5
         time.sleep(2)  # twenty monitor checks and four ticks
-        assert not r.sismember(names.disabled_key, QUEUE)
+        assert not r.exists(names.disabled_key(QUEUE))
         assert {q.name: q.status for q in load_catalog(fast_settings).queues}[QUEUE] == "ON"
         events = [json.loads(v) for _k, v in read_topic(fast_settings, names.activation) if v]
         assert "BROKER_QUEUE_DISABLED" not in [e["kind"] for e in events]

@@ -273,11 +273,13 @@ def test_redis_keys_outside_a_principals_own_are_refused(
         with pytest.raises(redis.exceptions.NoPermissionError, match="keys used as arguments"):
             r.hset(names.lock_key(TARGET_QUEUE, "g"), "holder", "me")
         with pytest.raises(redis.exceptions.NoPermissionError, match="keys used as arguments"):
-            r.hget(f"ksb:t{unique}other:lock:{INITIATOR_QUEUE}:g", "holder")  # another instance
+            r.hget(
+                Names(f"t{unique}other").lock_key(INITIATOR_QUEUE, "g"), "holder"
+            )  # another instance
         with pytest.raises(redis.exceptions.NoPermissionError, match="'flushall' command"):
             r.flushall()
-        with pytest.raises(redis.exceptions.NoPermissionError):
-            r.srem(names.disabled_key, TARGET_QUEUE)  # the shared set: no write command for it
+        with pytest.raises(redis.exceptions.NoPermissionError, match="keys used as arguments"):
+            r.set(names.disabled_key(TARGET_QUEUE), 1)  # another queue's flag: not its key
     finally:
         r.close()
     flow.check()

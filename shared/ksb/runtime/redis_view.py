@@ -71,7 +71,11 @@ class RedisView:
             if writes is None:
                 return
             try:
-                pipe = self._r.pipeline()
+                # Not a MULTI: a view may span keys of several cluster slots (the transport's
+                # connections and suppressions), which a cluster runs in no one transaction.
+                # Its one writer replaces it whole each time; a reader at worst sees half a
+                # refresh.
+                pipe = self._r.pipeline(transaction=False)
                 writes(pipe)
                 pipe.execute()
             except redis.RedisError as exc:

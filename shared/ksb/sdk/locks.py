@@ -6,6 +6,11 @@ per-group counter; the token travels with the commit and the dispatcher refuses 
 counter is new (first use, or Redis was flushed) it restarts from Redis TIME in microseconds, so tokens
 keep growing across a flush.
 
+Every key a script touches belongs to one queue and carries the queue's hash tag
+(`ksb.names.Names`), so on a Redis Cluster each call runs on the one node that holds the queue's
+slot. Batches (extend, release) are one script call over all their keys rather than a pipeline of
+calls: one round trip either way, and a cluster pipeline cannot carry EVALSHA.
+
 A clean release leaves ``after`` (the queue position of the holder's commit outcome) so that the next
 holder waits until its own index has read that far; when the hash is gone the next holder cannot know,
 and catches up with the partition's end instead.
@@ -25,7 +30,7 @@ from ksb.names import Names
 __all__ = ["GroupLocks", "Lease"]
 
 _ACQUIRE_FIRST = """
-if redis.call('SISMEMBER', KEYS[1], ARGV[3]) == 1 then
+if redis.call('EXISTS', KEYS[1]) == 1 then
   return {-1}
 end
 local now = redis.call('TIME')
@@ -55,24 +60,40 @@ return false
 """
 
 _EXTEND = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] and redis.call('HGET', KEYS[1], 'holder') ~= '' then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
+local out = {}
+for i = 1, #KEYS do
+  out[i] = 0
+  if redis.call('HGET', KEYS[i], 'token') == ARGV[i + 1] and redis.call('HGET', KEYS[i], 'holder') ~= '' then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    out[i] = 1
+  end
 end
-return 0
+return out
 """
+"""KEYS: lock keys; ARGV: the TTL, then each lease's token. Returns 1 per lease still held."""
 
 _RELEASE = """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('HSET', KEYS[1], 'holder', '', 'after', ARGV[2])
-  redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  if ARGV[4] == '1' then
-    redis.call('SET', KEYS[2], 0)
+local out = {}
+local committed = false
+for i = 2, #KEYS do
+  local a = (i - 2) * 3 + 2
+  out[i - 1] = 0
+  if redis.call('HGET', KEYS[i], 'token') == ARGV[a] then
+    redis.call('HSET', KEYS[i], 'holder', '', 'after', ARGV[a + 1])
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+    if ARGV[a + 2] == '1' then
+      committed = true
+    end
+    out[i - 1] = 1
   end
-  return 1
 end
-return 0
+if committed then
+  redis.call('SET', KEYS[1], 0)
+end
+return out
 """
+"""KEYS: the queue's rollback counter, then lock keys; ARGV: how long ``after`` is kept, then
+per lease its token, ``after`` and whether it committed. Returns 1 per lease released."""
 
 
 @dataclass(frozen=True)
@@ -112,11 +133,14 @@ class GroupLocks:
         """Lock the first free group of ``groups`` (best first); None when all are held."""
         if not groups:
             return None
-        keys: list[str] = [self._names.disabled_key, self._names.activity_key(self._queue)]
+        keys: list[str] = [
+            self._names.disabled_key(self._queue),
+            self._names.activity_key(self._queue),
+        ]
         for g in groups:
             keys.append(self._names.lock_key(self._queue, g))
             keys.append(self._names.fence_key(self._queue, g))
-        res = cast(Any, self._acquire(keys=keys, args=[self.holder, self.ttl_ms, self._queue]))
+        res = cast(Any, self._acquire(keys=keys, args=[self.holder, self.ttl_ms]))
         if not res:
             return None
         if int(res[0]) < 0:
@@ -126,16 +150,15 @@ class GroupLocks:
 
     def extend(self, lease: Lease) -> bool:
         """Renew the lease; False means another holder may have it (commit must not go ahead)."""
-        key = self._names.lock_key(self._queue, lease.group)
-        return bool(self._extend(keys=[key], args=[lease.token, self.ttl_ms]))
+        return self.extend_all([lease])[0]
 
     def extend_all(self, leases: Sequence[Lease]) -> list[bool]:
-        """Renew many leases in one pipelined round trip."""
-        pipe = self._r.pipeline(transaction=False)
-        for lease in leases:
-            key = self._names.lock_key(self._queue, lease.group)
-            self._extend(keys=[key], args=[lease.token, self.ttl_ms], client=pipe)
-        return [bool(v) for v in pipe.execute()]
+        """Renew many leases in one script call."""
+        if not leases:
+            return []
+        keys = [self._names.lock_key(self._queue, lease.group) for lease in leases]
+        args: list[Any] = [self.ttl_ms, *(lease.token for lease in leases)]
+        return [bool(v) for v in cast(list[Any], self._extend(keys=keys, args=args))]
 
     def release(
         self, lease: Lease, after: tuple[int, int] | None, *, committed: bool = False
@@ -146,17 +169,16 @@ class GroupLocks:
     def release_all(
         self, releases: Sequence[tuple[Lease, tuple[int, int] | None, bool]]
     ) -> list[bool]:
-        """`release` for many (lease, after, committed), in one pipelined round trip."""
-        pipe = self._r.pipeline(transaction=False)
-        rollbacks = self._names.rollbacks_key(self._queue)
+        """`release` for many (lease, after, committed), in one script call."""
+        if not releases:
+            return []
+        keys = [self._names.rollbacks_key(self._queue)]
+        args: list[Any] = [self._keep_after_ms]
         for lease, after, committed in releases:
+            keys.append(self._names.lock_key(self._queue, lease.group))
             mark = f"{after[0]}:{after[1]}" if after else ""
-            self._release(
-                keys=[self._names.lock_key(self._queue, lease.group), rollbacks],
-                args=[lease.token, mark, self._keep_after_ms, "1" if committed else "0"],
-                client=pipe,
-            )
-        return [bool(v) for v in pipe.execute()]
+            args += [lease.token, mark, "1" if committed else "0"]
+        return [bool(v) for v in cast(list[Any], self._release(keys=keys, args=args))]
 
     def holder_of(self, group: str) -> str | None:
         raw = self._r.hget(self._names.lock_key(self._queue, group), "holder")

@@ -4,14 +4,14 @@ A principal that RECEIVEs touches its queues' lock, fence, waiting, activity, ro
 message-rollback keys (`ksb.sdk.locks`, `ksb.sdk.reader`) and reads the disabled set and the
 dead-letter policies. Three Redis facts shape the rules (measured on Redis 7.0):
 
-* keys passed to EVAL/EVALSHA are checked as read-write, so the disabled set, which the lock
-  script only tests, needs ``~`` (not ``%R~``): a receiver can reach it with the commands it
-  has (SET included, which would overwrite the set: one shared key for all queues, listed in
-  the docs as a known limit);
+* keys passed to EVAL/EVALSHA are checked as read-write, so a queue's disabled flag, which the
+  lock script only tests, needs ``~`` (not ``%R~``): a receiver could write it with the
+  commands it has, but only its own queues' flags (one key per queue, `ksb.names`);
 * every command a script calls needs its own grant (TIME included), and redis-py's scripts need
   ``script|load`` besides EVALSHA (on a cold script cache);
 * a MULTI/EXEC pipeline from a user without ``+multi +exec`` runs its commands one by one,
-  non-atomically: who uses transactions (the views, the activation service) gets them.
+  non-atomically: who uses transactions (the activation service, for its dead-letter
+  policies) gets them; the views are plain pipelines (`ksb.runtime.redis_view`).
 
 The dispatcher and the Spark job do not use Redis and get no Redis user.
 """
@@ -21,23 +21,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from ksb.names import Names
 from ksb.security.access import ALL_QUEUES, Access
 from ksb.security.principals import Role
 
 __all__ = ["RedisRules", "instance_rules", "rules_of"]
 
-CONNECT = ("ping",)
+CONNECT = ("ping", "cluster|slots", "command")
 """Besides AUTH and HELLO, which need no grant (redis-py also sends CLIENT SETINFO, which
-Redis 7.0 does not know and redis-py ignores failing)."""
+Redis 7.0 does not know and redis-py ignores failing). redis-py's cluster client asks a node for
+the slot map (CLUSTER SLOTS) and the commands' key positions (COMMAND) when it connects: both
+read-only, and what any client of a Redis Cluster (``KSB_REDIS_CLUSTER``) needs."""
 RECEIVER = (
-    "evalsha", "script|load", "script|exists", "sismember", "time", "hget", "hset", "hdel", "incr", "incrby", "set",
+    "evalsha", "script|load", "script|exists", "exists", "time", "hget", "hset", "hdel", "incr", "incrby", "set",
     "pexpire", "zadd", "zrem", "hincrby",
 )  # fmt: skip
 ACTIVATION = (
-    *RECEIVER, "multi", "exec", "discard", "del", "sadd", "zcount", "zremrangebyscore", "zcard",
+    *RECEIVER, "multi", "exec", "discard", "del", "zcount", "zremrangebyscore", "zcard",
     "hgetall", "get",
 )  # fmt: skip
-VIEW = ("set", "del", "multi", "exec", "discard")
+VIEW = ("set", "del")
 TRANSPORT = (*VIEW, "zadd", "zrange")
 READER = (
     "get", "mget", "exists", "type", "ttl", "pttl", "scan", "hget", "hmget", "hgetall", "hlen",
@@ -76,33 +79,42 @@ class RedisRules:
         return rules
 
 
-def _receiver(prefix: str, queue: str) -> RedisRules:
-    q = "*" if queue == ALL_QUEUES else queue
+def _tagged(queue: str) -> str:
+    """A queue as it goes into a key pattern: every queue is ``*``, which matches inside the hash
+    tag `ksb.names` puts on each queue key (braces are plain characters in an ACL pattern)."""
+    return "*" if queue == ALL_QUEUES else queue
+
+
+def _receiver(names: Names, queue: str) -> RedisRules:
+    q = _tagged(queue)
     keys = {
-        f"{prefix}disabled",
-        f"{prefix}activity:{q}",
-        f"{prefix}lock:{q}:*",
-        f"{prefix}fence:{q}:*",
-        f"{prefix}waiting:{q}",
-        f"{prefix}rollbacks:{q}",
-        f"{prefix}msgrb:{q}",
+        names.disabled_key(q),
+        names.activity_key(q),
+        names.waiting_key(q),
+        names.rollbacks_key(q),
+        names.message_rollbacks_key(q),
+        names.lock_key(q, "*"),
+        names.fence_key(q, "*"),
     }
     return RedisRules(
-        frozenset(keys), frozenset({f"{prefix}dlpolicy"}), frozenset((*CONNECT, *RECEIVER))
+        frozenset(keys),
+        frozenset({names.dead_letter_policy_key}),
+        frozenset((*CONNECT, *RECEIVER)),
     )
 
 
 def rules_of(instance: str, a: Access) -> RedisRules:
     """`a`'s Redis rules in `instance` (empty for a principal that needs no Redis)."""
     prefix = f"ksb:{instance}:"
+    names = Names(instance)
     rules = RedisRules()
     for q in sorted(a.receives):
-        rules |= _receiver(prefix, q)
+        rules |= _receiver(names, q)
     if a.role is Role.ACTIVATION:
-        keys = {f"{prefix}{k}" for k in ("tasks:*", "monitors", "dlpolicy")}
+        keys = {f"{prefix}{k}" for k in ("tasks:*", "disabled:*", "monitors", "dlpolicy")}
         rules |= RedisRules(frozenset(keys), commands=frozenset((*CONNECT, *ACTIVATION)))
     elif a.role is Role.EXTERNAL_ACTIVATOR:  # its readers are activated tasks: heartbeats
-        keys = {f"{prefix}tasks:{q}" for q in a.receives}
+        keys = {names.tasks_key(_tagged(q)) for q in a.receives}
         rules |= RedisRules(frozenset(keys), commands=frozenset(CONNECT))
     elif a.role is Role.TRANSMITTER:
         rules |= _view(prefix, ["transmission"], VIEW)
