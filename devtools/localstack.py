@@ -49,7 +49,7 @@ from devtools.processes import (
     tail,
     wait_gone,
 )
-from devtools.redis_node import redis_ready, start_redis
+from devtools.redis_node import form_cluster, redis_ready, start_redis
 from devtools.stack_security import MODES, SecurityMode, StackSecurity, security_mode
 
 __all__ = [
@@ -85,6 +85,14 @@ class LocalStack:
     security_mode: SecurityMode = "sasl"
     other_kafka_pids: tuple[int, ...] = ()
     """The cluster's other Kafka nodes, when it has several (`start_stack`'s ``kafka_nodes``)."""
+    other_redis_pids: tuple[int, ...] = ()
+    """The Redis Cluster's other nodes, when it has several (``redis_nodes``); `redis_url`
+    names the first."""
+
+    @property
+    def redis_cluster(self) -> bool:
+        """Redis runs as a cluster: clients need ``redis_cluster`` set."""
+        return bool(self.other_redis_pids)
 
     @property
     def kafka_pids(self) -> tuple[int, ...]:
@@ -104,7 +112,7 @@ class LocalStack:
         (fixture finaliser, atexit, failed start) overlap. Both processes are signalled
         before waiting so their shutdowns overlap instead of adding up.
         """
-        pids = [*self.kafka_pids, self.redis_pid]
+        pids = [*self.kafka_pids, self.redis_pid, *self.other_redis_pids]
         for pid in pids:
             signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -124,6 +132,7 @@ class LocalStack:
             "redis_pid": self.redis_pid,
             "security": self.security_mode,
             "other_kafka_pids": list(self.other_kafka_pids),
+            "other_redis_pids": list(self.other_redis_pids),
         }
 
 
@@ -163,6 +172,7 @@ def start_stack(
     stop_at_exit: bool = True,
     security: SecurityMode | None = None,
     kafka_nodes: int = 1,
+    redis_nodes: int = 1,
 ) -> LocalStack:
     """Start Kafka and Redis under `workdir` and return once both are usable.
 
@@ -174,7 +184,8 @@ def start_stack(
     `security` is the mode (default: ``KSB_STACK_SECURITY``, else ``sasl``).
     `stop_at_exit=False` is for `python -m devtools.localstack up`, whose whole point is that
     the processes outlive it. `kafka_nodes` above 1 starts a cluster of that many KRaft nodes,
-    each broker and controller, replicating every topic (`replication_settings`).
+    each broker and controller, replicating every topic (`replication_settings`);
+    `redis_nodes` above 1, a Redis Cluster of that many primaries (`form_cluster`).
     """
     deadline = time.monotonic() + timeout_s
     workdir = workdir.resolve()
@@ -186,11 +197,16 @@ def start_stack(
         k.data.mkdir(parents=True, exist_ok=True)
         k.logs.mkdir(parents=True, exist_ok=True)
     bootstrap = ",".join(k.bootstrap for k in nodes)
-    redis_port = free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    cluster = redis_nodes > 1
+    redis_ports = [free_port() for _ in range(redis_nodes)]
+    redis_urls = [f"redis://127.0.0.1:{port}/0" for port in redis_ports]
+    redis_url = redis_urls[0]
 
     # Redis first: it is up in milliseconds and runs while the storage-format JVM starts.
-    redis_proc = start_redis(workdir / "redis", redis_port, sec)
+    redis_procs = [
+        start_redis(workdir / _redis_dir(i), port, sec, cluster=cluster)
+        for i, port in enumerate(redis_ports)
+    ]
     stack: LocalStack | None = None
     try:
         cluster_id = kafka_cluster_id()
@@ -203,9 +219,10 @@ def start_stack(
             redis_url=redis_url,
             workdir=workdir,
             kafka_pid=procs[0].pid,
-            redis_pid=redis_proc.pid,
+            redis_pid=redis_procs[0].pid,
             security_mode=sec.mode,
             other_kafka_pids=tuple(p.pid for p in procs[1:]),
+            other_redis_pids=tuple(p.pid for p in redis_procs[1:]),
         )
         if stop_at_exit:
             _remember(stack)
@@ -213,19 +230,24 @@ def start_stack(
             for proc in procs:
                 if proc.poll() is not None:
                     raise LocalStackError(f"Kafka exited with code {proc.returncode}")
-            if redis_proc.poll() is not None:
-                raise LocalStackError(f"redis-server exited with code {redis_proc.returncode}")
+            for rp in redis_procs:
+                if rp.poll() is not None:
+                    raise LocalStackError(f"redis-server exited with code {rp.returncode}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"Kafka did not listen on {bootstrap} in {timeout_s}s")
             time.sleep(0.05)
         kafka_ready(bootstrap, deadline, sec.login(), brokers=kafka_nodes)
-        redis_ready(redis_url, deadline, sec)
+        for url in redis_urls:
+            redis_ready(url, deadline, sec)
+        if cluster:
+            form_cluster(redis_urls, deadline, sec)
     except BaseException as exc:
         if stack is not None:
             stack.stop(grace_s=2.0)
         else:
-            signal_group(redis_proc.pid, signal.SIGKILL)
-            wait_gone(redis_proc.pid, time.monotonic() + 5.0)
+            for rp in redis_procs:
+                signal_group(rp.pid, signal.SIGKILL)
+                wait_gone(rp.pid, time.monotonic() + 5.0)
         if isinstance(exc, Exception):
             tails = "\n".join(k.log_tails() for k in nodes)
             raise LocalStackError(
@@ -234,6 +256,11 @@ def start_stack(
             ) from exc
         raise
     return stack
+
+
+def _redis_dir(i: int) -> str:
+    """Node 1 in ``redis/`` (where a one-node stack has always kept it), node i in ``redis-<i>/``."""
+    return "redis" if i == 0 else f"redis-{i + 1}"
 
 
 def _kafka_layouts(workdir: Path, sec: StackSecurity, count: int) -> list[KafkaLayout]:
@@ -287,6 +314,7 @@ def _load_cli_stack() -> LocalStack | None:
         redis_pid=int(data["redis_pid"]),
         security_mode=security_mode(data.get("security", "sasl")),
         other_kafka_pids=tuple(int(p) for p in data.get("other_kafka_pids", [])),
+        other_redis_pids=tuple(int(p) for p in data.get("other_redis_pids", [])),
     )
 
 

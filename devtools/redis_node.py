@@ -6,6 +6,10 @@ Secured (the default), it starts from an ACL file with the ``default`` user off 
 ``admin``, allowed everything: the tool that gives every principal its own ACL user
 (`ksb.security.apply`). Nobody else can log in until it has. The file holds only the password's
 SHA-256, as Redis's own ``ACL SAVE`` would write it.
+
+A stack with several Redis nodes runs them as one Redis Cluster (`form_cluster`): every node
+starts cluster-enabled from the same ACL file (a cluster keeps its users per node), the slots
+are split evenly, one primary per node and no replicas.
 """
 
 from __future__ import annotations
@@ -16,12 +20,17 @@ import subprocess
 import time
 from pathlib import Path
 
-from devtools.processes import LocalStackError, register_child
+import redis
+
+from devtools.processes import LocalStackError, free_port, register_child
 from devtools.stack_security import StackSecurity
 from ksb.security.credentials import write_private
 from ksb.security.principals import ADMIN
 
-__all__ = ["redis_ready", "start_redis"]
+__all__ = ["form_cluster", "redis_ready", "start_redis"]
+
+SLOTS = 16_384
+"""Redis Cluster's hash slots."""
 
 
 def _redis_server() -> str:
@@ -40,7 +49,12 @@ def _write_acl_file(root: Path, security: StackSecurity) -> Path:
     return path
 
 
-def start_redis(root: Path, port: int, security: StackSecurity) -> subprocess.Popen[bytes]:
+def start_redis(
+    root: Path, port: int, security: StackSecurity, *, cluster: bool = False
+) -> subprocess.Popen[bytes]:
+    """One ``redis-server``; with `cluster`, a node of a Redis Cluster still to be formed
+    (`form_cluster`), its cluster bus on a free port of its own (Redis's default, `port` +
+    10000, is past 65535 for half the ports a free-port search returns)."""
     root.mkdir(parents=True, exist_ok=True)
     cmd = [
         _redis_server(),
@@ -54,6 +68,13 @@ def start_redis(root: Path, port: int, security: StackSecurity) -> subprocess.Po
     ]  # fmt: skip
     if security.enabled:
         cmd += ["--aclfile", str(_write_acl_file(root, security))]
+    if cluster:
+        cmd += [
+            "--cluster-enabled", "yes",
+            "--cluster-config-file", str(root / "nodes.conf"),
+            "--cluster-node-timeout", "5000",
+            "--cluster-port", str(free_port()),
+        ]  # fmt: skip
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.DEVNULL,
@@ -66,12 +87,14 @@ def start_redis(root: Path, port: int, security: StackSecurity) -> subprocess.Po
     return proc
 
 
+def _admin(url: str, security: StackSecurity) -> redis.Redis:
+    auth = {"username": ADMIN, "password": security.password(ADMIN)} if security.enabled else {}
+    return redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0, **auth)
+
+
 def redis_ready(url: str, deadline: float, security: StackSecurity) -> None:
     """PING answered, logged in as ``admin`` when secured."""
-    import redis
-
-    auth = {"username": ADMIN, "password": security.password(ADMIN)} if security.enabled else {}
-    client = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0, **auth)
+    client = _admin(url, security)
     try:
         while True:
             try:
@@ -86,3 +109,36 @@ def redis_ready(url: str, deadline: float, security: StackSecurity) -> None:
             time.sleep(0.05)
     finally:
         client.close()
+
+
+def form_cluster(urls: list[str], deadline: float, security: StackSecurity) -> None:
+    """Make the ready nodes at `urls` one Redis Cluster: each takes an even, contiguous share of
+    the slots, the first meets the others, and it returns once every node reports the cluster
+    ok (all slots served)."""
+    clients = [_admin(url, security) for url in urls]
+    try:
+        share = -(-SLOTS // len(clients))
+        for i, c in enumerate(clients):
+            first, last = i * share, min(SLOTS, (i + 1) * share) - 1
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)  # type: ignore[no-untyped-call]
+        for c in clients[1:]:
+            kwargs = c.connection_pool.connection_kwargs
+            bus = c.config_get("cluster-port")["cluster-port"]  # MEET assumes port + 10000
+            clients[0].execute_command("CLUSTER", "MEET", kwargs["host"], kwargs["port"], bus)  # type: ignore[no-untyped-call]
+        while not all(_formed(_cluster_info(c), len(clients)) for c in clients):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"Redis Cluster of {urls} did not report ok in time")
+            time.sleep(0.05)
+    finally:
+        for c in clients:
+            c.close()
+
+
+def _formed(info: dict[str, str], nodes: int) -> bool:
+    return info.get("cluster_state") == "ok" and info.get("cluster_known_nodes") == str(nodes)
+
+
+def _cluster_info(client: redis.Redis) -> dict[str, str]:
+    raw = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return dict(line.split(":", 1) for line in text.split() if ":" in line)

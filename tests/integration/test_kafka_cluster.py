@@ -1,17 +1,20 @@
-"""KSB on a Kafka cluster of three brokers, secured as the one-node stack is: every topic KSB makes
-has a copy on each broker, and the broker coordinating the dispatchers' group, SIGKILLed under
-load, loses nothing.
+"""KSB on a Kafka cluster of three brokers and a Redis Cluster of three primaries, secured as the
+one-node stack is: every topic KSB makes has a copy on each broker, the broker coordinating the
+dispatchers' group, SIGKILLed under load, loses nothing, and the group locks, fences and
+disabled flags work across Redis nodes, each node knowing every principal.
 
 Where a team outgrows one machine, KSB runs on Kafka's own replication, not on anything of its
 own: its topics take the cluster's ``default.replication.factor`` (three here, two in sync before a
 write is acknowledged; `devtools.kafka_node.replication_settings`), and its dispatchers, readers
 and senders ride out a lost broker the way any Kafka client does, by following the partitions'
 new leaders. The test keeps the same invariants as the scale-out tests: every message delivered
-once, in its dialog's order, none left to receive.
+once, in its dialog's order, none left to receive. Redis Cluster shards KSB's keys by queue (each
+queue's keys carry its name as a hash tag, `ksb.names`), so one lock script runs on one node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import time
 import uuid
@@ -19,21 +22,27 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
+from redis.cluster import RedisCluster
 
-from bench.e2e import Tally, bench_catalog
+from bench.e2e import TARGET_QUEUE, Tally, bench_catalog
 from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStack, start_stack
 from devtools.processes import signal_group, wait_gone
+from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.redis_client import redis_client
+from ksb.sdk.locks import GroupLocks
 from ksb.security.principals import ADMIN
 from tests.integration.faulted_load import Load, assert_exactly_once_in_order, run_with_fault
 
 pytestmark = pytest.mark.integration
 
 BROKERS = 3
+REDIS_NODES = 3
 SHARDS = 4
 LOAD = Load(messages=12_000, dialogs=300, receivers=2, timeout_s=300)
 KILL_AT = 0.3
@@ -42,7 +51,12 @@ KILL_AT = 0.3
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    stack = start_stack(tmp_path_factory.mktemp("cluster"), kafka_nodes=BROKERS, timeout_s=240)
+    stack = start_stack(
+        tmp_path_factory.mktemp("cluster"),
+        kafka_nodes=BROKERS,
+        redis_nodes=REDIS_NODES,
+        timeout_s=240,
+    )
     try:
         yield stack
     finally:
@@ -56,6 +70,7 @@ def instance(cluster: LocalStack) -> Deployment:
             "instance": f"kc{uuid.uuid4().hex[:8]}",
             "kafka_bootstrap": cluster.kafka_bootstrap,
             "redis_url": cluster.redis_url,
+            "redis_cluster": cluster.redis_cluster,
             "request_partitions": SHARDS,
             "lock_ttl_ms": 30_000,
             **stack_fields(cluster.security),
@@ -115,3 +130,51 @@ def test_the_broker_coordinating_the_dispatchers_killed_under_load_loses_nothing
     # Two copies of every partition are left, and in sync: writes go on being acknowledged.
     after = _replicas(instance)
     assert all(isr >= BROKERS - 1 for parts in after.values() for _n, isr in parts), after
+
+
+def _nodes(settings: Deployment) -> list[redis.Redis]:
+    """A client of each Redis node on its own, logged in as ``admin``."""
+    admin = settings.as_principal(ADMIN)
+    client = redis_client(admin)
+    assert isinstance(client, RedisCluster)
+    return [client.get_redis_connection(node) for node in client.get_nodes()]
+
+
+def test_every_redis_node_knows_every_principal(instance: Deployment) -> None:
+    """A Redis Cluster keeps ACL users per node: `ksb acl apply` must reach each one."""
+    nodes = _nodes(instance)
+    assert len(nodes) == REDIS_NODES
+    principal = instance.redis_username
+    for node in nodes:
+        user = node.execute_command("ACL", "GETUSER", principal)  # type: ignore[no-untyped-call]
+        assert user is not None, node
+
+
+def test_group_locks_and_disabled_flags_work_across_redis_nodes(instance: Deployment) -> None:
+    """Each queue's keys sit in one slot, so each lock script runs on one node; queues spread
+    over the nodes. Logged in as the instance's owner (its own ACL user on every node)."""
+    names = Names(instance.instance)
+    r = redis_client(instance)
+    assert isinstance(r, RedisCluster)
+    slots = {r.keyslot(names.lock_key(q, "g")) for q in (TARGET_QUEUE, "Q1", "Q2", "Q3", "Q4")}
+    assert len(slots) > 1  # different queues, different slots
+    locks = GroupLocks(r, names, TARGET_QUEUE, holder="h1", ttl_ms=30_000)
+    rival = GroupLocks(r, names, TARGET_QUEUE, holder="h2", ttl_ms=30_000)
+    a = locks.acquire_first(["g1", "g2"])
+    assert a is not None and a.group == "g1"
+    b = rival.acquire_first(["g1", "g2"])  # g1 is held: the first free one
+    assert b is not None and b.group == "g2" and b.token != a.token
+    assert rival.acquire_first(["g1", "g2"]) is None
+    stale = dataclasses.replace(b, token=b.token - 1)  # a lease g2 has since been taken from
+    assert locks.extend_all([a, stale, b]) == [True, False, True]
+    assert locks.release_all([(a, (0, 7), True)]) == [True]
+    again = rival.acquire_first(["g1"])
+    assert again is not None and again.after == (0, 7) and again.token > a.token
+    admin = redis_client(instance.as_principal(ADMIN))
+    admin.set(names.disabled_key(TARGET_QUEUE), 1)
+    try:
+        with pytest.raises(QueueDisabled):
+            locks.acquire_first(["g3"])
+    finally:
+        admin.delete(names.disabled_key(TARGET_QUEUE))
+    assert locks.acquire_first(["g3"]) is not None

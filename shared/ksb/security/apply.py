@@ -44,6 +44,7 @@ from confluent_kafka.admin._scram import (
     UserScramCredentialAlteration,
     UserScramCredentialUpsertion,
 )
+from redis.cluster import RedisCluster
 
 from ksb.errors import SecurityError
 from ksb.runtime import kafka
@@ -340,7 +341,9 @@ def _sync_redis(
     """Record `wanted` as `instance`'s rules, drop the instance's rules of principals no longer
     in it, and set each touched user to the union of its rules over all instances."""
     before = {_text(m) for m in cast(set[bytes], r.smembers(_instance_key(instance)))}
-    pipe = r.pipeline(transaction=True)
+    # Not a MULTI: the user and instance keys lie in different slots on a Redis Cluster. A
+    # failure part-way is mended by applying again, which writes them all once more.
+    pipe = r.pipeline(transaction=False)
     for p, rules in wanted.items():
         pipe.hset(_user_key(p), instance, _encode(rules))
         pipe.sadd(_instance_key(instance), p)
@@ -361,9 +364,15 @@ def _sync_redis(
     report.redis_users = touched
 
 
-def _acl_command(r: redis.Redis, *args: str) -> Any:
-    """``ACL <args>``, sent raw: redis-py's `acl_setuser` turns a user off unless told not to."""
-    return r.execute_command("ACL", *args)  # type: ignore[no-untyped-call]
+def _acl_command(r: redis.Redis, *args: str) -> list[Any]:
+    """``ACL <args>`` on every node, each node's answer. Sent raw: redis-py's `acl_setuser` turns
+    a user off unless told not to. A Redis Cluster keeps its ACL users per node, and redis-py's
+    cluster client sends ACL commands to one node unless told to send them to all (it then
+    answers with a dict by node)."""
+    if not isinstance(r, RedisCluster):
+        return [r.execute_command("ACL", *args)]  # type: ignore[no-untyped-call]
+    answer = r.execute_command("ACL", *args, target_nodes=RedisCluster.ALL_NODES)
+    return list(answer.values()) if isinstance(answer, dict) else [answer]
 
 
 def _text(raw: bytes | str) -> str:
@@ -407,7 +416,7 @@ def rotate_password(admin: KsbSettings, store: CredentialStore, name: str) -> st
     _upsert(client, {name: password})
     r = redis_client(admin)
     try:
-        if _acl_command(r, "GETUSER", name) is not None:
+        if any(user is not None for user in _acl_command(r, "GETUSER", name)):
             _acl_command(r, "SETUSER", name, "resetpass", f"#{_sha256(password)}")
     finally:
         r.close()
