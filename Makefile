@@ -85,7 +85,7 @@ $(STAMP_FUZZ): $(STAMP_PY)
 
 # The bench's Spark audit section needs the Kafka connector's jars, as the demo and the tests do.
 bench: setup $(STAMP_SPARK)
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH_ARGS)
 
 # The chaos harness (README "Chaos harness"): rounds of cross-instance traffic while a seeded
 # schedule kills and pauses every service and reader, Kafka and Redis, and cuts the link; exits 1

@@ -48,6 +48,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     g.add_argument("--body-bytes", type=int, default=1024, help="message size (default 1024)")
     g.add_argument("--dispatchers", default="1,2,4", help="dispatcher counts (default 1,2,4)")
     g.add_argument("--shards", type=int, default=8, help="requests partitions (default 8)")
+    g.add_argument(
+        "--redis-nodes",
+        type=int,
+        default=1,
+        help="Redis servers; above 1 a Redis Cluster of that many primaries (default 1)",
+    )
     g.add_argument("--partitions", type=int, help="target queue partitions (default: --shards)")
     g.add_argument("--receivers", type=int, default=2, help="receiver threads (default 2)")
     g.add_argument("--window", type=int, default=64, help="commits in flight per receiver")
@@ -127,6 +133,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         timeout_s=timeout_s,
         log_dir=a.out.parent,
         scaling=scaling,
+        redis_nodes=a.redis_nodes,
         failover=None if a.no_failover else _failover_options(a),
         backlog=None if a.no_backlog else _backlog_options(a),
         security=None if a.no_security else _security_options(a.quick),

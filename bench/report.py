@@ -44,8 +44,10 @@ _SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], list[str]]], ...] = 
 def format_table(r: dict[str, Any]) -> str:
     cfg = r["config"]
     start, end = cfg["load_average_at_start"], cfg["load_average_at_end"]
+    nodes = cfg.get("redis_nodes", 1)  # results written before the option have one
+    redis = f"a Redis Cluster of {nodes} primaries" if nodes > 1 else "one Redis server"
     lines = [
-        f"bench: {cfg['cpus']} CPUs, Python {cfg['python']}; load average (1/5/15 min) "
+        f"bench: {cfg['cpus']} CPUs, Python {cfg['python']}, {redis}; load average (1/5/15 min) "
         f"{'/'.join(map(str, start))} at start, {'/'.join(map(str, end))} at end "
         "(other work on the machine skews every figure)",
         *scaling_lines(r["scaling"], r["raw"]),

@@ -52,6 +52,8 @@ class Options:
     log_dir: Path
     scaling: ScalingOptions
     """Raw Kafka's peer: KSB through 1, 2 and 4 dispatchers (bench/scaling.py)."""
+    redis_nodes: int = 1
+    """Above 1, the stack's Redis is a Redis Cluster of that many primaries."""
     failover: FailoverOptions | None = None
     """One of three dispatchers SIGKILLed under load (bench/failover.py); None skips it."""
     backlog: BacklogOptions | None = None
@@ -88,7 +90,7 @@ def run(opts: Options) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory(prefix="ksb-bench-") as tmp:
         workdir = Path(tmp)
-        stack = start_stack(workdir / "stack")
+        stack = start_stack(workdir / "stack", redis_nodes=opts.redis_nodes)
         phase("stack_start")
         try:
             settings = secure_instance(
@@ -97,6 +99,7 @@ def run(opts: Options) -> dict[str, Any]:
                         "instance": f"bench{uuid.uuid4().hex[:8]}",
                         "kafka_bootstrap": stack.kafka_bootstrap,
                         "redis_url": stack.redis_url,
+                        "redis_cluster": stack.redis_cluster,
                         **stack_fields(stack.security),
                     }
                 )
@@ -105,6 +108,8 @@ def run(opts: Options) -> dict[str, Any]:
             # Raw Kafka's topics are nobody's (no instance's ACLs): the admin may write them.
             admin = settings.as_principal(ADMIN)
             stack_pids = {"kafka": stack.kafka_pid, "redis": stack.redis_pid}
+            for n, pid in enumerate(stack.other_redis_pids, start=2):
+                stack_pids[f"redis-{n}"] = pid
             raw_meters: list[CpuMeter] = []
 
             def raw_mark(starting: bool) -> None:
@@ -207,6 +212,7 @@ def run(opts: Options) -> dict[str, Any]:
             "probes": opts.probes,
             "dispatcher_counts": list(s.counts),
             "shards": s.shards,
+            "redis_nodes": opts.redis_nodes,
             "cpus": _cpus(),
             "python": platform.python_version(),
             "load_average_at_start": [round(v, 2) for v in load_at_start],

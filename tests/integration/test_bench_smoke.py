@@ -28,7 +28,8 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     # than this run's time limit allows; the audit job has its own tests (marker `spark`). The
     # cross-instance section has its own smoke test below; activation, priorities and security
     # their own tests and `python -m bench.security`. Left: raw Kafka, 1 and 2 dispatchers,
-    # failover and a small backlog.
+    # failover and a small backlog. Its stack's Redis is a Redis Cluster of two primaries:
+    # every other test runs on one Redis server.
     result = subprocess.run(
         [
             sys.executable,
@@ -41,6 +42,7 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
             "--no-activation",
             "--no-priority",
             "--no-security",
+            "--redis-nodes=2",
             "--out",
             str(out),
         ],
@@ -52,12 +54,14 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     lines = result.stdout.splitlines()
+    assert "a Redis Cluster of 2 primaries" in lines[0], result.stdout
     assert any(line.startswith("throughput") for line in lines), result.stdout
     assert any(line.startswith("dispatcher CPU per message") for line in lines), result.stdout
     assert any("killed one's shards: delivering again" in line for line in lines), result.stdout
     assert any(line.strip().startswith("dispatcher d1") for line in lines), result.stdout
     assert any(line.startswith("one exactly-once hop on raw Kafka") for line in lines)
     figures = json.loads(out.read_text())
+    assert figures["config"]["redis_nodes"] == 2
     runs = figures["scaling"]["runs"]
     # 1 and 2 dispatchers, then 2 again with a queue-depth limit (`--depth-dispatchers`)
     assert [(r["dispatchers"], r["max_queue_depth"]) for r in runs] == [(1, 0), (2, 0), (2, 2000)]
