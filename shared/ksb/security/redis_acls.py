@@ -1,7 +1,7 @@
 """The Redis ACL rules of one instance: each principal's keys and commands, from the code's use.
 
 A principal that RECEIVEs touches its queues' lock, fence, waiting, activity, rollback and
-message-rollback keys (`ksb.sdk.locks`, `ksb.sdk.reader`) and reads the disabled set and the
+message-rollback keys (`ksb.sdk.locks`, `ksb.sdk.reader`) and reads its queues' disabled flags and the
 dead-letter policies. Three Redis facts shape the rules (measured on Redis 7.0):
 
 * keys passed to EVAL/EVALSHA are checked as read-write, so a queue's disabled flag, which the
