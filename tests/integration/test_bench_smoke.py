@@ -26,10 +26,11 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     # --no-spark: the Spark section starts two JVMs cold (over a minute on a loaded machine), more
     # than this run's time limit allows; the audit job has its own tests (marker `spark`). The
-    # cross-instance section has its own smoke test below; activation, priorities and security
-    # their own tests and `python -m bench.security`. Left: raw Kafka, 1 and 2 dispatchers,
-    # failover and a small backlog. Its stack's Redis is a Redis Cluster of two primaries:
-    # every other test runs on one Redis server.
+    # cross-instance section has its own smoke test below; priorities and security their own
+    # tests and `python -m bench.security`. Left: raw Kafka, 1 and 2 dispatchers, failover, a
+    # small backlog and one activation burst. Its stack's Redis is a Redis Cluster of two
+    # primaries, which no other test runs the activation service on (its monitors, task
+    # heartbeats and the disabled flags and policies it mirrors).
     result = subprocess.run(
         [
             sys.executable,
@@ -39,7 +40,6 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
             "--dispatchers=1,2",
             "--no-spark",
             "--no-cross-instance",
-            "--no-activation",
             "--no-priority",
             "--no-security",
             "--redis-nodes=2",
@@ -88,6 +88,9 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     assert failover["verified_exactly_once_in_order"] is True
     assert failover["lost_shards"]["resumed_after_kill_s"] > 0
     assert figures["backlog"]["verified_exactly_once_in_order"] is True
+    activation = figures["activation"]
+    assert activation["verified_exactly_once"] is True, activation["problems"]
+    assert activation["activations"] > 0 and activation["rounds_completed"] == 1
     hops = figures["txn_hop"]
     assert set(hops["widths"]) == {"1", "4"} and hops["probes"] == figures["config"]["probes"] > 0
     assert all(h["count"] == hops["probes"] and h["p50_ms"] > 0 for h in hops["widths"].values())
