@@ -107,9 +107,7 @@ def run(opts: Options) -> dict[str, Any]:
             phase("secure")
             # Raw Kafka's topics are nobody's (no instance's ACLs): the admin may write them.
             admin = settings.as_principal(ADMIN)
-            stack_pids = {"kafka": stack.kafka_pid, "redis": stack.redis_pid}
-            for n, pid in enumerate(stack.other_redis_pids, start=2):
-                stack_pids[f"redis-{n}"] = pid
+            stack_pids = {"kafka": stack.kafka_pid, **stack.redis_node_pids}
             raw_meters: list[CpuMeter] = []
 
             def raw_mark(starting: bool) -> None:

@@ -95,6 +95,13 @@ class LocalStack:
         return bool(self.other_redis_pids)
 
     @property
+    def redis_node_pids(self) -> dict[str, int]:
+        """Every Redis node's pid by its directory under the workdir (``redis``, ``redis-2``, ...),
+        which is also how the bench names each one's CPU."""
+        pids = (self.redis_pid, *self.other_redis_pids)
+        return {_redis_dir(i): pid for i, pid in enumerate(pids)}
+
+    @property
     def kafka_pids(self) -> tuple[int, ...]:
         """Every Kafka node, the first (`kafka_pid`, ``kafka/``) first; node i+1 is in
         ``kafka-<i+1>/``."""
@@ -112,7 +119,7 @@ class LocalStack:
         (fixture finaliser, atexit, failed start) overlap. Both processes are signalled
         before waiting so their shutdowns overlap instead of adding up.
         """
-        pids = [*self.kafka_pids, self.redis_pid, *self.other_redis_pids]
+        pids = [*self.kafka_pids, *self.redis_node_pids.values()]
         for pid in pids:
             signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s

@@ -9,7 +9,8 @@ write is acknowledged; `devtools.kafka_node.replication_settings`), and its disp
 and senders ride out a lost broker the way any Kafka client does, by following the partitions'
 new leaders. The test keeps the same invariants as the scale-out tests: every message delivered
 once, in its dialog's order, none left to receive. Redis Cluster shards KSB's keys by queue (each
-queue's keys carry its name as a hash tag, `ksb.names`), so one lock script runs on one node.
+queue's keys carry its instance and name as a hash tag, `ksb.names`), so one lock script runs on
+one node.
 """
 
 from __future__ import annotations
