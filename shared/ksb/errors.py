@@ -14,6 +14,7 @@ __all__ = [
     "DdlError",
     "KsbError",
     "LockLost",
+    "LockStoreUnavailable",
     "NotAuthorized",
     "ProtocolError",
     "QueueDisabled",
@@ -70,6 +71,15 @@ class LockLost(KsbError):
     """The reader no longer holds the conversation-group lock it received under."""
 
     code = "lock_lost"
+
+
+class LockStoreUnavailable(KsbError):
+    """Redis, where group locks live, did not answer or refused a command, so a RECEIVE could not
+    lock a group: the transaction holds nothing and may RECEIVE again. (A commit that cannot
+    confirm its lock fails with `LockLost` instead: its messages come back once the lock
+    expires.)"""
+
+    code = "lock_store_unavailable"
 
 
 class CommitRefused(KsbError):

@@ -156,6 +156,10 @@ class ClientSettings(KsbSettings):
 
     lock_ttl_ms: int = Field(30_000, ge=100)
     """A group lock's lease; the reader renews it while its transaction runs."""
+    redis_timeout_ms: int = Field(5_000, ge=100)
+    """How long a Redis command (a group lock, its renewal or release) may take: past it a
+    RECEIVE fails with `LockStoreUnavailable` and a commit with `LockLost`, where a stalled Redis
+    would hold the reader forever."""
     reader_cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
     """Records of waiting messages a reader keeps per queue so that RECEIVE need not read them back
     from Kafka (`ksb.sdk.bodies`); the newest first. 0: every body is read back."""

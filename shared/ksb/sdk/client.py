@@ -18,7 +18,7 @@ import redis
 from confluent_kafka import KafkaError, Message
 
 from ksb.audit import Audit, AuditEvent, BatchedAudit, KafkaAudit
-from ksb.errors import KsbError, LockLost
+from ksb.errors import KsbError, LockLost, LockStoreUnavailable
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.redis_client import redis_client
@@ -91,7 +91,10 @@ class KsbClient:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = redis_client(self.settings)
+            timeout_s = self.settings.redis_timeout_ms / 1000
+            self._redis = redis_client(
+                self.settings, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            )
         return self._redis
 
     def reader(self, queue: str) -> QueueReader:
@@ -289,7 +292,12 @@ class Transaction:
                 raise KsbError("a transaction receives from one queue")
             return self._reader
         reader = self._client.reader(queue)
-        lease = reader.lock_group(waitfor_ms=waitfor_ms, group=group, handle=handle)
+        try:
+            lease = reader.lock_group(waitfor_ms=waitfor_ms, group=group, handle=handle)
+        except redis.RedisError as exc:
+            raise LockStoreUnavailable(
+                f"RECEIVE on {queue} locked no group: Redis failed ({type(exc).__name__}: {exc})"
+            ) from exc
         if lease is None:
             return None
         self._reader, self._lease = reader, lease
@@ -400,9 +408,7 @@ class Transaction:
         self._finish()
         receipt = None
         if self._lease is not None and self._reader is not None:
-            if not self._reader.locks.extend(self._lease):
-                self._reader.release(self._lease, None)
-                raise LockLost(f"lost the lock on group {self._lease.group} before commit")
+            self._confirm_lease(self._reader, self._lease)
             receipt = Receipt(
                 queue=self._reader.queue,
                 group=self._lease.group,
@@ -444,6 +450,21 @@ class Transaction:
 
         delivered.add_done_callback(on_delivery)
         return outcome
+
+    @staticmethod
+    def _confirm_lease(reader: QueueReader, lease: Lease) -> None:
+        """Renew the lease before committing under it, or give the group up and raise
+        `LockLost`: a commit whose lock cannot be confirmed (lost, or Redis failing) must not go
+        ahead, and its messages come back to the queue when the lock expires."""
+        try:
+            held = reader.locks.extend(lease)
+            why = "lost the lock"
+        except redis.RedisError as exc:
+            held = False
+            why = f"could not confirm the lock (Redis: {type(exc).__name__}: {exc})"
+        if not held:
+            reader.release(lease, None)
+            raise LockLost(f"{why} on group {lease.group} before commit")
 
     def commit(self, timeout_s: float = 30) -> None:
         """Commit and wait for the outcome; raises CommitRefused or LockLost when it did not apply."""

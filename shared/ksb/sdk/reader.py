@@ -216,7 +216,15 @@ class QueueReader:
                     self._cond.wait(min(remaining, 0.02))
         finally:
             if session is not None:
-                self._redis.zrem(self.names.waiting_key(self.queue), session)
+                self._leave_waiting(session)
+
+    def _leave_waiting(self, session: str) -> None:
+        """Unregister a waiting session; if Redis cannot be told, the entry's score (the time
+        its wait ends) lets the queue monitor pass over it once that time is gone."""
+        try:
+            self._redis.zrem(self.names.waiting_key(self.queue), session)
+        except redis.RedisError as exc:
+            log.warning("waiting session %s not unregistered (%s); it lapses", session, exc)
 
     def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
         with self._cond:
@@ -246,13 +254,19 @@ class QueueReader:
         """Count a rollback per queue (poison detection) and per message, in one round trip.
 
         Returns the messages that have now reached the queue's dead-letter limit, if it has one.
+        With Redis failing the rollback is not counted (the counts live there, as after a
+        flush) rather than failing: a rollback always gives the messages back.
         """
         pipe = self._redis.pipeline(transaction=False)
         pipe.hget(self.names.dead_letter_policy_key, self.queue)
         pipe.incr(self.names.rollbacks_key(self.queue))
         for mid in message_ids:
             pipe.hincrby(self.names.message_rollbacks_key(self.queue), mid, 1)
-        limit, _n, *counts = pipe.execute()
+        try:
+            limit, _n, *counts = pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("rollback of %d messages not counted (%s)", len(message_ids), exc)
+            return []
         if not limit:
             return []
         return [mid for mid, c in zip(message_ids, counts, strict=True) if int(c) >= int(limit)]
@@ -386,11 +400,17 @@ class QueueReader:
         did: pass on the position this lease was given (unknown stays unknown, which makes the next
         holder catch up with the partition's end).
         """
-        self.locks.release(lease, after if after is not None else lease.after)
-        with self._cond:
-            self.held.discard(lease.group)
-            self._leases.pop(lease.group, None)
-            self._cond.notify_all()
+        try:
+            self.locks.release(lease, after if after is not None else lease.after)
+        except redis.RedisError as exc:
+            # A rollback does not fail: the lock expires after its TTL instead, and this reader
+            # forgets it now (left held, it would be renewed for as long as the reader lives).
+            log.warning("group %s not released (%s); its lock expires instead", lease.group, exc)
+        finally:
+            with self._cond:
+                self.held.discard(lease.group)
+                self._leases.pop(lease.group, None)
+                self._cond.notify_all()
 
     def expect_outcome(self, request_id: str, lease: Lease) -> Future[CommitOutcome]:
         fut: Future[CommitOutcome] = Future()
