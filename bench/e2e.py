@@ -46,6 +46,8 @@ log = logging.getLogger("bench.e2e")
 INITIATOR, TARGET, CONTRACT = "//bench/Initiator", "//bench/Target", "//bench/Contract"
 MESSAGE_TYPE = "//bench/Payload"
 _WARMUP = 5
+_RETRY_S = 0.05
+"""A receiver waits this long after a failed RECEIVE before the next."""
 INITIATOR_QUEUE, TARGET_QUEUE = "BenchInitiatorQueue", "BenchTargetQueue"
 
 
@@ -228,6 +230,7 @@ def _receive_loop(
                 log.warning("RECEIVE failed; rolled back: %s", failed)
                 with tally.lock:
                     tally.receive_errors += 1
+                stop.wait(_RETRY_S)  # Redis failing over, say: not a tight loop meanwhile
                 continue
             if not msgs:
                 continue

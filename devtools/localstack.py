@@ -86,8 +86,8 @@ class LocalStack:
     other_kafka_pids: tuple[int, ...] = ()
     """The cluster's other Kafka nodes, when it has several (`start_stack`'s ``kafka_nodes``)."""
     other_redis_pids: tuple[int, ...] = ()
-    """The Redis Cluster's other nodes, when it has several (``redis_nodes``); `redis_url`
-    names the first."""
+    """The Redis Cluster's other nodes, when it has several (``redis_nodes``, then their
+    replicas); `redis_url` then names every node, comma-separated, the first first."""
 
     @property
     def redis_cluster(self) -> bool:
@@ -100,6 +100,14 @@ class LocalStack:
         which is also how the bench names each one's CPU."""
         pids = (self.redis_pid, *self.other_redis_pids)
         return {_redis_dir(i): pid for i, pid in enumerate(pids)}
+
+    def redis_pid_at(self, port: int) -> int:
+        """The pid of the Redis node listening on `port` (each names its address in its
+        process title), for tests that kill the node holding a given slot."""
+        for pid in self.redis_node_pids.values():
+            if f"127.0.0.1:{port}" in _cmdline(pid):
+                return pid
+        raise LocalStackError(f"no Redis node of this stack listens on port {port}")
 
     @property
     def kafka_pids(self) -> tuple[int, ...]:
@@ -180,6 +188,7 @@ def start_stack(
     security: SecurityMode | None = None,
     kafka_nodes: int = 1,
     redis_nodes: int = 1,
+    redis_replicas: int = 0,
 ) -> LocalStack:
     """Start Kafka and Redis under `workdir` and return once both are usable.
 
@@ -192,7 +201,8 @@ def start_stack(
     `stop_at_exit=False` is for `python -m devtools.localstack up`, whose whole point is that
     the processes outlive it. `kafka_nodes` above 1 starts a cluster of that many KRaft nodes,
     each broker and controller, replicating every topic (`replication_settings`);
-    `redis_nodes` above 1, a Redis Cluster of that many primaries (`form_cluster`).
+    `redis_nodes` above 1, a Redis Cluster of that many primaries (`form_cluster`), each with
+    `redis_replicas` replicas.
     """
     deadline = time.monotonic() + timeout_s
     workdir = workdir.resolve()
@@ -205,9 +215,10 @@ def start_stack(
         k.logs.mkdir(parents=True, exist_ok=True)
     bootstrap = ",".join(k.bootstrap for k in nodes)
     cluster = redis_nodes > 1
-    redis_ports = [free_port() for _ in range(redis_nodes)]
+    if redis_replicas and not cluster:
+        raise LocalStackError("Redis replicas need a Redis Cluster (redis_nodes above 1)")
+    redis_ports = [free_port() for _ in range(redis_nodes * (1 + redis_replicas))]
     redis_urls = [f"redis://127.0.0.1:{port}/0" for port in redis_ports]
-    redis_url = redis_urls[0]
 
     # Redis first: it is up in milliseconds and runs while the storage-format JVM starts.
     redis_procs = [
@@ -223,7 +234,7 @@ def start_stack(
         procs = [start_kafka(libs, k) for k in nodes]
         stack = LocalStack(
             kafka_bootstrap=bootstrap,
-            redis_url=redis_url,
+            redis_url=",".join(redis_urls),
             workdir=workdir,
             kafka_pid=procs[0].pid,
             redis_pid=redis_procs[0].pid,
@@ -247,7 +258,7 @@ def start_stack(
         for url in redis_urls:
             redis_ready(url, deadline, sec)
         if cluster:
-            form_cluster(redis_urls, deadline, sec)
+            form_cluster(redis_urls[:redis_nodes], deadline, sec, redis_urls[redis_nodes:])
     except BaseException as exc:
         if stack is not None:
             stack.stop(grace_s=2.0)

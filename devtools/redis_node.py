@@ -9,7 +9,7 @@ SHA-256, as Redis's own ``ACL SAVE`` would write it.
 
 A stack with several Redis nodes runs them as one Redis Cluster (`form_cluster`): every node
 starts cluster-enabled from the same ACL file (a cluster keeps its users per node), the slots
-are split evenly, one primary per node and no replicas.
+are split evenly over the primaries, and any replica nodes follow a primary each.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import hashlib
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import redis
@@ -111,27 +112,56 @@ def redis_ready(url: str, deadline: float, security: StackSecurity) -> None:
         client.close()
 
 
-def form_cluster(urls: list[str], deadline: float, security: StackSecurity) -> None:
+def form_cluster(
+    urls: list[str], deadline: float, security: StackSecurity, replicas: Sequence[str] = ()
+) -> None:
     """Make the ready nodes at `urls` one Redis Cluster: each takes an even, contiguous share of
     the slots, the first meets the others, and it returns once every node reports the cluster
-    ok (all slots served)."""
+    ok (all slots served). Each node of `replicas` replicates a primary, in turn (the i-th the
+    primary i modulo their count), and is in sync with it before this returns: a primary that
+    dies is replaced by its replica (Redis's own failover, after ``cluster-node-timeout``)."""
     clients = [_admin(url, security) for url in urls]
+    followers = [_admin(url, security) for url in replicas]
+    everyone = clients + followers
     try:
         share = -(-SLOTS // len(clients))
         for i, c in enumerate(clients):
             first, last = i * share, min(SLOTS, (i + 1) * share) - 1
             c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)  # type: ignore[no-untyped-call]
-        for c in clients[1:]:
+        for c in everyone[1:]:
             kwargs = c.connection_pool.connection_kwargs
             bus = c.config_get("cluster-port")["cluster-port"]  # MEET assumes port + 10000
             clients[0].execute_command("CLUSTER", "MEET", kwargs["host"], kwargs["port"], bus)  # type: ignore[no-untyped-call]
-        while not all(_formed(_cluster_info(c), len(clients)) for c in clients):
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"Redis Cluster of {urls} did not report ok in time")
-            time.sleep(0.05)
+        if followers and security.enabled:
+            for c in everyone:  # a replica logs in to its primary; any node may become one
+                c.config_set("masteruser", ADMIN)
+                c.config_set("masterauth", security.password(ADMIN))
+        _wait(deadline, urls, lambda: all(_knows(c, len(everyone)) for c in everyone))
+        for i, f in enumerate(followers):
+            primary = clients[i % len(clients)].execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
+            f.execute_command("CLUSTER", "REPLICATE", primary)  # type: ignore[no-untyped-call]
+        _wait(
+            deadline,
+            urls,
+            lambda: (
+                all(_formed(_cluster_info(c), len(everyone)) for c in everyone)
+                and all(f.info("replication").get("master_link_status") == "up" for f in followers)
+            ),
+        )
     finally:
-        for c in clients:
+        for c in everyone:
             c.close()
+
+
+def _wait(deadline: float, urls: list[str], done: Callable[[], bool]) -> None:
+    while not done():
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"Redis Cluster of {urls} did not report ok in time")
+        time.sleep(0.05)
+
+
+def _knows(client: redis.Redis, nodes: int) -> bool:
+    return _cluster_info(client).get("cluster_known_nodes") == str(nodes)
 
 
 def _formed(info: dict[str, str], nodes: int) -> bool:

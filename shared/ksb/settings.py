@@ -68,8 +68,9 @@ class KsbSettings(BaseModel):
     kafka_bootstrap: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_cluster: bool = False
-    """`redis_url` names one node of a Redis Cluster: clients find the others from it and send
-    each key to the node that holds its slot (`ksb.runtime.redis_client`)."""
+    """`redis_url` names nodes of a Redis Cluster, one or several comma-separated (a client
+    starts from the first that answers): clients find the others from it and send each key to
+    the node that holds its slot (`ksb.runtime.redis_client`)."""
     fetch_wait_max_ms: int = Field(10, ge=0)
     """How long a consumer's fetch may wait for data (librdkafka's 500 ms would be most of a hop)."""
     session_timeout_ms: int = Field(6_000, ge=500)

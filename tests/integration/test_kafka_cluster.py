@@ -1,7 +1,8 @@
-"""KSB on a Kafka cluster of three brokers and a Redis Cluster of three primaries, secured as the
-one-node stack is: every topic KSB makes has a copy on each broker, the broker coordinating the
-dispatchers' group, SIGKILLed under load, loses nothing, and the group locks, fences and
-disabled flags work across Redis nodes, each node knowing every principal.
+"""KSB on a Kafka cluster of three brokers and a Redis Cluster of three primaries with a replica
+each, secured as the one-node stack is: every topic KSB makes has a copy on each broker, the broker
+coordinating the dispatchers' group, SIGKILLed under load, loses nothing, the group locks, fences
+and disabled flags work across Redis nodes, each node knowing every principal, and the Redis
+primary holding the queue's slot, SIGKILLed under load, is replaced by its replica losing nothing.
 
 Where a team outgrows one machine, KSB runs on Kafka's own replication, not on anything of its
 own: its topics take the cluster's ``default.replication.factor`` (three here, two in sync before a
@@ -44,10 +45,13 @@ pytestmark = pytest.mark.integration
 
 BROKERS = 3
 REDIS_NODES = 3
+REDIS_REPLICAS = 1
+"""Replicas per Redis primary: a primary killed is replaced by its replica."""
 SHARDS = 4
 LOAD = Load(messages=12_000, dialogs=300, receivers=2, timeout_s=300)
+REDIS_LOAD = Load(messages=6_000, dialogs=300, receivers=2, timeout_s=300)
 KILL_AT = 0.3
-"""The broker dies once this share of the messages has been delivered."""
+"""The broker (or Redis primary) dies once this share of the messages has been delivered."""
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +60,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         tmp_path_factory.mktemp("cluster"),
         kafka_nodes=BROKERS,
         redis_nodes=REDIS_NODES,
+        redis_replicas=REDIS_REPLICAS,
         timeout_s=240,
     )
     try:
@@ -64,8 +69,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
         stack.stop()
 
 
-@pytest.fixture
-def instance(cluster: LocalStack) -> Deployment:
+def _instance(cluster: LocalStack, lock_ttl_ms: int = 30_000) -> Deployment:
+    """A new instance on the cluster, secured, the bench's catalog applied; as its owner."""
     base = Deployment.model_validate(
         {
             "instance": f"kc{uuid.uuid4().hex[:8]}",
@@ -73,13 +78,18 @@ def instance(cluster: LocalStack) -> Deployment:
             "redis_url": cluster.redis_url,
             "redis_cluster": cluster.redis_cluster,
             "request_partitions": SHARDS,
-            "lock_ttl_ms": 30_000,
+            "lock_ttl_ms": lock_ttl_ms,
             **stack_fields(cluster.security),
         }
     )
     s = secure_instance(base)
     apply_catalog(s, bench_catalog(SHARDS))
     return s
+
+
+@pytest.fixture
+def instance(cluster: LocalStack) -> Deployment:
+    return _instance(cluster)
 
 
 def _replicas(settings: Deployment) -> dict[str, list[tuple[int, int]]]:
@@ -144,7 +154,7 @@ def _nodes(settings: Deployment) -> list[redis.Redis]:
 def test_every_redis_node_knows_every_principal(instance: Deployment) -> None:
     """A Redis Cluster keeps ACL users per node: `ksb acl apply` must reach each one."""
     nodes = _nodes(instance)
-    assert len(nodes) == REDIS_NODES
+    assert len(nodes) == REDIS_NODES * (1 + REDIS_REPLICAS)  # replicas too: one may be promoted
     principal = instance.redis_username
     for node in nodes:
         user = node.execute_command("ACL", "GETUSER", principal)  # type: ignore[no-untyped-call]
@@ -179,3 +189,43 @@ def test_group_locks_and_disabled_flags_work_across_redis_nodes(instance: Deploy
     finally:
         admin.delete(names.disabled_key(TARGET_QUEUE))
     assert locks.acquire_first(["g3"]) is not None
+
+
+def _slot_port(settings: Deployment) -> int:
+    """The port of the Redis primary serving the target queue's slot, asked afresh."""
+    client = redis_client(settings.as_principal(ADMIN))
+    assert isinstance(client, RedisCluster)
+    try:
+        node = client.get_node_from_key(Names(settings.instance).lock_key(TARGET_QUEUE, "g"))
+        return int(node.port)
+    finally:
+        client.close()
+
+
+def test_the_redis_primary_of_the_queue_killed_under_load_fails_over_losing_nothing(
+    cluster: LocalStack, tmp_path: Path
+) -> None:
+    """Every lock, fence and flag of the queue lives on one primary: SIGKILLed under load, its
+    replica takes over (Redis Cluster's own failover, after the nodes' 5 s timeout). Meanwhile
+    RECEIVE fails with `LockStoreUnavailable` and a commit that cannot confirm its lock with
+    `LockLost` (KsbErrors the bench's readers retry); the messages of such commits come back
+    after the short lock TTL. Nothing is lost or received twice, in order, and the queue's slot
+    is served by another node afterwards."""
+    settings = _instance(cluster, lock_ttl_ms=5_000)
+    killed: list[tuple[int, int]] = []
+
+    def kill(tally: Tally) -> None:
+        port = _slot_port(settings)
+        killed.append((port, tally.delivered))
+        pid = cluster.redis_pid_at(port)
+        signal_group(pid, signal.SIGKILL)
+        assert wait_gone(pid, time.monotonic() + 30)
+
+    with DispatcherPool(settings, tmp_path).start(2):
+        result, failures = run_with_fault(settings, REDIS_LOAD, kill, KILL_AT)
+    assert not failures, failures
+    assert result.problems == ()
+    assert result.verified and result.rate.messages == REDIS_LOAD.messages
+    assert killed and killed[0][1] < REDIS_LOAD.messages, killed
+    assert result.receive_errors > 0, "no RECEIVE met the failover: the kill came too late"
+    assert _slot_port(settings) != killed[0][0]  # the replica serves the slot now

@@ -4,7 +4,8 @@ Redis's ACL users carry the same names as the Kafka principals (`ksb.security`),
 the same principal in both. Without a username the client logs in as Redis's ``default`` user,
 which the secured stack turns off: only a development stack started without security has one.
 
-With ``redis_cluster`` the client is redis-py's `RedisCluster`, typed as `redis.Redis`: it answers
+With ``redis_cluster`` the client is redis-py's `RedisCluster`, typed as `redis.Redis` (`redis_url`
+may then list several nodes, comma-separated, any of which it can start from): it answers
 every command KSB uses alike (keys one slot per call, `ksb.names`; EVALSHA outside pipelines,
 `ksb.sdk.locks`), which tests/integration/test_kafka_cluster.py runs against a real cluster.
 """
@@ -12,14 +13,15 @@ every command KSB uses alike (keys one slot per call, `ksb.names`; EVALSHA outsi
 from __future__ import annotations
 
 from typing import Any, cast
+from urllib.parse import urlsplit
 
 import redis
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 
 from ksb.security.credentials import redis_login
-from ksb.settings import KsbSettings
+from ksb.settings import KsbSettings, SettingsError
 
-__all__ = ["redis_client"]
+__all__ = ["cluster_urls", "redis_client"]
 
 
 def redis_client(settings: KsbSettings, **options: Any) -> redis.Redis:
@@ -31,5 +33,22 @@ def redis_client(settings: KsbSettings, **options: Any) -> redis.Redis:
     if password is not None:
         options["password"] = password
     if settings.redis_cluster:
-        return cast(redis.Redis, RedisCluster.from_url(settings.redis_url, **options))
+        first, *others = cluster_urls(settings.redis_url)
+        seeds = [_node(u) for u in others]
+        return cast(redis.Redis, RedisCluster.from_url(first, startup_nodes=seeds, **options))
     return redis.Redis.from_url(settings.redis_url, **options)
+
+
+def _node(url: str) -> ClusterNode:
+    parts = urlsplit(url)
+    return ClusterNode(parts.hostname, parts.port or 6379)  # type: ignore[no-untyped-call]
+
+
+def cluster_urls(redis_url: str) -> list[str]:
+    """The nodes a Redis Cluster client may start from: `redis_url` split at commas. It asks them
+    in turn for the cluster's layout, so one that is down (a primary since replaced by its
+    replica) does not keep a new client out, as Kafka's bootstrap list does for brokers."""
+    urls = [u.strip() for u in redis_url.split(",") if u.strip()]
+    if not urls:
+        raise SettingsError("KSB_REDIS_URL names no Redis node")
+    return urls
