@@ -21,9 +21,12 @@ import pytest
 from devtools.deployment import Deployment, instance_plan, secure_instance
 from devtools.processes import free_port, signal_group, wait_gone
 from devtools.redis_node import redis_ready, start_redis
+from ksb.activation.activated import run_task
 from ksb.errors import KsbError, LockLost, LockStoreUnavailable
-from ksb.sdk.client import KsbClient
+from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.apply import remove_instance
+from ksb.security.principals import Role
+from ksb.wire.protocol import QueueMessage
 from tests.conftest import Stack
 from tests.integration.conftest import ThreadDispatcher, secure
 from tests.integration.support import check_exactly_once_in_order, queue_receipts, receive_all
@@ -136,5 +139,29 @@ def test_redis_stalled_fails_receive_after_the_timeout_then_recovers(
         stalled.rollback()
     finally:
         signal_group(redis_node.pid, signal.SIGCONT)
+    got = receive_all(client, Q, DIALOGS * PER_DIALOG, timeout_s=60)
+    check_exactly_once_in_order([json.loads(m.message_body) for m in got], DIALOGS, PER_DIALOG)
+
+
+def test_an_activated_task_ends_cleanly_when_redis_dies_under_it(
+    settings: Deployment, redis_node: RedisNode, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """Redis dies while the task's procedure runs: the commit is not applied (LockLost), the next
+    RECEIVE fails, and the task returns instead of crashing, its heartbeat and removal left to
+    lapse. The messages are all there for the readers started once Redis is back."""
+    _send_all(client, settings)
+    batches: list[int] = []
+
+    def procedure(_tx: Transaction, msgs: list[QueueMessage]) -> None:
+        batches.append(len(msgs))
+        if len(batches) == 1:
+            redis_node.kill()
+
+    # As the activation service starts it: logged in as that service's principal.
+    with KsbClient(settings.as_service(Role.ACTIVATION)) as tasks_client:
+        processed = run_task(tasks_client, Q, procedure, "task-under-test", idle_ms=500)
+    assert batches == [PER_DIALOG] and processed == 0, (batches, processed)
+    redis_node.start()
+    secure(settings)
     got = receive_all(client, Q, DIALOGS * PER_DIALOG, timeout_s=60)
     check_exactly_once_in_order([json.loads(m.message_body) for m in got], DIALOGS, PER_DIALOG)

@@ -4,7 +4,8 @@ The queue monitor starts one per activation. It RECEIVEs in a loop, hands each b
 procedure inside the transaction, commits, and returns when a RECEIVE finds the queue empty for
 ``KSB_ACTIVATED_IDLE_MS`` (settings). It heartbeats into the queue's task set in Redis, so the count of running
 tasks survives a restart of the activation service and a crashed task drops out when its heartbeat
-expires.
+expires. With Redis failing it ends rather than crash (a RECEIVE that cannot lock, a heartbeat or
+its removal not written, are logged), and the monitor starts readers again once Redis is back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from ksb.errors import CommitRefused, KsbError, LockLost, QueueDisabled
+import redis
+
+from ksb.errors import CommitRefused, KsbError, LockLost, LockStoreUnavailable, QueueDisabled
 from ksb.names import Names
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import ActivatedTaskSettings
@@ -52,14 +55,20 @@ def run_task(
     tasks_key = names.tasks_key(queue)
     stop = threading.Event()
 
+    def beat() -> None:
+        try:
+            client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
+        except redis.RedisError as exc:  # the monitor's count misses this task meanwhile
+            log.warning("task heartbeat not written: %s", exc)
+
     def heartbeat() -> None:
         while not stop.is_set():
-            client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
+            beat()
             stop.wait(HEARTBEAT_S)
 
-    client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
-    beat = threading.Thread(target=heartbeat, daemon=True)
-    beat.start()
+    beat()
+    beating = threading.Thread(target=heartbeat, daemon=True)
+    beating.start()
     processed = 0
     try:
         while True:
@@ -67,6 +76,10 @@ def run_task(
             try:
                 msgs = tx.receive(queue, waitfor_ms=idle_ms)
             except QueueDisabled:
+                tx.rollback()
+                break
+            except LockStoreUnavailable as exc:  # the monitor starts readers again once it can
+                log.warning("ending: RECEIVE on %s failed: %s", queue, exc)
                 tx.rollback()
                 break
             if not msgs:
@@ -88,8 +101,11 @@ def run_task(
             processed += len(msgs)
     finally:
         stop.set()
-        beat.join(2)
-        client.redis.zrem(tasks_key, task_id)
+        beating.join(2)
+        try:
+            client.redis.zrem(tasks_key, task_id)
+        except redis.RedisError as exc:  # its heartbeat lapses instead
+            log.warning("task %s not unregistered: %s", task_id, exc)
     return processed
 
 
