@@ -71,6 +71,11 @@ class KsbSettings(BaseModel):
     """`redis_url` names nodes of a Redis Cluster, one or several comma-separated (a client
     starts from the first that answers): clients find the others from it and send each key to
     the node that holds its slot (`ksb.runtime.redis_client`)."""
+    redis_timeout_ms: int = Field(5_000, ge=100)
+    """How long connecting to Redis or one Redis command may take before it fails, where a
+    stalled Redis would hold the caller forever: in the SDK a RECEIVE then fails with
+    `LockStoreUnavailable` and a commit with `LockLost`; a service logs it and tries again on
+    its next tick."""
     fetch_wait_max_ms: int = Field(10, ge=0)
     """How long a consumer's fetch may wait for data (librdkafka's 500 ms would be most of a hop)."""
     session_timeout_ms: int = Field(6_000, ge=500)
@@ -157,10 +162,6 @@ class ClientSettings(KsbSettings):
 
     lock_ttl_ms: int = Field(30_000, ge=100)
     """A group lock's lease; the reader renews it while its transaction runs."""
-    redis_timeout_ms: int = Field(5_000, ge=100)
-    """How long a Redis command (a group lock, its renewal or release) may take: past it a
-    RECEIVE fails with `LockStoreUnavailable` and a commit with `LockLost`, where a stalled Redis
-    would hold the reader forever."""
     reader_cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
     """Records of waiting messages a reader keeps per queue so that RECEIVE need not read them back
     from Kafka (`ksb.sdk.bodies`); the newest first. 0: every body is read back."""

@@ -25,8 +25,12 @@ __all__ = ["cluster_urls", "redis_client"]
 
 
 def redis_client(settings: KsbSettings, **options: Any) -> redis.Redis:
-    """A client of `settings.redis_url` with the process's Redis login; `options` go to redis-py
-    (timeouts, ...). The URL's own user and password, if any, are overridden by the settings'."""
+    """A client of `settings.redis_url` with the process's Redis login, connecting and answering
+    within `settings.redis_timeout_ms`; `options` go to redis-py (other timeouts, ...). The
+    URL's own user and password, if any, are overridden by the settings'."""
+    timeout_s = settings.redis_timeout_ms / 1000
+    options.setdefault("socket_timeout", timeout_s)
+    options.setdefault("socket_connect_timeout", timeout_s)
     username, password = redis_login(settings)
     if username is not None:
         options["username"] = username

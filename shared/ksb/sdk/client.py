@@ -91,10 +91,7 @@ class KsbClient:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            timeout_s = self.settings.redis_timeout_ms / 1000
-            self._redis = redis_client(
-                self.settings, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-            )
+            self._redis = redis_client(self.settings)
         return self._redis
 
     def reader(self, queue: str) -> QueueReader:
