@@ -18,7 +18,7 @@ import redis
 from confluent_kafka import KafkaError, Message
 
 from ksb.audit import Audit, AuditEvent, BatchedAudit, KafkaAudit
-from ksb.errors import KsbError, LockLost, LockStoreUnavailable
+from ksb.errors import KsbError, LockLost, LockStoreUnavailable, NotAuthorized
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.redis_client import redis_client
@@ -292,9 +292,7 @@ class Transaction:
         try:
             lease = reader.lock_group(waitfor_ms=waitfor_ms, group=group, handle=handle)
         except redis.RedisError as exc:
-            raise LockStoreUnavailable(
-                f"RECEIVE on {queue} locked no group: Redis failed ({type(exc).__name__}: {exc})"
-            ) from exc
+            raise _lock_failure(f"RECEIVE on {queue} locked no group", exc) from exc
         if lease is None:
             return None
         self._reader, self._lease = reader, lease
@@ -524,6 +522,15 @@ class Transaction:
             self.commit()
         else:
             self.rollback()
+
+
+def _lock_failure(what: str, exc: redis.RedisError) -> KsbError:
+    """A Redis failure under a RECEIVE as the SDK's error: `NotAuthorized` when Redis refused this
+    principal (a grant revoked, a password rotated), else `LockStoreUnavailable`."""
+    why = f"{what}: Redis {type(exc).__name__}: {exc}"
+    if isinstance(exc, redis.exceptions.NoPermissionError | redis.exceptions.AuthenticationError):
+        return NotAuthorized(why)
+    return LockStoreUnavailable(why)
 
 
 def _action_key(action: Action) -> str:
