@@ -136,7 +136,9 @@ def form_cluster(
             for c in everyone:  # a replica logs in to its primary; any node may become one
                 c.config_set("masteruser", ADMIN)
                 c.config_set("masterauth", security.password(ADMIN))
-        _wait(deadline, urls, lambda: all(_knows(c, len(everyone)) for c in everyone))
+        _wait(
+            deadline, urls, lambda: all(_knows(_cluster_info(c), len(everyone)) for c in everyone)
+        )
         for i, f in enumerate(followers):
             primary = clients[i % len(clients)].execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
             f.execute_command("CLUSTER", "REPLICATE", primary)  # type: ignore[no-untyped-call]
@@ -160,12 +162,12 @@ def _wait(deadline: float, urls: list[str], done: Callable[[], bool]) -> None:
         time.sleep(0.05)
 
 
-def _knows(client: redis.Redis, nodes: int) -> bool:
-    return _cluster_info(client).get("cluster_known_nodes") == str(nodes)
+def _knows(info: dict[str, str], nodes: int) -> bool:
+    return info.get("cluster_known_nodes") == str(nodes)
 
 
 def _formed(info: dict[str, str], nodes: int) -> bool:
-    return info.get("cluster_state") == "ok" and info.get("cluster_known_nodes") == str(nodes)
+    return info.get("cluster_state") == "ok" and _knows(info, nodes)
 
 
 def _cluster_info(client: redis.Redis) -> dict[str, str]:

@@ -17,10 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 
-import redis
-
 from ksb.errors import CommitRefused, KsbError, LockLost, LockStoreUnavailable, QueueDisabled
 from ksb.names import Names
+from ksb.runtime.redis_client import best_effort
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
@@ -56,10 +55,8 @@ def run_task(
     stop = threading.Event()
 
     def beat() -> None:
-        try:
+        with best_effort(log, "task heartbeat not written; the monitor's count misses it"):
             client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
-        except redis.RedisError as exc:  # the monitor's count misses this task meanwhile
-            log.warning("task heartbeat not written: %s", exc)
 
     def heartbeat() -> None:
         while not stop.is_set():
@@ -102,10 +99,8 @@ def run_task(
     finally:
         stop.set()
         beating.join(2)
-        try:
+        with best_effort(log, f"task {task_id} not unregistered; its heartbeat lapses"):
             client.redis.zrem(tasks_key, task_id)
-        except redis.RedisError as exc:  # its heartbeat lapses instead
-            log.warning("task %s not unregistered: %s", task_id, exc)
     return processed
 
 

@@ -12,6 +12,9 @@ every command KSB uses alike (keys one slot per call, `ksb.names`; EVALSHA outsi
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -21,7 +24,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from ksb.security.credentials import redis_login
 from ksb.settings import KsbSettings, SettingsError
 
-__all__ = ["cluster_urls", "redis_client"]
+__all__ = ["best_effort", "cluster_urls", "redis_client"]
 
 
 def redis_client(settings: KsbSettings, **options: Any) -> redis.Redis:
@@ -56,3 +59,13 @@ def cluster_urls(redis_url: str) -> list[str]:
     if not urls:
         raise SettingsError("KSB_REDIS_URL names no Redis node")
     return urls
+
+
+@contextmanager
+def best_effort(log: logging.Logger, what: str) -> Iterator[None]:
+    """A Redis write the caller can go on without (a lock left to expire, a heartbeat left to
+    lapse): a Redis failure inside is logged as `what` and swallowed, anything else raised."""
+    try:
+        yield
+    except redis.RedisError as exc:
+        log.warning("%s (Redis: %s)", what, exc)

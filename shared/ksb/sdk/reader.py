@@ -26,6 +26,7 @@ from ksb.clock import SystemClock
 from ksb.errors import CommitRefused, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.runtime.redis_client import best_effort
 from ksb.sdk.bodies import BodyCache, messages_from
 from ksb.sdk.fetch import RecordFetcher
 from ksb.sdk.locks import GroupLocks, Lease
@@ -166,19 +167,10 @@ class QueueReader:
                 answered.append((outcome, (partition, offset), *pending))
         if not answered:
             return
-        try:
-            self.locks.release_all([(lease, at, o.applied) for o, at, lease, _f in answered])
-        except redis.RedisError as exc:
-            # The outcomes are read and gone from the consumer: they must still reach their
-            # commits. The locks expire after their TTL instead, and the next holder, finding no
-            # position in them, catches up with the partition's end (found by the chaos harness:
-            # a Redis restart left commits waiting forever for outcomes already applied).
-            log.warning("%d group locks not released (%s); they expire instead", len(answered), exc)
-        with self._cond:
-            for _o, _at, lease, _f in answered:
-                self.held.discard(lease.group)
-                self._leases.pop(lease.group, None)
-            self._cond.notify_all()
+        # The outcomes are read and gone from the consumer: they must still reach their commits
+        # when Redis fails (found by the chaos harness: a Redis restart left commits waiting
+        # forever for outcomes already applied).
+        self._give_back([(lease, at, o.applied) for o, at, lease, _f in answered])
         for outcome, _at, _lease, fut in answered:
             if outcome.applied:
                 fut.set_result(outcome)
@@ -221,10 +213,8 @@ class QueueReader:
     def _leave_waiting(self, session: str) -> None:
         """Unregister a waiting session; if Redis cannot be told, the entry's score (the time
         its wait ends) lets the queue monitor pass over it once that time is gone."""
-        try:
+        with best_effort(log, f"waiting session {session} not unregistered; it lapses"):
             self._redis.zrem(self.names.waiting_key(self.queue), session)
-        except redis.RedisError as exc:
-            log.warning("waiting session %s not unregistered (%s); it lapses", session, exc)
 
     def _try_lock(self, group: str | None, handle: str | None) -> Lease | None:
         with self._cond:
@@ -400,16 +390,21 @@ class QueueReader:
         did: pass on the position this lease was given (unknown stays unknown, which makes the next
         holder catch up with the partition's end).
         """
+        self._give_back([(lease, after if after is not None else lease.after, False)])
+
+    def _give_back(self, releases: list[tuple[Lease, tuple[int, int] | None, bool]]) -> None:
+        """Release (lease, after, committed) in one script call and forget the leases here. With
+        Redis failing the locks expire after their TTL instead (the next holders, finding no
+        position in them, catch up with their partitions' ends), and this reader forgets them all
+        the same: left held, they would be renewed for as long as the reader lives."""
         try:
-            self.locks.release(lease, after if after is not None else lease.after)
-        except redis.RedisError as exc:
-            # A rollback does not fail: the lock expires after its TTL instead, and this reader
-            # forgets it now (left held, it would be renewed for as long as the reader lives).
-            log.warning("group %s not released (%s); its lock expires instead", lease.group, exc)
+            with best_effort(log, f"{len(releases)} group locks not released; they expire"):
+                self.locks.release_all(releases)
         finally:
             with self._cond:
-                self.held.discard(lease.group)
-                self._leases.pop(lease.group, None)
+                for lease, _after, _committed in releases:
+                    self.held.discard(lease.group)
+                    self._leases.pop(lease.group, None)
                 self._cond.notify_all()
 
     def expect_outcome(self, request_id: str, lease: Lease) -> Future[CommitOutcome]:
