@@ -14,6 +14,7 @@ import functools
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -88,7 +89,11 @@ class KsbResult:
     refused: int
     lock_lost: int
     receive_errors: int
-    """RECEIVEs that failed (a body not read back in time) and were rolled back and retried."""
+    """RECEIVEs that failed (a body not read back in time, Redis failing) and were rolled back
+    and retried."""
+    receive_error_codes: dict[str, int]
+    """Those failures by `KsbError.code`: a test of a Redis fault tells its expected errors
+    (``lock_store_unavailable``) from ones it must not cause (``not_authorized``)."""
     receivers: int
     window: int
     top: int | None
@@ -109,6 +114,7 @@ class KsbResult:
             "refused_commits": self.refused,
             "lock_lost": self.lock_lost,
             "receive_errors": self.receive_errors,
+            "receive_error_codes": self.receive_error_codes,
             "receivers": self.receivers,
             "window": self.window,
             "top": self.top,
@@ -135,6 +141,7 @@ class Tally:
     refused: int = 0
     lock_lost: int = 0
     receive_errors: int = 0
+    receive_error_codes: Counter[str] = field(default_factory=Counter)
     last_ns: int = 0
     problems: list[str] = field(default_factory=list)
     keep_times: bool = False
@@ -230,6 +237,7 @@ def _receive_loop(
                 log.warning("RECEIVE failed; rolled back: %s", failed)
                 with tally.lock:
                     tally.receive_errors += 1
+                    tally.receive_error_codes[failed.code] += 1
                 stop.wait(_RETRY_S)  # Redis failing over, say: not a tight loop meanwhile
                 continue
             if not msgs:
@@ -379,6 +387,7 @@ def run_ksb(
         refused=tally.refused,
         lock_lost=tally.lock_lost,
         receive_errors=tally.receive_errors,
+        receive_error_codes=dict(tally.receive_error_codes),
         receivers=receivers,
         window=window,
         top=top,
