@@ -20,6 +20,7 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, Self
 
 import redis
 
@@ -28,7 +29,7 @@ from devtools.stack_security import StackSecurity
 from ksb.security.credentials import write_private
 from ksb.security.principals import ADMIN
 
-__all__ = ["form_cluster", "redis_ready", "start_redis"]
+__all__ = ["SlotMove", "form_cluster", "move_slot", "redis_ready", "start_redis"]
 
 SLOTS = 16_384
 """Redis Cluster's hash slots."""
@@ -127,11 +128,11 @@ def form_cluster(
         share = -(-SLOTS // len(clients))
         for i, c in enumerate(clients):
             first, last = i * share, min(SLOTS, (i + 1) * share) - 1
-            c.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)  # type: ignore[no-untyped-call]
+            _cluster(c, "ADDSLOTSRANGE", first, last)
         for c in everyone[1:]:
             kwargs = c.connection_pool.connection_kwargs
             bus = c.config_get("cluster-port")["cluster-port"]  # MEET assumes port + 10000
-            clients[0].execute_command("CLUSTER", "MEET", kwargs["host"], kwargs["port"], bus)  # type: ignore[no-untyped-call]
+            _cluster(clients[0], "MEET", kwargs["host"], kwargs["port"], bus)
         if followers and security.enabled:
             for c in everyone:  # a replica logs in to its primary; any node may become one
                 c.config_set("masteruser", ADMIN)
@@ -140,8 +141,8 @@ def form_cluster(
             deadline, urls, lambda: all(_knows(_cluster_info(c), len(everyone)) for c in everyone)
         )
         for i, f in enumerate(followers):
-            primary = clients[i % len(clients)].execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
-            f.execute_command("CLUSTER", "REPLICATE", primary)  # type: ignore[no-untyped-call]
+            primary = _cluster(clients[i % len(clients)], "MYID")
+            _cluster(f, "REPLICATE", primary)
         _wait(
             deadline,
             urls,
@@ -153,6 +154,73 @@ def form_cluster(
     finally:
         for c in everyone:
             c.close()
+
+
+class SlotMove:
+    """Moving hash `slot` and its keys from the primary at `source_url` to the one at
+    `target_url` while clients go on using it, in the steps ``redis-cli --cluster reshard``
+    takes: `begin` (the target IMPORTING, the source MIGRATING), `migrate` (keys MIGRATEd, a
+    batch at a time), `finish` (the slot given to the target, first on the target, then on the
+    source; gossip tells the rest). In between, a command on keys all moved or missing is sent on
+    to the target with ASK (the client then sends ASKING), and a multi-key one over moved and
+    unmoved or missing keys (a lock script's) is answered TRYAGAIN."""
+
+    def __init__(self, source_url: str, target_url: str, slot: int, security: StackSecurity):
+        self.slot = slot
+        self._source, self._target = _admin(source_url, security), _admin(target_url, security)
+        self._auth = ["AUTH2", ADMIN, security.password(ADMIN)] if security.enabled else []
+        self._target_id = _cluster(self._target, "MYID")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._source.close()
+        self._target.close()
+
+    def begin(self) -> None:
+        _cluster(self._target, "SETSLOT", self.slot, "IMPORTING", _cluster(self._source, "MYID"))
+        _cluster(self._source, "SETSLOT", self.slot, "MIGRATING", self._target_id)
+
+    def migrate(self, keys: Sequence[str | bytes]) -> None:
+        to = self._target.connection_pool.connection_kwargs
+        cmd = ("MIGRATE", to["host"], to["port"], "", 0, 5_000, *self._auth, "KEYS", *keys)
+        self._source.execute_command(*cmd)  # type: ignore[no-untyped-call]
+
+    def migrate_all(self, *, batch: int = 10, pause_s: float = 0.0) -> int:
+        """Every key left in the slot, `batch` at a time, `pause_s` apart (a test holds the
+        slot half-moved under load that way); how many moved."""
+        moved = 0
+        while keys := _cluster(self._source, "GETKEYSINSLOT", self.slot, batch):
+            self.migrate(keys)
+            moved += len(keys)
+            time.sleep(pause_s)
+        return moved
+
+    def finish(self) -> None:
+        for c in (self._target, self._source):
+            _cluster(c, "SETSLOT", self.slot, "NODE", self._target_id)
+
+
+def move_slot(
+    source_url: str,
+    target_url: str,
+    slot: int,
+    security: StackSecurity,
+    *,
+    batch: int = 10,
+    pause_s: float = 0.0,
+) -> int:
+    """Reshard: move `slot` and all its keys (`SlotMove`); returns how many keys moved."""
+    with SlotMove(source_url, target_url, slot, security) as move:
+        move.begin()
+        moved = move.migrate_all(batch=batch, pause_s=pause_s)
+        move.finish()
+    return moved
+
+
+def _cluster(client: redis.Redis, *args: object) -> Any:
+    return client.execute_command("CLUSTER", *args)  # type: ignore[no-untyped-call]
 
 
 def _wait(deadline: float, urls: list[str], done: Callable[[], bool]) -> None:
@@ -171,6 +239,6 @@ def _formed(info: dict[str, str], nodes: int) -> bool:
 
 
 def _cluster_info(client: redis.Redis) -> dict[str, str]:
-    raw = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+    raw = _cluster(client, "INFO")
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     return dict(line.split(":", 1) for line in text.split() if ":" in line)

@@ -1,8 +1,9 @@
 """KSB on a Kafka cluster of three brokers and a Redis Cluster of three primaries with a replica
 each, secured as the one-node stack is: every topic KSB makes has a copy on each broker, the broker
 coordinating the dispatchers' group, SIGKILLed under load, loses nothing, the group locks, fences
-and disabled flags work across Redis nodes, each node knowing every principal, and the Redis
-primary holding the queue's slot, SIGKILLed under load, is replaced by its replica losing nothing.
+and disabled flags work across Redis nodes, each node knowing every principal, the queue's slot
+moved to another primary under load loses nothing, and the Redis primary holding it, SIGKILLed
+under load, is replaced by its replica losing nothing.
 
 Where a team outgrows one machine, KSB runs on Kafka's own replication, not on anything of its
 own: its topics take the cluster's ``default.replication.factor`` (three here, two in sync before a
@@ -32,7 +33,8 @@ from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStack, start_stack
 from devtools.processes import signal_group, wait_gone
-from ksb.errors import QueueDisabled
+from devtools.redis_node import SlotMove, move_slot
+from ksb.errors import LockStoreUnavailable, QueueDisabled
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
@@ -193,13 +195,81 @@ def test_group_locks_and_disabled_flags_work_across_redis_nodes(instance: Deploy
 
 def _slot_port(settings: Deployment) -> int:
     """The port of the Redis primary serving the target queue's slot, asked afresh."""
-    client = redis_client(settings.as_principal(ADMIN))
-    assert isinstance(client, RedisCluster)
+    return _slot_move_ends(settings)[0]
+
+
+def test_a_queue_slot_half_moved_serves_its_principal_and_keeps_its_fences(
+    cluster: LocalStack, instance: Deployment
+) -> None:
+    """While the queue's slot moves between primaries, the principal's client follows a key's
+    ASK redirect to the new node (its ACL user may send ASKING), a lock script, whose keys are
+    then split over two nodes, fails (TRYAGAIN, then the RECEIVE's `LockStoreUnavailable`), and
+    once the slot has moved the group's fence has moved with it: the next token is larger."""
+    names = Names(instance.instance)
+    r = redis_client(instance)
+    locks = GroupLocks(r, names, TARGET_QUEUE, holder="h1", ttl_ms=30_000)
+    first = locks.acquire_first(["g1"])
+    assert first is not None and locks.release_all([(first, (0, 1), True)]) == [True]
+    source, target, slot = _slot_move_ends(instance)
+    with SlotMove(_url(source), _url(target), slot, cluster.security) as move:
+        move.begin()
+        r.zadd(names.waiting_key(TARGET_QUEUE), {"s1": 1})  # not on the source: ASK, ASKING
+        with pytest.raises(redis.RedisError, match="TTL exhausted"):
+            locks.acquire_first(["g1"])  # the disabled flag is on neither node: TRYAGAIN
+        assert move.migrate_all() > 0
+        move.finish()
+    again = locks.acquire_first(["g1"])
+    assert again is not None and again.token > first.token
+    assert _slot_port(instance) == target
+
+
+def _slot_move_ends(settings: Deployment) -> tuple[int, int, int]:
+    """The port of the primary serving the target queue's slot, of another primary, and the
+    slot."""
+    admin = redis_client(settings.as_principal(ADMIN))
+    assert isinstance(admin, RedisCluster)
     try:
-        node = client.get_node_from_key(Names(settings.instance).lock_key(TARGET_QUEUE, "g"))
-        return int(node.port)
+        key = Names(settings.instance).lock_key(TARGET_QUEUE, "g")
+        source = admin.get_node_from_key(key)
+        target = next(n for n in admin.get_primaries() if n.name != source.name)
+        return int(source.port), int(target.port), admin.keyslot(key)
     finally:
-        client.close()
+        admin.close()
+
+
+def test_the_queue_slot_moved_to_another_primary_under_load_loses_nothing(
+    cluster: LocalStack, tmp_path: Path
+) -> None:
+    """Resharding: the queue's slot, every lock, fence and flag of it, moves to another primary
+    key by key while the load runs (`devtools.redis_node.move_slot`, as ``redis-cli --cluster
+    reshard`` does). Meanwhile a lock script over keys on both nodes is answered TRYAGAIN and
+    redis-py retries it or the SDK raises `LockStoreUnavailable`; keys already moved are
+    followed with ASK, and the moved slot with MOVED. Nothing is lost or received twice, in
+    order, and the slot is served by the new primary afterwards."""
+    settings = _instance(cluster, lock_ttl_ms=5_000)
+    moves: list[tuple[int, int, int, int]] = []
+
+    def reshard(tally: Tally) -> None:
+        source, target, slot = _slot_move_ends(settings)
+        started = tally.delivered
+        keys = move_slot(_url(source), _url(target), slot, cluster.security, batch=5, pause_s=0.01)
+        moves.append((source, target, keys, tally.delivered - started))
+
+    with DispatcherPool(settings, tmp_path).start(2):
+        result, failures = run_with_fault(settings, REDIS_LOAD, reshard, KILL_AT)
+    assert not failures, failures
+    assert result.problems == ()
+    assert result.verified and result.rate.messages == REDIS_LOAD.messages
+    # Only Redis's own answers while the slot moved: never a grant missing for them (ASKING).
+    assert set(result.receive_error_codes) <= {LockStoreUnavailable.code}, result
+    [(source, target, keys, delivered_meanwhile)] = moves
+    assert keys > 0
+    assert delivered_meanwhile < REDIS_LOAD.messages * (1 - KILL_AT)  # moved under load
+    assert _slot_port(settings) == target != source
+
+
+def _url(port: int | str) -> str:
+    return f"redis://127.0.0.1:{port}"
 
 
 def test_the_redis_primary_of_the_queue_killed_under_load_fails_over_losing_nothing(
@@ -228,4 +298,5 @@ def test_the_redis_primary_of_the_queue_killed_under_load_fails_over_losing_noth
     assert result.verified and result.rate.messages == REDIS_LOAD.messages
     assert killed and killed[0][1] < REDIS_LOAD.messages, killed
     assert result.receive_errors > 0, "no RECEIVE met the failover: the kill came too late"
+    assert set(result.receive_error_codes) == {LockStoreUnavailable.code}, result
     assert _slot_port(settings) != killed[0][0]  # the replica serves the slot now

@@ -27,11 +27,14 @@ from ksb.security.principals import Role
 
 __all__ = ["RedisRules", "instance_rules", "rules_of"]
 
-CONNECT = ("ping", "cluster|slots", "command")
+CONNECT = ("ping", "cluster|slots", "command", "asking")
 """Besides AUTH and HELLO, which need no grant (redis-py also sends CLIENT SETINFO, which
 Redis 7.0 does not know and redis-py ignores failing). redis-py's cluster client asks a node for
 the slot map (CLUSTER SLOTS) and the commands' key positions (COMMAND) when it connects: both
-read-only, and what any client of a Redis Cluster (``KSB_REDIS_CLUSTER``) needs."""
+read-only, and what any client of a Redis Cluster (``KSB_REDIS_CLUSTER``) needs. While a slot
+moves between nodes (resharding), a key already moved is answered with an ASK redirect, which
+the client follows by sending ASKING, then the command, to the new node; without ``asking``
+every such command failed NOPERM until the move ended (tests/integration/test_kafka_cluster.py)."""
 RECEIVER = (
     "evalsha", "script|load", "script|exists", "exists", "time", "hget", "hset", "hdel", "incr", "incrby", "set",
     "pexpire", "zadd", "zrem", "hincrby",
