@@ -100,8 +100,9 @@ def now_ns() -> int:
 def make_body(size_bytes: int, sent_ns: int, tag: str) -> str:
     """A text body of exactly ``size_bytes``: send time, a tag, then random hex.
 
-    Random padding keeps lz4 (the producers' compression) from shrinking a 1 KB message to a few
-    bytes, which would flatter both sides of the comparison.
+    Random padding keeps compression, where a deployment turns it on (`KSB_KAFKA_COMPRESSION`),
+    from shrinking a 1 KB message to a few bytes, which would flatter both sides of the
+    comparison.
     """
     head = f"{sent_ns:0{_TS_DIGITS}d} {tag} "
     pad = max(0, size_bytes - len(head))

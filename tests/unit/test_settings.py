@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from devtools.deployment import SERVICE_SETTINGS, Deployment
+from ksb.runtime.kafka import producer_conf
 from ksb.settings import (
     ClientSettings,
     DispatcherSettings,
@@ -103,3 +104,12 @@ def test_every_setting_of_a_process_is_read_somewhere(module: str) -> None:
     model: type[KsbSettings] = SERVICE_SETTINGS[module]
     unread = sorted(name for name in model.model_fields if name not in read)
     assert not unread, f"{model.__name__} has fields no code reads: {unread}"
+
+
+def test_every_producer_compresses_as_the_setting_says() -> None:
+    plain = {"KSB_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT"}
+    assert producer_conf(ClientSettings.from_env(plain))["compression.type"] == "none"
+    zstd = ClientSettings.from_env({**plain, "KSB_KAFKA_COMPRESSION": "zstd"})
+    assert producer_conf(zstd, transactional_id="t")["compression.type"] == "zstd"
+    with pytest.raises(SettingsError, match="KSB_KAFKA_COMPRESSION"):
+        ClientSettings.from_env({"KSB_KAFKA_COMPRESSION": "brotli"})

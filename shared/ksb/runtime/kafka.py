@@ -87,7 +87,7 @@ def producer_conf(
         "acks": "all",
         "linger.ms": settings.batch_linger_ms,
         "message.max.bytes": 8_000_000,
-        "compression.type": "lz4",
+        "compression.type": settings.kafka_compression,
     }
     if transactional_id is not None:
         conf["transactional.id"] = transactional_id
