@@ -108,7 +108,7 @@ def test_every_setting_of_a_process_is_read_somewhere(module: str) -> None:
 
 def test_every_producer_compresses_as_the_setting_says() -> None:
     plain = {"KSB_KAFKA_SECURITY_PROTOCOL": "PLAINTEXT"}
-    assert producer_conf(ClientSettings.from_env(plain))["compression.type"] == "none"
+    assert producer_conf(ClientSettings.from_env(plain))["compression.type"] == "lz4"
     zstd = ClientSettings.from_env({**plain, "KSB_KAFKA_COMPRESSION": "zstd"})
     assert producer_conf(zstd, transactional_id="t")["compression.type"] == "zstd"
     with pytest.raises(SettingsError, match="KSB_KAFKA_COMPRESSION"):
