@@ -45,6 +45,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         default=3,
         help="loaded runs of raw Kafka; the median one is the baseline (default 3)",
     )
+    g.add_argument(
+        "--ksb-runs",
+        type=int,
+        help="loaded runs of KSB per dispatcher count; each column is the median one "
+        "(default 3, 1 with --quick)",
+    )
     g.add_argument("--body-bytes", type=int, default=1024, help="message size (default 1024)")
     g.add_argument("--dispatchers", default="1,2,4", help="dispatcher counts (default 1,2,4)")
     g.add_argument("--shards", type=int, default=8, help="requests partitions (default 8)")
@@ -124,6 +130,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         timeout_s=timeout_s,
         warmup_messages=0 if a.quick else 40_000,
         settle_jit=not a.quick,
+        runs=a.ksb_runs or (1 if a.quick else 3),
     )
     opts = Options(
         raw_messages=a.raw_messages or messages,

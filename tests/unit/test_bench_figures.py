@@ -4,10 +4,12 @@ and how long each part of a run took."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench.raw_kafka import median_run
-from bench.scaling import raw_runs_note
+from bench.scaling import ksb_runs_lines, median_ksb_run, raw_runs_note
 from bench.stats import Phases, ratio, run_ratios
 
 
@@ -85,3 +87,49 @@ def test_each_part_of_a_run_is_timed_from_the_end_of_the_one_before() -> None:
     phase("secure")
     phase("raw")
     assert list(phase.seconds.items()) == [("stack_start", 1.5), ("secure", 0.0), ("raw", 2.75)]
+
+
+def _ksb_run(per_s: float, cpu: float, problems: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        "dispatchers": 2,
+        "throughput": {"per_s": per_s},
+        "cpu_ms_per_message": {"dispatchers": cpu},
+        "verified_exactly_once_in_order": not problems,
+        "refused_commits": 0,
+        "problems": list(problems),
+    }
+
+
+def test_a_ksb_column_is_its_median_run_with_every_run_beside_it() -> None:
+    shown = median_ksb_run([_ksb_run(4_287, 0.105), _ksb_run(2_864, 0.151), _ksb_run(3_516, 0.123)])
+    assert (
+        shown["throughput"]["per_s"] == 3_516
+        and shown["cpu_ms_per_message"]["dispatchers"] == 0.123
+    )
+    assert shown["throughput_runs"] == [4_287, 2_864, 3_516]
+    assert ksb_runs_lines([shown]) == [
+        "each KSB column is its median run of 3 by throughput:",
+        "  2 dispatcher(s): 4,287 / 2,864 / 3,516 msg/s; dispatcher CPU 0.105-0.151 ms",
+    ]
+
+
+def test_of_an_even_count_of_ksb_runs_the_slower_middle_one_is_shown() -> None:
+    shown = median_ksb_run([_ksb_run(r, 0.1) for r in (4_000, 1_000, 3_000, 2_000)])
+    assert shown["throughput"]["per_s"] == 2_000
+
+
+def test_a_run_that_broke_exactly_once_fails_its_column_whichever_run_is_shown() -> None:
+    shown = median_ksb_run(
+        [
+            _ksb_run(1_000, 0.1, ("dialog 7: seq 3 twice",)),
+            _ksb_run(3_000, 0.1),
+            _ksb_run(2_000, 0.1),
+        ]
+    )
+    assert shown["throughput"]["per_s"] == 2_000
+    assert shown["verified_exactly_once_in_order"] is False
+    assert shown["problems"] == ["run 1: dialog 7: seq 3 twice"]
+
+
+def test_one_ksb_run_needs_no_lines() -> None:
+    assert ksb_runs_lines([median_ksb_run([_ksb_run(3_000, 0.1)])]) == []
