@@ -41,6 +41,7 @@ from typing import Any
 import redis
 from confluent_kafka import Producer
 
+from ksb.activation.activated import EXIT_NOT_AUTHORIZED
 from ksb.activation.events import Traces, decisions, edges
 from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.activation.poison import PoisonAction, disabled, on_rollbacks, to_dead_letter
@@ -393,7 +394,15 @@ class ActivationService(Service):
         for tid in exited:
             code = w.tasks.pop(tid).returncode
             self.redis.zrem(self.names.tasks_key(w.queue.name), tid)
-            log.info("task %s on %s exited with %s", tid, w.queue.name, code)
+            if code == EXIT_NOT_AUTHORIZED:  # started again while messages wait, as SQL Server does
+                log.error(
+                    "task %s on %s: its principal may not RECEIVE there (a grant missing or "
+                    "revoked: GRANT RECEIVE, then `ksb acl apply`)",
+                    tid,
+                    w.queue.name,
+                )
+            else:
+                log.info("task %s on %s exited with %s", tid, w.queue.name, code)
             self._audit("activation_stop", w, f"{tid} exited with {code}")
         return bool(exited)
 

@@ -10,16 +10,20 @@ service's endpoint, commit on a queue without RECEIVE) belong to the dispatcher 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import pytest
 import redis
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from devtools.deployment import Deployment
+from ksb.activation import activated
 from ksb.catalog.model import Catalog, Grant
 from ksb.cli.readers import read_endpoints
 from ksb.errors import KsbError, NotAuthorized, SecurityError
@@ -27,10 +31,10 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import load_catalog
 from ksb.runtime.redis_client import redis_client
-from ksb.sdk.client import KsbClient
+from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.principals import Role
-from ksb.settings import ClientSettings
-from ksb.wire.protocol import CommitRequest, Receipt, dumps
+from ksb.settings import ActivatedTaskSettings, ClientSettings, settings_env
+from ksb.wire.protocol import CommitRequest, QueueMessage, Receipt, dumps
 from tests.conftest import Stack
 from tests.integration.conftest import ThreadDispatcher, make_application
 from tests.integration.support import receive_all, wait_error
@@ -440,8 +444,12 @@ def carol(settings: Deployment, catalog: Catalog) -> Iterator[Deployment]:
     )
 
 
+def _procedure(_tx: Transaction, _msgs: list[QueueMessage]) -> None:
+    raise AssertionError("a task that may not RECEIVE never runs its procedure")
+
+
 def test_a_revoked_grant_stops_a_running_client_without_a_restart(
-    settings: Deployment, carol: Deployment, flow: Flow
+    settings: Deployment, carol: Deployment, flow: Flow, caplog: pytest.LogCaptureFixture
 ) -> None:
     names = Names(carol.instance)
     reader = Consumer(_conf(carol, **{"group.id": names.reader_group}))
@@ -464,6 +472,13 @@ def test_a_revoked_grant_stops_a_running_client_without_a_restart(
         # The SDK's own error, naming Redis's refusal.
         with pytest.raises(NotAuthorized, match="NoPermissionError"), client.transaction() as tx:
             tx.receive(TARGET_QUEUE, waitfor_ms=2_000)
+        # An activated task logged in as carol ends saying so, with its own status, no traceback.
+        env = settings_env(carol.narrow(ActivatedTaskSettings))
+        with mock.patch.dict(os.environ, env, clear=True), caplog.at_level(logging.ERROR):
+            status = activated.main([TARGET_QUEUE, f"{__name__}:_procedure", "t1"])
+        assert status == activated.EXIT_NOT_AUTHORIZED
+        [line] = [r for r in caplog.records if r.name == activated.log.name]
+        assert "may not RECEIVE" in line.getMessage() and line.exc_info is None
     finally:
         reader.close()
         client.close()

@@ -6,6 +6,9 @@ procedure inside the transaction, commits, and returns when a RECEIVE finds the 
 tasks survives a restart of the activation service and a crashed task drops out when its heartbeat
 expires. With Redis failing it ends rather than crash (a RECEIVE that cannot lock, a heartbeat or
 its removal not written, are logged), and the monitor starts readers again once Redis is back.
+A task whose principal may not RECEIVE from its queue (a grant missing or revoked) ends with one
+line saying so and exit status `EXIT_NOT_AUTHORIZED`, which the activation service logs as a
+configuration fault; a procedure that cannot be loaded ends with status 2, as a usage error does.
 """
 
 from __future__ import annotations
@@ -17,19 +20,29 @@ import threading
 import time
 from collections.abc import Callable
 
-from ksb.errors import CommitRefused, KsbError, LockLost, LockStoreUnavailable, QueueDisabled
+from ksb.errors import (
+    CommitRefused,
+    KsbError,
+    LockLost,
+    LockStoreUnavailable,
+    NotAuthorized,
+    QueueDisabled,
+)
 from ksb.names import Names
 from ksb.runtime.redis_client import best_effort
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
 
-__all__ = ["Procedure", "resolve", "run_task"]
+__all__ = ["EXIT_NOT_AUTHORIZED", "Procedure", "resolve", "run_task"]
 
 log = logging.getLogger("ksb.activation.activated")
 Procedure = Callable[[Transaction, list[QueueMessage]], None]
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_MS = 5_000
+EXIT_USAGE = 2
+EXIT_NOT_AUTHORIZED = 3
+"""A task's exit status when its principal may not RECEIVE from its queue."""
 
 
 def resolve(path: str) -> Procedure:
@@ -114,12 +127,20 @@ def main(argv: list[str] | None = None) -> int:
             "usage: python -m ksb.activation.activated QUEUE module:function TASK_ID",
             file=sys.stderr,
         )
-        return 2
+        return EXIT_USAGE
     queue, path, task_id = args
-    procedure = resolve(path)
+    try:
+        procedure = resolve(path)
+    except KsbError as exc:
+        log.error("task %s: %s", task_id, exc.reason)
+        return EXIT_USAGE
     settings = ActivatedTaskSettings.from_env()
     with KsbClient(settings) as client:
-        n = run_task(client, queue, procedure, task_id, settings.activated_idle_ms)
+        try:
+            n = run_task(client, queue, procedure, task_id, settings.activated_idle_ms)
+        except NotAuthorized as exc:
+            log.error("task %s ends: it may not RECEIVE from %s: %s", task_id, queue, exc.reason)
+            return EXIT_NOT_AUTHORIZED
     log.info("task %s done: %d message(s)", task_id, n)
     return 0
 

@@ -23,7 +23,7 @@ import redis
 from confluent_kafka import KafkaError, Message, TopicPartition
 
 from ksb.clock import SystemClock
-from ksb.errors import CommitRefused, ProtocolError
+from ksb.errors import CommitRefused, NotAuthorized, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.redis_client import best_effort
@@ -85,6 +85,10 @@ class QueueReader:
         self._probe = kafka.consumer(settings)
         md = self._consumer.list_topics(self.topic, timeout=30).topics[self.topic]
         if md.error is not None:
+            self._consumer.close()
+            self._probe.close()
+            if md.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+                raise NotAuthorized(f"RECEIVE on {queue}: Kafka refused its topic: {md.error}")
             raise ProtocolError(f"queue topic {self.topic} is not available: {md.error}")
         self.partitions = partitions or len(md.partitions)
         self._consumer.assign([TopicPartition(self.topic, p, -2) for p in sorted(md.partitions)])
