@@ -125,8 +125,8 @@ def run_scaling(
 def median_ksb_run(tries: list[dict[str, Any]]) -> dict[str, Any]:
     """The median of one count's runs by throughput (of an even count the slower middle one, as
     raw Kafka's baseline takes the faster: neither flatters KSB), carrying every run's
-    throughput and dispatcher CPU, and every run's problems: a run that lost or repeated a
-    message fails the column whichever run is shown."""
+    throughput and dispatcher CPU, every run's problems and refused commits: a run that lost or
+    repeated a message fails the column whichever run is shown."""
     ranked = sorted(tries, key=lambda r: r["throughput"]["per_s"])
     shown = dict(ranked[(len(ranked) - 1) // 2])
     shown["throughput_runs"] = [r["throughput"]["per_s"] for r in tries]
