@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -92,9 +93,40 @@ def register_child(proc: subprocess.Popen[bytes]) -> None:
     _children[proc.pid] = proc
 
 
-def free_port() -> int:
-    """A port that was free a moment ago; the OS picks it so parallel runs do not collide."""
+_PORTS = random.Random()
+"""free_port's own generator: the chaos harness seeds the shared one for its schedules."""
+
+
+def _ephemeral_low() -> int:
+    """Where the kernel's range for outgoing connections (and port-0 binds) starts."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port() -> int:
+    """A port that was free a moment ago, at random below the kernel's ephemeral range. A port
+    the OS picks for a bind to port 0 comes from that range, which outgoing connections draw
+    from too, so one could take it before the server bound it: a `make bench` broker failed to
+    start so ("Address already in use") after the runs before it had made thousands of
+    connections. At random, so parallel runs rarely pick alike; a taken port is skipped."""
+    low = _ephemeral_low()
+    if low > 11_000:
+        for _ in range(200):
+            port = _PORTS.randrange(10_000, low)
+            if _bindable(port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a narrow range: the OS picks
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
