@@ -16,4 +16,3 @@ def test_a_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
     for port in ports:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", port))
-
