@@ -88,11 +88,9 @@ class KsbResult:
     commits: int
     refused: int
     lock_lost: int
-    receive_errors: int
-    """RECEIVEs that failed (a body not read back in time, Redis failing) and were rolled back
-    and retried."""
     receive_error_codes: dict[str, int]
-    """Those failures by `KsbError.code`: a test of a Redis fault tells its expected errors
+    """RECEIVEs that failed (a body not read back in time, Redis failing) and were rolled back
+    and retried, by `KsbError.code`: a test of a Redis fault tells its expected errors
     (``lock_store_unavailable``) from ones it must not cause (``not_authorized``)."""
     receivers: int
     window: int
@@ -100,6 +98,10 @@ class KsbResult:
     verified: bool
     problems: tuple[str, ...]
     phase_seconds: dict[str, float]
+
+    @property
+    def receive_errors(self) -> int:
+        return sum(self.receive_error_codes.values())
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -140,7 +142,6 @@ class Tally:
     commits: int = 0
     refused: int = 0
     lock_lost: int = 0
-    receive_errors: int = 0
     receive_error_codes: Counter[str] = field(default_factory=Counter)
     last_ns: int = 0
     problems: list[str] = field(default_factory=list)
@@ -236,7 +237,6 @@ def _receive_loop(
             if failed is not None:
                 log.warning("RECEIVE failed; rolled back: %s", failed)
                 with tally.lock:
-                    tally.receive_errors += 1
                     tally.receive_error_codes[failed.code] += 1
                 stop.wait(_RETRY_S)  # Redis failing over, say: not a tight loop meanwhile
                 continue
@@ -386,7 +386,6 @@ def run_ksb(
         commits=tally.commits,
         refused=tally.refused,
         lock_lost=tally.lock_lost,
-        receive_errors=tally.receive_errors,
         receive_error_codes=dict(tally.receive_error_codes),
         receivers=receivers,
         window=window,

@@ -105,13 +105,14 @@ def _ephemeral_low() -> int:
         return 32_768  # Linux's default
 
 
-def _bindable(port: int) -> bool:
+def _bind(port: int) -> int | None:
+    """`port` if it can be bound now (0: the one the OS picks), else None."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
-            return False
-        return True
+            return None
+        return int(s.getsockname()[1])
 
 
 def free_port() -> int:
@@ -119,16 +120,16 @@ def free_port() -> int:
     the OS picks for a bind to port 0 comes from that range, which outgoing connections draw
     from too, so one could take it before the server bound it: a `make bench` broker failed to
     start so ("Address already in use") after the runs before it had made thousands of
-    connections. At random, so parallel runs rarely pick alike; a taken port is skipped."""
+    connections. At random, so parallel runs rarely pick alike; a taken port is skipped. Where
+    the range leaves too little below it, the OS picks."""
     low = _ephemeral_low()
-    if low > 11_000:
-        for _ in range(200):
-            port = _PORTS.randrange(10_000, low)
-            if _bindable(port):
-                return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a narrow range: the OS picks
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    tries = 200 if low > 11_000 else 0
+    for port in (_PORTS.randrange(10_000, low) for _ in range(tries)):
+        if _bind(port) is not None:
+            return port
+    picked = _bind(0)
+    assert picked is not None  # port 0 always binds
+    return picked
 
 
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
