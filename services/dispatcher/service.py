@@ -416,7 +416,7 @@ class Dispatcher(Service):
             self._write(self._handle(m, now), now)
         self._write(self.engine.tick(now), now)
         self._writer.flush(self.engine.changed_depths(now))
-        offsets = self.shards.fencing_offsets(self._consumer.position(self._consumer.assignment()))
+        offsets = self.shards.transaction_offsets(self._consumer, records)
         self._batch = len(records)
         if offsets:
             # With a time limit: without one, librdkafka waits forever while the coordinator

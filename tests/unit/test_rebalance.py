@@ -25,6 +25,7 @@ from services.dispatcher import rebalance
 from services.dispatcher.rebalance import (
     AssignmentFailed,
     ShardKeeper,
+    consumed_offsets,
     fencing_offsets,
     rewind_to,
 )
@@ -54,6 +55,26 @@ def test_a_timer_only_transaction_still_commits_offsets_the_generation_is_checke
 
 def test_a_partition_never_committed_nor_read_is_left_out() -> None:
     assert fencing_offsets([TopicPartition("relay", 2, OFFSET_INVALID)], {}) == []
+
+
+def test_a_transaction_of_records_commits_only_the_partitions_they_came_from() -> None:
+    """Each at the offset after its last record read; every other assigned partition keeps the
+    offset committed before (an offset commit of every assigned partition per transaction was
+    four to seven times as large)."""
+    read = [("requests", 3, 10), ("relay", 3, 4), ("requests", 3, 11), ("requests", 5, 2)]
+    assert _pairs(consumed_offsets(read, {3, 5})) == [
+        ("requests", 3, 12),
+        ("relay", 3, 5),
+        ("requests", 5, 3),
+    ]
+
+
+def test_records_of_a_shard_given_up_meanwhile_are_not_committed() -> None:
+    """The poll that read them also revoked their partition: committing it would name a
+    partition the member no longer has."""
+    read = [("requests", 3, 10), ("requests", 6, 8)]
+    assert _pairs(consumed_offsets(read, {3})) == [("requests", 3, 11)]
+    assert consumed_offsets([("requests", 6, 8)], {3}) == []
 
 
 def test_after_a_failed_transaction_a_partition_without_a_committed_offset_starts_over() -> None:
@@ -91,6 +112,13 @@ class _Consumer:
     def resume(self, partitions: list[TopicPartition]) -> None:
         self.paused -= {(tp.topic, tp.partition) for tp in partitions}
         self.resumed += [(tp.topic, tp.partition) for tp in partitions]
+
+    def assignment(self) -> list[TopicPartition]:
+        return [TopicPartition(t, p) for t, p in self.assigned]
+
+    def position(self, partitions: list[TopicPartition]) -> list[TopicPartition]:
+        """Nothing read yet: librdkafka has no position for any of them."""
+        return [TopicPartition(tp.topic, tp.partition, OFFSET_INVALID) for tp in partitions]
 
     def seek(self, tp: TopicPartition) -> None:
         assert (tp.topic, tp.partition) in self.resumed, "sought before it was resumed"
@@ -217,6 +245,28 @@ def test_new_partitions_are_taken_at_once_then_owned_when_the_coordinator_agrees
     assert _pairs(w.keeper.fencing_offsets([TopicPartition(NAMES.relay, 1, OFFSET_INVALID)])) == [
         (NAMES.relay, 1, 7)
     ]
+
+
+def _record(topic: str, partition: int, offset: int) -> Any:
+    return SimpleNamespace(topic=lambda: topic, partition=lambda: partition, offset=lambda: offset)
+
+
+def test_a_transaction_commits_what_it_read_or_for_timers_alone_every_assigned_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    w = _World(monkeypatch, held={0, 1}, threads_now=False)
+    consumer = _Consumer({(NAMES.relay, 0): 3, (NAMES.relay, 1): 7})
+    w.keeper.on_assign(cast(Any, consumer), _relay(0, 1))
+    read = [_record(NAMES.relay, 1, 7), _record(NAMES.relay, 1, 8)]
+    assert _pairs(w.keeper.transaction_offsets(cast(Any, consumer), read)) == [(NAMES.relay, 1, 9)]
+    # Timers alone: Kafka must still check the member's generation, on every partition it has.
+    assert _pairs(w.keeper.transaction_offsets(cast(Any, consumer), [])) == [
+        (NAMES.relay, 0, 3),
+        (NAMES.relay, 1, 7),
+    ]
+    # Records only of a shard given up in the poll that read them: as for timers alone.
+    stale = [_record(NAMES.relay, 2, 5)]
+    assert len(w.keeper.transaction_offsets(cast(Any, consumer), stale)) == 2
 
 
 def test_a_shard_is_rebuilt_beside_the_loop_while_the_owned_ones_flow(
