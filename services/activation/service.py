@@ -203,7 +203,11 @@ class ActivationService(Service):
                 w = self.watches[name] = QueueWatch(
                     q,
                     reader,
-                    QueueMonitor(empty_grace_ms=self.settings.activation_empty_grace_ms),
+                    QueueMonitor(
+                        empty_grace_ms=self.settings.activation_empty_grace_ms,
+                        retry_ms=self.settings.activation_retry_ms,
+                        retry_max_ms=self.settings.activation_retry_max_ms,
+                    ),
                     ExternalNotifier(note.timeout_s * 1000) if note else None,
                 )
                 continue
@@ -394,12 +398,22 @@ class ActivationService(Service):
         for tid in exited:
             code = w.tasks.pop(tid).returncode
             self.redis.zrem(self.names.tasks_key(w.queue.name), tid)
+            held = w.monitor.on_task_exit(self.clock.now_ms(), code)
             if code == EXIT_NOT_AUTHORIZED:  # started again while messages wait, as SQL Server does
                 log.error(
                     "task %s on %s: its principal may not RECEIVE there (a grant missing or "
-                    "revoked: GRANT RECEIVE, then `ksb acl apply`)",
+                    "revoked: GRANT RECEIVE, then `ksb acl apply`); the next in %d ms",
                     tid,
                     w.queue.name,
+                    held,
+                )
+            elif held is not None:
+                log.warning(
+                    "task %s on %s failed (exit %s); the next in %d ms",
+                    tid,
+                    w.queue.name,
+                    code,
+                    held,
                 )
             else:
                 log.info("task %s on %s exited with %s", tid, w.queue.name, code)

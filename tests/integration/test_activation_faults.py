@@ -355,6 +355,38 @@ def test_a_crashed_task_is_counted_out_and_its_group_is_processed_later(
     assert act.service.watches[QUEUE].activations >= 2
 
 
+def test_a_failing_task_is_started_again_later_and_later_until_the_queue_is_altered(
+    fast_settings: Deployment, stop_all: list[Any]
+) -> None:
+    """A procedure that cannot be loaded: each task exits with status 2 as it starts. The
+    monitor holds activation back 1.5 s after the first failure, 3 s after the second; the
+    messages wait untouched, and once the queue names a procedure that works (which clears
+    the hold) they are processed, each once."""
+    settings = fast_settings.model_copy(update={"activation_retry_ms": 1500})
+    apply_catalog(settings, parse_catalog(activation("no_such_procedure", 2)))
+    stop_all.append(ThreadDispatcher(settings))
+    act = ThreadActivation(settings)
+    stop_all.append(act)
+
+    def activations() -> int:
+        w = act.service.watches.get(QUEUE)
+        return 0 if w is None else w.activations
+
+    with KsbClient(settings) as client:
+        send_backlog(client, 2, 2)
+        starts: list[float] = []
+        deadline = time.monotonic() + 60
+        while len(starts) < 3 and time.monotonic() < deadline:
+            starts += [time.monotonic()] * (activations() - len(starts))
+            time.sleep(0.01)
+        assert len(starts) >= 3, f"{len(starts)} task(s) started in 60 s"
+        # Lower bounds only: a slow machine makes the gaps longer, never shorter.
+        assert starts[1] - starts[0] >= 1.5 and starts[2] - starts[1] >= 3.0, starts
+        apply_catalog(settings, parse_catalog(activation("slow_reply", 2)))
+        replies = collect_replies(client, 4, 60)
+    assert_processed_once(settings, replies, 2, 2)
+
+
 def test_alter_queue_readers_and_status_take_effect_at_once(
     fast_settings: Deployment, stop_all: list[Any], r: redis.Redis
 ) -> None:

@@ -151,6 +151,52 @@ def test_when_all_tasks_exit_on_an_empty_queue_the_monitor_goes_inactive() -> No
     assert decision == Decision(False, "no_ready_groups", "INACTIVE")
 
 
+# -- tasks that fail -----------------------------------------------------------------------------
+
+
+def test_a_failed_task_holds_activation_back_doubling_with_each_failure_in_a_row() -> None:
+    monitor = QueueMonitor(retry_ms=1000, retry_max_ms=3000)
+    after_exit = at(BACKLOG, 100_000, running_tasks=0)
+    assert monitor.on_task_exit(100_000, 2) == 1000
+    held = monitor.on_tasks_exited(after_exit)
+    assert held == Decision(False, "failing_tasks", "INACTIVE", necessary=True)
+    assert not monitor.on_tick(at(after_exit, 100_999)).activate
+    assert monitor.on_tick(at(after_exit, 101_000)).activate
+    assert monitor.on_task_exit(101_500, 3) == 2000
+    assert not monitor.on_tick(at(after_exit, 103_499)).activate
+    assert monitor.on_tick(at(after_exit, 103_500)).activate
+    assert monitor.on_task_exit(104_000, 1) == 3000  # at its ceiling
+    assert monitor.on_task_exit(108_000, -9) == 3000
+
+
+def test_a_failing_task_holds_back_the_first_message_rule_too() -> None:
+    monitor = QueueMonitor(retry_ms=1000)
+    monitor.on_task_exit(100_000, 3)
+    obs = at(IDLE, 100_500, ready_groups=1, ready_messages=1)
+    assert monitor.on_message_arrived(obs, had_unread_before=False).reason == "failing_tasks"
+
+
+def test_a_task_that_ends_normally_clears_the_failures() -> None:
+    monitor = QueueMonitor(retry_ms=1000)
+    monitor.on_task_exit(100_000, 1)
+    monitor.on_task_exit(100_100, 1)
+    assert monitor.on_task_exit(100_200, 0) is None
+    assert monitor.on_tick(at(BACKLOG, 100_300, running_tasks=0)).activate
+    assert monitor.on_task_exit(100_400, 1) == 1000  # counted from one again
+
+
+def test_alter_queue_clears_the_failures_it_may_have_mended() -> None:
+    monitor = QueueMonitor(retry_ms=60_000)
+    monitor.on_task_exit(100_000, 2)
+    assert monitor.on_alter(at(BACKLOG, 100_100, running_tasks=0)).activate
+
+
+def test_no_retry_delay_starts_a_failed_task_again_at_once() -> None:
+    monitor = QueueMonitor(retry_ms=0)
+    assert monitor.on_task_exit(100_000, 1) == 0
+    assert monitor.on_tasks_exited(at(BACKLOG, 100_000, running_tasks=0)).activate
+
+
 def test_alter_queue_raising_max_readers_activates() -> None:
     monitor = QueueMonitor()
     full = replace(BACKLOG, running_tasks=4)

@@ -22,6 +22,14 @@ passes. A reader that has not reached RECEIVE yet will take the work; without th
 arrivals would start every allowed reader before the first one got going, which is the waste the
 locking-aware rule exists to avoid.
 
+And one for tasks that fail: a task that exits with a failure status (its procedure cannot be
+loaded, its principal may not RECEIVE, it crashed) holds activation back for `retry_ms`,
+doubled with each failure in a row up to `retry_max_ms`; a task that ends normally, or an ALTER
+QUEUE, clears it.
+Service Broker starts a failing procedure again while messages wait; started again the moment it
+ended, a KSB task (a Python process) whose procedure could not be loaded was started every 1.1 s,
+each one's whole life spent starting up, for as long as the fault lasted.
+
 Everything is pure: the service feeds observations with `now_ms` from its clock and acts on the
 returned `Decision`.
 """
@@ -70,12 +78,22 @@ class Decision:
 class QueueMonitor:
     """One queue's monitor; call the `on_*` method matching each event and act on the Decision."""
 
-    def __init__(self, empty_grace_ms: int = 5000, starting_hold_ms: int = 5000) -> None:
+    def __init__(
+        self,
+        empty_grace_ms: int = 5000,
+        starting_hold_ms: int = 5000,
+        retry_ms: int = 1000,
+        retry_max_ms: int = 60_000,
+    ) -> None:
         self._empty_grace_ms = empty_grace_ms
         self._starting_hold_ms = starting_hold_ms
+        self._retry_ms = retry_ms
+        self._retry_max_ms = retry_max_ms
         self._state: MonitorState = "INACTIVE"
         self._notified_ms: int | None = None
         self._last_empty_ms: int | None = None
+        self._failures = 0
+        self._retry_at_ms: int | None = None
 
     @property
     def state(self) -> MonitorState:
@@ -102,8 +120,21 @@ class QueueMonitor:
             self._state = "INACTIVE"
         return self._evaluate(obs)
 
+    def on_task_exit(self, now_ms: int, status: int) -> int | None:
+        """A started task ended with exit `status`. Returns how long activation is held back
+        (ms) if that was a failure, None if the task ended normally."""
+        if status == 0:
+            self._failures, self._retry_at_ms = 0, None
+            return None
+        self._failures += 1
+        delay = min(self._retry_ms << min(self._failures - 1, 32), self._retry_max_ms)
+        self._retry_at_ms = now_ms + delay
+        return delay
+
     def on_alter(self, obs: QueueObservation) -> Decision:
-        """ALTER QUEUE may have enabled activation or raised MAX_QUEUE_READERS."""
+        """ALTER QUEUE may have enabled activation, raised MAX_QUEUE_READERS, or named another
+        procedure or principal: what made tasks fail may be mended, so they are not held back."""
+        self._failures, self._retry_at_ms = 0, None
         return self._evaluate(obs)
 
     def on_tick(self, obs: QueueObservation) -> Decision:
@@ -112,7 +143,7 @@ class QueueMonitor:
     def _evaluate(self, obs: QueueObservation, first_message: bool = False) -> Decision:
         necessary, reason = self._necessity(obs, first_message)
         if necessary:
-            blocked = _blocked(obs)
+            blocked = _blocked(obs) or self._failing(obs)
             if blocked is None:
                 self._state = "NOTIFIED"
                 self._notified_ms = obs.now_ms
@@ -136,6 +167,12 @@ class QueueMonitor:
         if self._reader_starting(obs):
             return False, "reader_starting"
         return True, "backlog"
+
+    def _failing(self, obs: QueueObservation) -> str | None:
+        """Held back since the last task failed (`on_task_exit`)."""
+        if self._retry_at_ms is not None and obs.now_ms < self._retry_at_ms:
+            return "failing_tasks"
+        return None
 
     def _recent_empty_receive(self, obs: QueueObservation) -> bool:
         seen = [t for t in (obs.last_empty_receive_ms, self._last_empty_ms) if t is not None]
