@@ -48,6 +48,7 @@ from ksb.activation.poison import PoisonAction, disabled, on_rollbacks, to_dead_
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
 from ksb.catalog.model import Catalog, CatalogView, Queue
 from ksb.clock import Clock
+from ksb.dialog.sequencing import Backoff
 from ksb.errors import KsbError
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
@@ -205,8 +206,10 @@ class ActivationService(Service):
                     reader,
                     QueueMonitor(
                         empty_grace_ms=self.settings.activation_empty_grace_ms,
-                        retry_ms=self.settings.activation_retry_ms,
-                        retry_max_ms=self.settings.activation_retry_max_ms,
+                        retry=Backoff(
+                            initial_ms=self.settings.activation_retry_ms,
+                            max_ms=self.settings.activation_retry_max_ms,
+                        ),
                     ),
                     ExternalNotifier(note.timeout_s * 1000) if note else None,
                 )

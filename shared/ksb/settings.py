@@ -322,11 +322,11 @@ class ActivationSettings(ServiceSettings):
     """Passed to the tasks it starts (`ActivatedTaskSettings.activated_idle_ms`)."""
     poison_rollbacks: int = Field(5, ge=1)
     """Rollbacks in a row that disable a queue (poison-message handling)."""
-    activation_retry_ms: int = Field(1_000, ge=0)
+    activation_retry_ms: int = Field(1_000, ge=1)
     """After an activated task exits with a failure status, no task is started on its queue for
     this long, doubled with each failure in a row up to `activation_retry_max_ms`; a task that
-    ends normally clears it (`ksb.activation.monitor`). 0: started again at once."""
-    activation_retry_max_ms: int = Field(60_000, ge=0)
+    ends normally, or an ALTER QUEUE, clears it (`ksb.activation.monitor`)."""
+    activation_retry_max_ms: int = Field(60_000, ge=1)
 
 
 class ExternalActivatorSettings(ServiceSettings):

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
+from ksb.dialog.sequencing import Backoff
 
 IDLE = QueueObservation(
     now_ms=100_000,
@@ -155,7 +156,7 @@ def test_when_all_tasks_exit_on_an_empty_queue_the_monitor_goes_inactive() -> No
 
 
 def test_a_failed_task_holds_activation_back_doubling_with_each_failure_in_a_row() -> None:
-    monitor = QueueMonitor(retry_ms=1000, retry_max_ms=3000)
+    monitor = QueueMonitor(retry=Backoff(initial_ms=1000, max_ms=3000))
     after_exit = at(BACKLOG, 100_000, running_tasks=0)
     assert monitor.on_task_exit(100_000, 2) == 1000
     held = monitor.on_tasks_exited(after_exit)
@@ -170,14 +171,14 @@ def test_a_failed_task_holds_activation_back_doubling_with_each_failure_in_a_row
 
 
 def test_a_failing_task_holds_back_the_first_message_rule_too() -> None:
-    monitor = QueueMonitor(retry_ms=1000)
+    monitor = QueueMonitor()
     monitor.on_task_exit(100_000, 3)
     obs = at(IDLE, 100_500, ready_groups=1, ready_messages=1)
     assert monitor.on_message_arrived(obs, had_unread_before=False).reason == "failing_tasks"
 
 
 def test_a_task_that_ends_normally_clears_the_failures() -> None:
-    monitor = QueueMonitor(retry_ms=1000)
+    monitor = QueueMonitor()
     monitor.on_task_exit(100_000, 1)
     monitor.on_task_exit(100_100, 1)
     assert monitor.on_task_exit(100_200, 0) is None
@@ -186,15 +187,9 @@ def test_a_task_that_ends_normally_clears_the_failures() -> None:
 
 
 def test_alter_queue_clears_the_failures_it_may_have_mended() -> None:
-    monitor = QueueMonitor(retry_ms=60_000)
+    monitor = QueueMonitor(retry=Backoff(initial_ms=60_000))
     monitor.on_task_exit(100_000, 2)
     assert monitor.on_alter(at(BACKLOG, 100_100, running_tasks=0)).activate
-
-
-def test_no_retry_delay_starts_a_failed_task_again_at_once() -> None:
-    monitor = QueueMonitor(retry_ms=0)
-    assert monitor.on_task_exit(100_000, 1) == 0
-    assert monitor.on_tasks_exited(at(BACKLOG, 100_000, running_tasks=0)).activate
 
 
 def test_alter_queue_raising_max_readers_activates() -> None:

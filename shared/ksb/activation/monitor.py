@@ -23,9 +23,9 @@ arrivals would start every allowed reader before the first one got going, which 
 locking-aware rule exists to avoid.
 
 And one for tasks that fail: a task that exits with a failure status (its procedure cannot be
-loaded, its principal may not RECEIVE, it crashed) holds activation back for `retry_ms`,
-doubled with each failure in a row up to `retry_max_ms`; a task that ends normally, or an ALTER
-QUEUE, clears it.
+loaded, its principal may not RECEIVE, it crashed) holds activation back as `retry` says (1 s,
+doubled with each failure in a row up to 60 s, by default); a task that ends normally, or an
+ALTER QUEUE, clears it.
 Service Broker starts a failing procedure again while messages wait; started again the moment it
 ended, a KSB task (a Python process) whose procedure could not be loaded was started every 1.1 s,
 each one's whole life spent starting up, for as long as the fault lasted.
@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from ksb.dialog.sequencing import Backoff
 
 __all__ = [
     "Decision",
@@ -82,13 +84,11 @@ class QueueMonitor:
         self,
         empty_grace_ms: int = 5000,
         starting_hold_ms: int = 5000,
-        retry_ms: int = 1000,
-        retry_max_ms: int = 60_000,
+        retry: Backoff | None = None,
     ) -> None:
         self._empty_grace_ms = empty_grace_ms
         self._starting_hold_ms = starting_hold_ms
-        self._retry_ms = retry_ms
-        self._retry_max_ms = retry_max_ms
+        self._retry = retry or Backoff()
         self._state: MonitorState = "INACTIVE"
         self._notified_ms: int | None = None
         self._last_empty_ms: int | None = None
@@ -124,18 +124,22 @@ class QueueMonitor:
         """A started task ended with exit `status`. Returns how long activation is held back
         (ms) if that was a failure, None if the task ended normally."""
         if status == 0:
-            self._failures, self._retry_at_ms = 0, None
+            self._forgive()
             return None
+        delay = self._retry.delay_ms(self._failures)
         self._failures += 1
-        delay = min(self._retry_ms << min(self._failures - 1, 32), self._retry_max_ms)
         self._retry_at_ms = now_ms + delay
         return delay
 
     def on_alter(self, obs: QueueObservation) -> Decision:
         """ALTER QUEUE may have enabled activation, raised MAX_QUEUE_READERS, or named another
         procedure or principal: what made tasks fail may be mended, so they are not held back."""
-        self._failures, self._retry_at_ms = 0, None
+        self._forgive()
         return self._evaluate(obs)
+
+    def _forgive(self) -> None:
+        """Tasks are no longer held back for the failures so far (`on_task_exit`)."""
+        self._failures, self._retry_at_ms = 0, None
 
     def on_tick(self, obs: QueueObservation) -> Decision:
         return self._evaluate(obs)
