@@ -16,6 +16,7 @@ from ksb.activation.external import (
     load_config,
     parse_event,
 )
+from ksb.dialog.sequencing import Backoff
 from ksb.errors import CatalogError, ProtocolError
 from ksb.settings import ExternalActivatorSettings
 from services.external_activator.service import ReaderSupervisor, build_app
@@ -27,7 +28,7 @@ def planner(min_readers: int = 0, max_readers: int = 2) -> ActivationPlanner:
     config = ExternalActivatorConfig.model_validate(
         {"queues": {"Q": {"command": "run-reader", "min": min_readers, "max": max_readers}}}
     )
-    return ActivationPlanner(config, INSTANCE, backoff_ms=100, max_backoff_ms=1_000)
+    return ActivationPlanner(config, INSTANCE, backoff=Backoff(initial_ms=100, max_ms=1_000))
 
 
 def event(

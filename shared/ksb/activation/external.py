@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ksb.dialog.sequencing import Backoff
 from ksb.errors import CatalogError, ProtocolError
 
 __all__ = [
@@ -143,8 +144,7 @@ class ActivationPlanner:
 
     config: ExternalActivatorConfig
     instance: str
-    backoff_ms: int = 500
-    max_backoff_ms: int = 30_000
+    backoff: Backoff = field(default_factory=lambda: Backoff(initial_ms=500, max_ms=30_000))
     _states: dict[str, _QueueState] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -196,5 +196,5 @@ class ActivationPlanner:
             state.not_before_ms = 0
             return
         state.failures_in_a_row += 1
-        delay = min(self.max_backoff_ms, self.backoff_ms * 2 ** (state.failures_in_a_row - 1))
+        delay = self.backoff.delay_ms(state.failures_in_a_row - 1)
         state.not_before_ms = now_ms + delay
