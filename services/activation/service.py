@@ -71,6 +71,12 @@ __all__ = ["ActivationService", "QueueWatch"]
 log = logging.getLogger("ksb.activation")
 _MAX_CANDIDATES = 512
 
+_FIXES = {
+    EXIT_NOT_AUTHORIZED: "its principal may not RECEIVE there, a grant missing or revoked "
+    "(GRANT RECEIVE, then `ksb acl apply`)"
+}
+"""What mends a task's exit status that is a configuration fault (logged as an error)."""
+
 HANDLERS_STOP_S = 10.0
 """How long shutdown waits for the handlers to finish queued work (a catalog write takes seconds)."""
 
@@ -402,24 +408,19 @@ class ActivationService(Service):
             code = w.tasks.pop(tid).returncode
             self.redis.zrem(self.names.tasks_key(w.queue.name), tid)
             held = w.monitor.on_task_exit(self.clock.now_ms(), code)
-            if code == EXIT_NOT_AUTHORIZED:  # started again while messages wait, as SQL Server does
-                log.error(
-                    "task %s on %s: its principal may not RECEIVE there (a grant missing or "
-                    "revoked: GRANT RECEIVE, then `ksb acl apply`); the next in %d ms",
-                    tid,
-                    w.queue.name,
-                    held,
-                )
-            elif held is not None:
-                log.warning(
-                    "task %s on %s failed (exit %s); the next in %d ms",
+            if held is None:
+                log.info("task %s on %s exited with %s", tid, w.queue.name, code)
+            else:  # started again while messages wait, as SQL Server does, after `held`
+                fix = _FIXES.get(code)
+                log.log(
+                    logging.ERROR if fix else logging.WARNING,
+                    "task %s on %s failed (exit %s%s); the next in %d ms",
                     tid,
                     w.queue.name,
                     code,
+                    f": {fix}" if fix else "",
                     held,
                 )
-            else:
-                log.info("task %s on %s exited with %s", tid, w.queue.name, code)
             self._audit("activation_stop", w, f"{tid} exited with {code}")
         return bool(exited)
 
