@@ -47,13 +47,14 @@ class RawResult:
         }
 
 
-def median_run(rates: list[float]) -> int:
-    """The index of the median of `rates`; of an even count the faster middle one, so that a
-    baseline chosen between two never flatters KSB's ratios."""
+def median_run(rates: list[float], *, faster: bool = True) -> int:
+    """The index of the median of `rates`; of an even count the faster middle one (`faster`),
+    so that a baseline chosen between two never flatters KSB's ratios, or the slower one, for
+    KSB's own column."""
     if not rates:
         raise ValueError("no runs")
     order = sorted(range(len(rates)), key=lambda i: rates[i])
-    return order[len(rates) // 2]
+    return order[len(rates) // 2 if faster else (len(rates) - 1) // 2]
 
 
 class _Collector(threading.Thread):
