@@ -8,15 +8,18 @@ owned by exactly one live member.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devtools.runner import ServiceProcess
+from devtools.runner import ServiceProcess, stop_all
 from ksb.settings import KsbSettings
 
 __all__ = ["Applied", "DispatcherPool", "owned_in_log", "shares_settled"]
+
+log = logging.getLogger(__name__)
 
 _OWNING = re.compile(r"owning \[([0-9, ]*)\]")
 _APPLIED = re.compile(r"dispatcher (\S+): (\d+) applied in (\d+) transactions")
@@ -135,8 +138,8 @@ class DispatcherPool:
     def stop(self) -> None:
         for name in list(self.paused):
             self.resume(name)
-        for proc in self.members.values():
-            proc.stop()
+        for proc in stop_all(list(self.members.values())):
+            log.error("dispatcher %s outlived its SIGKILL; see %s", proc.name, proc.log_path)
 
     def __enter__(self) -> DispatcherPool:
         return self

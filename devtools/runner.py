@@ -11,13 +11,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from devtools.deployment import process_settings
 from ksb.settings import KsbSettings, settings_env
 
-__all__ = ["REPO_ROOT", "ServiceProcess"]
+__all__ = ["REPO_ROOT", "ServiceProcess", "stop_all"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,22 +76,28 @@ class ServiceProcess:
 
     def kill(self) -> None:
         """SIGKILL: the crash the fault tests inject."""
-        if self.alive():
+        if self.send_signal(signal.SIGKILL):
             assert self.proc is not None
-            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
 
     def pause(self) -> None:
         """SIGSTOP: a process that stops answering without dying (a GC pause, a frozen VM)."""
-        if self.alive():
-            assert self.proc is not None
-            os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.send_signal(signal.SIGSTOP)
 
     def resume(self) -> None:
         """SIGCONT after `pause`."""
-        if self.alive():
-            assert self.proc is not None
-            os.killpg(self.proc.pid, signal.SIGCONT)
+        self.send_signal(signal.SIGCONT)
+
+    def send_signal(self, sig: signal.Signals) -> bool:
+        """Send ``sig`` to the process's whole group if it still runs; whether it did."""
+        if not self.alive():
+            return False
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:  # it ended between the check and the signal
+            return False
+        return True
 
     def log_text(self) -> str:
         """What this run of the process has logged (not an earlier run's lines in the same file)."""
@@ -102,16 +109,43 @@ class ServiceProcess:
 
     def stop(self, grace_s: float = 10) -> None:
         """SIGTERM, then SIGKILL if it does not drain in time."""
-        if not self.alive():
-            return
-        assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        if self.send_signal(signal.SIGTERM):
+            assert self.proc is not None
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def exited_by(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic``) for the process to end; whether it did."""
+        if self.proc is None:
+            return True
         try:
-            self.proc.wait(grace_s)
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            self.kill()
+            return False
+        return True
 
     def tail(self, lines: int = 30) -> str:
         if not self.log_path.exists():
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop_all(
+    procs: Sequence[ServiceProcess], grace_s: float = 10, kill_wait_s: float = 30
+) -> list[ServiceProcess]:
+    """Stop every process at once: SIGTERM to all, SIGKILL to those still running after
+    ``grace_s``; returns those still alive ``kill_wait_s`` after that.
+
+    All at once, because shutting down one after another adds up each one's drain; and a process
+    that outlives even its SIGKILL is returned rather than raised, because an exception here would
+    leave every process after it running (a demo once left a whole instance behind that way).
+    """
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in [p for p in procs if not p.exited_by(deadline)]:
+        proc.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait_s
+    return [p for p in procs if not p.exited_by(deadline)]

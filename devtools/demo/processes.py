@@ -26,7 +26,7 @@ from devtools.demo.orders import CLIENT_SERVICE, CONTRACT, LINE_ACCEPTED, ORDER_
 from devtools.deployment import Deployment
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStack, LocalStackError
-from devtools.runner import ServiceProcess
+from devtools.runner import ServiceProcess, stop_all
 from ksb.catalog.model import Catalog
 from ksb.errors import KsbError
 from ksb.runtime.catalog_store import apply_catalog
@@ -143,9 +143,11 @@ def running_services(procs: list[ServiceProcess]) -> Iterator[list[ServiceProces
         defer_interrupts()
         if procs:
             say("stopping services: " + ", ".join(p.name for p in procs))
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                proc.stop(grace_s=10)
+        for proc in stop_all(procs, grace_s=10):
+            assert proc.proc is not None
+            say(
+                f"  {proc.name} (pid {proc.proc.pid}) is still running after SIGKILL; see {proc.log_path}"
+            )
 
 
 def guard_workdir(workdir: Path) -> None:

@@ -20,6 +20,7 @@ its event loop, its signals and its workers.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 import threading
@@ -232,13 +233,26 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def run_main(make: Callable[[], Service], name: str) -> None:
+EXIT_GRACE_S = 5.0
+"""How long the interpreter's own exit may take once the service has closed."""
+
+
+def run_main(make: Callable[[], Service], name: str, *, exit_grace_s: float = EXIT_GRACE_S) -> None:
     """A service's `python -m` entry point: logging, its settings from the environment (inside
-    `make`), signals, then the service in its shell until SIGTERM or SIGINT."""
+    `make`), signals, then the service in its shell until SIGTERM or SIGINT.
+
+    After the service has closed (drained and flushed), only the interpreter's exit is left:
+    joining threads, freeing librdkafka's handles. A dispatcher that had logged "stopped" once
+    outlived its supervisor's grace there, so the exit is bounded: past ``exit_grace_s`` the
+    process writes every thread's stack to its log and ends with status 1.
+    """
     configure_logging(name)
     stop = threading.Event()
-    with _stop_on_signals(stop):
-        make().run(stop)
+    try:
+        with _stop_on_signals(stop):
+            make().run(stop)
+    finally:
+        faulthandler.dump_traceback_later(exit_grace_s, exit=True)
 
 
 _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | None
