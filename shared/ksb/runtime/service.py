@@ -12,7 +12,7 @@ shell owns the rest, the same way for every service:
 * the ticker (`ksb.runtime.ticker`), counting ticks from when work starts;
 * the catalog watcher, so every service picks up a new catalog version without a restart;
 * signals: SIGTERM or SIGINT stops taking work, the loop finishes its pass, `close` drains, and the
-  process exits 0.
+  process exits 0 (or 1, with every thread's stack in its log, if its exit hangs: `run_main`).
 
 The external activator is the one service that does not run here: it is a faust app, and faust owns
 its event loop, its signals and its workers.
