@@ -108,13 +108,9 @@ class ServiceProcess:
             return f.read().decode(errors="replace")
 
     def stop(self, grace_s: float = 10) -> None:
-        """SIGTERM, then SIGKILL if it does not drain in time."""
-        if self.send_signal(signal.SIGTERM):
-            assert self.proc is not None
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        """SIGTERM, then SIGKILL if it does not drain in time (`stop_all` of one)."""
+        if stop_all([self], grace_s, kill_wait_s=10):
+            raise TimeoutError(f"{self.name} still runs 10 s after its SIGKILL:\n{self.tail()}")
 
     def exited_by(self, deadline: float) -> bool:
         """Wait until ``deadline`` (``time.monotonic``) for the process to end; whether it did."""

@@ -98,6 +98,8 @@ class _Consumer:
         self.stable = True
         """False: a previous owner's transaction holds the offsets (`committed` times out)."""
         self.asked = 0
+        self.closing = False
+        """True: `close` is destroying the handle (librdkafka answers _DESTROY)."""
         self._committed = committed
 
     def memberid(self) -> str:
@@ -126,6 +128,8 @@ class _Consumer:
 
     def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
         self.asked += 1
+        if self.closing:
+            raise KafkaException(KafkaError(KafkaError._DESTROY))
         if self._committed is None or not self.stable:
             # Both ways a short probe runs out: librdkafka says which depending on whether its
             # request had left (the failover bench met the second under load).
@@ -380,6 +384,22 @@ def test_a_shard_whose_offsets_never_settle_is_given_up(monkeypatch: pytest.Monk
     assert loaded == [] and engine.ownership.owned == set()
     keeper.take_pending(cast(Any, consumer))  # nothing waits any more
     assert consumer.asked == 2
+
+
+def test_a_shard_given_while_the_consumer_closes_is_let_go_without_failing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by the chaos harness: a rejoining member's `close` served a last assignment, and the
+    probe of its offsets failed with the handle half destroyed; raising crashed the process."""
+    keeper, engine, loaded = _keeper(monkeypatch, held={0})
+    consumer = _Consumer({})
+    consumer.closing = True
+    keeper.on_assign(cast(Any, consumer), _relay(0))
+    assert consumer.asked == 1 and loaded == [] and engine.ownership.owned == set()
+
+    consumer.closing = False
+    keeper.take_pending(cast(Any, consumer))  # nothing waits any more
+    assert consumer.asked == 1
 
 
 def test_a_waiting_shard_revoked_meanwhile_is_no_longer_waited_for(
