@@ -46,6 +46,7 @@ from devtools.processes import (
     is_alive,
     port_open,
     signal_group,
+    stop_pids,
     tail,
     wait_gone,
 )
@@ -127,14 +128,7 @@ class LocalStack:
         (fixture finaliser, atexit, failed start) overlap. Both processes are signalled
         before waiting so their shutdowns overlap instead of adding up.
         """
-        pids = [*self.kafka_pids, *self.redis_node_pids.values()]
-        for pid in pids:
-            signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for pid in pids:
-            if not wait_gone(pid, deadline):
-                signal_group(pid, signal.SIGKILL)
-                wait_gone(pid, time.monotonic() + 5.0)
+        stop_pids([*self.kafka_pids, *self.redis_node_pids.values()], grace_s)
         _forget(self)
 
     def as_json(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "port_open",
     "register_child",
     "signal_group",
+    "stop_pids",
     "tail",
     "wait_gone",
 ]
@@ -86,6 +88,25 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
+
+
+def stop_pids(pids: Sequence[int], grace_s: float, kill_wait_s: float = 5.0) -> list[int]:
+    """Stop processes at once: SIGTERM to all, SIGKILL to those still running after ``grace_s``;
+    returns those still alive ``kill_wait_s`` after that.
+
+    All are signalled before any is waited for, so their shutdowns overlap instead of adding up;
+    and one that outlives even its SIGKILL is returned rather than raised, because an exception
+    here would leave every process after it running (a demo once left a whole instance behind
+    that way).
+    """
+    for pid in pids:
+        signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    stuck = [pid for pid in pids if not wait_gone(pid, deadline)]
+    for pid in stuck:
+        signal_group(pid, signal.SIGKILL)
+    deadline = time.monotonic() + kill_wait_s
+    return [pid for pid in stuck if not wait_gone(pid, deadline)]
 
 
 def register_child(proc: subprocess.Popen[bytes]) -> None:

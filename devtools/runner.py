@@ -6,7 +6,6 @@ variables its own settings model reads), so what the tests start is what a deplo
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from devtools.deployment import process_settings
+from devtools.processes import REPO_ROOT, register_child, signal_group, stop_pids
 from ksb.settings import KsbSettings, settings_env
 
 __all__ = ["REPO_ROOT", "ServiceProcess", "stop_all"]
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -93,10 +91,7 @@ class ServiceProcess:
         if not self.alive():
             return False
         assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:  # it ended between the check and the signal
-            return False
+        signal_group(self.proc.pid, sig)
         return True
 
     def log_text(self) -> str:
@@ -112,16 +107,6 @@ class ServiceProcess:
         if stop_all([self], grace_s, kill_wait_s=10):
             raise TimeoutError(f"{self.name} still runs 10 s after its SIGKILL:\n{self.tail()}")
 
-    def exited_by(self, deadline: float) -> bool:
-        """Wait until ``deadline`` (``time.monotonic``) for the process to end; whether it did."""
-        if self.proc is None:
-            return True
-        try:
-            self.proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            return False
-        return True
-
     def tail(self, lines: int = 30) -> str:
         if not self.log_path.exists():
             return ""
@@ -131,17 +116,12 @@ class ServiceProcess:
 def stop_all(
     procs: Sequence[ServiceProcess], grace_s: float = 10, kill_wait_s: float = 30
 ) -> list[ServiceProcess]:
-    """Stop every process at once: SIGTERM to all, SIGKILL to those still running after
-    ``grace_s``; returns those still alive ``kill_wait_s`` after that.
-
-    All at once, because shutting down one after another adds up each one's drain; and a process
-    that outlives even its SIGKILL is returned rather than raised, because an exception here would
-    leave every process after it running (a demo once left a whole instance behind that way).
-    """
-    for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in [p for p in procs if not p.exited_by(deadline)]:
-        proc.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + kill_wait_s
-    return [p for p in procs if not p.exited_by(deadline)]
+    """`devtools.processes.stop_pids` for service processes: all stopped at once; returns those
+    still alive ``kill_wait_s`` after their SIGKILL."""
+    running: dict[int, ServiceProcess] = {}
+    for p in procs:
+        if p.alive():
+            assert p.proc is not None
+            register_child(p.proc)  # reaped through its Popen, so its returncode is kept
+            running[p.proc.pid] = p
+    return [running[pid] for pid in stop_pids(list(running), grace_s, kill_wait_s)]

@@ -21,7 +21,7 @@ from pathlib import Path
 from devtools.deployment import Deployment, stack_fields
 from devtools.kafka_node import KafkaLayout, kafka_libs_dir, kafka_ready, start_kafka
 from devtools.localstack import start_stack
-from devtools.processes import LogTail, port_open, signal_group, wait_gone
+from devtools.processes import LogTail, port_open, signal_group, stop_pids, wait_gone
 from devtools.redis_node import redis_ready, start_redis
 from devtools.stack_security import StackSecurity
 
@@ -121,12 +121,7 @@ class ChaosStack:
             self.kafka_pid = self.redis_pid = -1
         for pid in pids:
             signal_group(pid, signal.SIGCONT)
-            signal_group(pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for pid in pids:
-            if not wait_gone(pid, deadline):
-                signal_group(pid, signal.SIGKILL)
-                wait_gone(pid, time.monotonic() + 5.0)
+        stop_pids(pids, grace_s)
 
     def __enter__(self) -> ChaosStack:
         return self

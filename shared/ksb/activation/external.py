@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ksb.dialog.sequencing import Backoff
+from ksb.dialog.sequencing import Backoff, FailureHold
 from ksb.errors import CatalogError, ProtocolError
 
 __all__ = [
@@ -129,9 +129,9 @@ class StartDecision:
 
 @dataclass
 class _QueueState:
+    hold: FailureHold
+    """Minimum restarts held back after failed commands."""
     disabled: bool = False
-    failures_in_a_row: int = 0
-    not_before_ms: int = 0
 
 
 @dataclass
@@ -148,7 +148,7 @@ class ActivationPlanner:
     _states: dict[str, _QueueState] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._states = {q: _QueueState() for q in self.config.queues}
+        self._states = {q: _QueueState(FailureHold(self.backoff)) for q in self.config.queues}
 
     @property
     def queues(self) -> list[str]:
@@ -184,17 +184,14 @@ class ActivationPlanner:
             return StartDecision(queue, 0, "minimum running")
         if state.disabled:
             return StartDecision(queue, 0, "queue disabled")
-        if now_ms < state.not_before_ms:
-            return StartDecision(queue, 0, f"backing off until {state.not_before_ms}")
+        if state.hold.holds(now_ms):
+            return StartDecision(queue, 0, f"backing off until {state.hold.until_ms}")
         return StartDecision(queue, missing, f"keeping min {missing + running}")
 
     def on_exit(self, queue: str, returncode: int, now_ms: int) -> None:
         """Record a command's exit: a failure delays the next minimum restart, exponentially."""
-        state = self._states[queue]
+        hold = self._states[queue].hold
         if returncode == 0:
-            state.failures_in_a_row = 0
-            state.not_before_ms = 0
-            return
-        state.failures_in_a_row += 1
-        delay = self.backoff.delay_ms(state.failures_in_a_row - 1)
-        state.not_before_ms = now_ms + delay
+            hold.clear()
+        else:
+            hold.failed(now_ms)

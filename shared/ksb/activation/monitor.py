@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ksb.dialog.sequencing import Backoff
+from ksb.dialog.sequencing import Backoff, FailureHold
 
 __all__ = [
     "Decision",
@@ -88,12 +88,10 @@ class QueueMonitor:
     ) -> None:
         self._empty_grace_ms = empty_grace_ms
         self._starting_hold_ms = starting_hold_ms
-        self._retry = retry or Backoff()
+        self._hold = FailureHold(retry or Backoff())
         self._state: MonitorState = "INACTIVE"
         self._notified_ms: int | None = None
         self._last_empty_ms: int | None = None
-        self._failures = 0
-        self._retry_at_ms: int | None = None
 
     @property
     def state(self) -> MonitorState:
@@ -124,22 +122,15 @@ class QueueMonitor:
         """A started task ended with exit `status`. Returns how long activation is held back
         (ms) if that was a failure, None if the task ended normally."""
         if status == 0:
-            self._forgive()
+            self._hold.clear()
             return None
-        delay = self._retry.delay_ms(self._failures)
-        self._failures += 1
-        self._retry_at_ms = now_ms + delay
-        return delay
+        return self._hold.failed(now_ms)
 
     def on_alter(self, obs: QueueObservation) -> Decision:
         """ALTER QUEUE may have enabled activation, raised MAX_QUEUE_READERS, or named another
         procedure or principal: what made tasks fail may be mended, so they are not held back."""
-        self._forgive()
+        self._hold.clear()
         return self._evaluate(obs)
-
-    def _forgive(self) -> None:
-        """Tasks are no longer held back for the failures so far (`on_task_exit`)."""
-        self._failures, self._retry_at_ms = 0, None
 
     def on_tick(self, obs: QueueObservation) -> Decision:
         return self._evaluate(obs)
@@ -174,7 +165,7 @@ class QueueMonitor:
 
     def _failing(self, obs: QueueObservation) -> str | None:
         """Held back since the last task failed (`on_task_exit`)."""
-        if self._retry_at_ms is not None and obs.now_ms < self._retry_at_ms:
+        if self._hold.holds(obs.now_ms):
             return "failing_tasks"
         return None
 

@@ -14,18 +14,21 @@ Nothing is lost when the receiver throws a buffered message away (because it is 
 the buffer is full): the sender never saw it acknowledged and will send it again. That is what lets
 the receiver keep a hard bound on its memory. Both classes are pure: no I/O, and time comes in as
 int milliseconds read by the caller (or by the window, through an injected `Clock`).
+
+The retransmitter's `Backoff` is also the curve for other things retried after failures, kept by a
+`FailureHold` (the activation monitor's failed tasks, the external activator's commands).
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from ksb.clock import Clock
 from ksb.runtime.ticker import stale
 
-__all__ = ["Backoff", "ReceiveWindow", "Retransmitter"]
+__all__ = ["Backoff", "FailureHold", "ReceiveWindow", "Retransmitter"]
 
 T = TypeVar("T")
 
@@ -147,6 +150,33 @@ class Backoff:
         except OverflowError:  # a peer that has been down for days: long since at the cap
             return self.max_ms
         return self.max_ms if delay >= self.max_ms else round(delay)
+
+
+@dataclass
+class FailureHold:
+    """`Backoff` kept for something retried after failures (an activated task, an external
+    activator's command): each failure in a row holds the next try back for the next delay, and
+    a success starts the curve over."""
+
+    backoff: Backoff = field(default_factory=Backoff)
+    failures: int = 0
+    """Failures in a row."""
+    until_ms: int | None = None
+    """No try before this (None: not held)."""
+
+    def failed(self, now_ms: int) -> int:
+        """One more failure at `now_ms`; returns how long the next try is held back (ms)."""
+        delay = self.backoff.delay_ms(self.failures)
+        self.failures += 1
+        self.until_ms = now_ms + delay
+        return delay
+
+    def clear(self) -> None:
+        """A success, or the fault mended: nothing is held back."""
+        self.failures, self.until_ms = 0, None
+
+    def holds(self, now_ms: int) -> bool:
+        return self.until_ms is not None and now_ms < self.until_ms
 
 
 @dataclass
