@@ -11,6 +11,13 @@ import time
 
 import pytest
 
+# confluent_kafka.admin re-exports these from a private module, with no __all__ to say so.
+from confluent_kafka.admin import (  # type: ignore[attr-defined]
+    AlterConfigOpType,
+    ConfigEntry,
+    ConfigResource,
+)
+
 from devtools.deployment import Deployment
 from ksb.errors import CommitRefused, LockLost
 from ksb.names import Names
@@ -20,7 +27,14 @@ from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.principals import ADMIN
 from ksb.wire.protocol import CommitRequest, QueueMessage, Receipt, SendRequest, dumps
 from tests.integration.conftest import ThreadDispatcher
-from tests.integration.support import Flow, queue_receipts, read_topic, receive_all, wait_error
+from tests.integration.support import (
+    Flow,
+    queue_receipts,
+    read_topic,
+    receive_all,
+    wait_error,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -227,3 +241,85 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
     assert [json.loads(m.message_body) for m in got] == [{"n": 1}, {"n": 2}]
     assert [m.message_sequence_number for m in got] == [1, 2]
     assert receive_all(client, Q, 1, timeout_s=0.5) == []
+
+
+# A queue topic's segments roll and are cleaned as soon as Kafka's log cleaner comes by.
+_COMPACT_NOW = {
+    "segment.ms": "100",
+    "min.cleanable.dirty.ratio": "0.01",
+    "delete.retention.ms": "0",
+}
+
+
+def _compact_soon(settings: Deployment, topic: str) -> None:
+    admin = kafka.admin(settings.as_principal(ADMIN))
+    resource = ConfigResource(
+        ConfigResource.Type.TOPIC,
+        topic,
+        incremental_configs=[
+            ConfigEntry(k, v, incremental_operation=AlterConfigOpType.SET)
+            for k, v in _COMPACT_NOW.items()
+        ],
+    )
+    for fut in admin.incremental_alter_configs([resource]).values():
+        fut.result(30)
+
+
+def test_a_stale_token_is_refused_after_compaction_and_a_restart(
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """The group's fence outlives Kafka's compaction of the queue topic and a dispatcher restart:
+    the newest commit outcome of a group is never tombstoned while the group lives, and it carries
+    the fence the rebuild takes back (issue 12: fences were once rebuilt only from outcomes that
+    were tombstoned at once, so after compaction and a restart a stale token was accepted)."""
+    topic = Names(settings.instance).queue(Q)
+    h = _dialog_with(client, settings, 2)
+    old = client.transaction()
+    [m1] = old.receive(Q, top=1, waitfor_ms=10_000)
+    group = m1.conversation_group_id
+    stale_token = _token(settings, group)
+    old.rollback()
+    newer = client.transaction()
+    assert [m.message_id for m in newer.receive(Q, top=1, conversation_group_id=group)] == [
+        m1.message_id
+    ]
+    newer.commit()
+    _compact_soon(settings, topic)
+    time.sleep(0.3)  # past segment.ms: the next record of the partition rolls a new segment
+    client.send(h, "//t/Request", json.dumps({"n": 2}))
+    client.flush()
+
+    def waiting() -> list[str]:
+        return [k for k, (m, r) in queue_receipts(settings, Q).items() if m and not r]
+
+    # m2 and the new one wait; m1's record, its receipt and the outcome are in an older segment
+    wait_for("the new message in the queue", lambda: len(waiting()) == 2, timeout_s=15)
+
+    def m1_compacted() -> bool:
+        return all(k != m1.message_id.encode() or v is None for k, v in read_topic(settings, topic))
+
+    wait_for("Kafka's log cleaner to compact m1 away", m1_compacted, timeout_s=90, poll_s=1)
+    outcomes = [v for k, v in read_topic(settings, topic) if k == f"commit/{group}".encode()]
+    assert len(outcomes) == 1 and outcomes[0] is not None  # the newest outcome, kept whole
+    dispatcher.stop()
+    restarted = ThreadDispatcher(settings)
+    try:
+        restarted.wait_owning_every_shard()
+        m2_id = waiting()[0]
+        stale = CommitRequest(
+            reader="stale-holder",
+            receipt=Receipt(queue=Q, group=group, token=stale_token, message_ids=(m2_id,)),
+        )
+        p = kafka.producer(settings)
+        p.produce(
+            Names(settings.instance).requests_for(settings.sender),
+            key=group.encode(),
+            value=dumps(stale),
+        )
+        assert p.flush(10) == 0
+        err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
+        assert err["code"] == "stale_token"
+        got = receive_all(client, Q, 2, timeout_s=15)
+        assert [json.loads(m.message_body) for m in got] == [{"n": 1}, {"n": 2}]
+    finally:
+        restarted.stop()
