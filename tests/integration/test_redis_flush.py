@@ -60,10 +60,15 @@ def _token(settings: Deployment, group: str) -> int:
     return int(raw)
 
 
+def _waiting(settings: Deployment) -> list[str]:
+    """The ids of the target queue's messages that have no receipt yet, in queue order."""
+    return [k for k, (m, r) in queue_receipts(settings, Q).items() if m and not r]
+
+
 def _queued(settings: Deployment, count: int, timeout_s: float = 15) -> None:
-    """Wait until the dispatcher has put ``count`` messages in the target queue."""
+    """Wait until ``count`` messages wait in the target queue."""
     deadline = time.monotonic() + timeout_s
-    while sum(1 for m, _ in queue_receipts(settings, Q).values() if m) < count:
+    while len(_waiting(settings)) < count:
         assert time.monotonic() < deadline, f"fewer than {count} messages queued in time"
         time.sleep(0.1)
 
@@ -192,11 +197,9 @@ def test_commit_after_flush_with_no_new_holder_is_refused_and_messages_come_back
     assert receive_all(client, Q, 1, timeout_s=0.5) == []
 
 
-def test_stale_fencing_token_is_refused_by_the_dispatcher(
-    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
-) -> None:
-    """A commit carrying an older token than one already applied for the group is refused whole."""
-    h = _dialog_with(client, settings, 2)
+def _superseded(client: KsbClient, settings: Deployment) -> tuple[QueueMessage, int]:
+    """Lock the first message's group and roll back, then let a newer holder receive it and
+    commit: the first holder's token is now stale. Returns that message and the stale token."""
     old = client.transaction()
     [m1] = old.receive(Q, top=1, waitfor_ms=10_000)
     group = m1.conversation_group_id
@@ -208,20 +211,43 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
     ] == [m1.message_id]
     assert _token(settings, group) > stale_token
     newer.commit()
-    # m2 is still waiting; the old holder's commit names it and carries a SEND.
-    [m2_id] = [k for k, (_m, r) in queue_receipts(settings, Q).items() if r == 0]
-    stale = CommitRequest(
+    return m1, stale_token
+
+
+def _send_commit(
+    settings: Deployment,
+    group: str,
+    token: int,
+    message_id: str,
+    actions: tuple[SendRequest, ...] = (),
+) -> CommitRequest:
+    """Produce, as any Kafka client could, a commit under `token` that receives `message_id`."""
+    commit = CommitRequest(
         reader="stale-holder",
-        receipt=Receipt(queue=Q, group=group, token=stale_token, message_ids=(m2_id,)),
-        actions=(SendRequest(handles=(h,), message_type="//t/Request", body='{"stale":1}'),),
+        receipt=Receipt(queue=Q, group=group, token=token, message_ids=(message_id,)),
+        actions=actions,
     )
     p = kafka.producer(settings)
     p.produce(
         Names(settings.instance).requests_for(settings.sender),
         key=group.encode(),
-        value=dumps(stale),
+        value=dumps(commit),
     )
     assert p.flush(10) == 0
+    return commit
+
+
+def test_stale_fencing_token_is_refused_by_the_dispatcher(
+    settings: Deployment, client: KsbClient, dispatcher: ThreadDispatcher
+) -> None:
+    """A commit carrying an older token than one already applied for the group is refused whole."""
+    h = _dialog_with(client, settings, 2)
+    m1, stale_token = _superseded(client, settings)
+    group = m1.conversation_group_id
+    # m2 is still waiting; the old holder's commit names it and carries a SEND.
+    [m2_id] = _waiting(settings)
+    send = SendRequest(handles=(h,), message_type="//t/Request", body='{"stale":1}')
+    stale = _send_commit(settings, group, stale_token, m2_id, (send,))
     err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
     assert err["code"] == "stale_token"
     assert str(stale_token) in err["reason"]
@@ -274,26 +300,14 @@ def test_a_stale_token_is_refused_after_compaction_and_a_restart(
     were tombstoned at once, so after compaction and a restart a stale token was accepted)."""
     topic = Names(settings.instance).queue(Q)
     h = _dialog_with(client, settings, 2)
-    old = client.transaction()
-    [m1] = old.receive(Q, top=1, waitfor_ms=10_000)
+    m1, stale_token = _superseded(client, settings)
     group = m1.conversation_group_id
-    stale_token = _token(settings, group)
-    old.rollback()
-    newer = client.transaction()
-    assert [m.message_id for m in newer.receive(Q, top=1, conversation_group_id=group)] == [
-        m1.message_id
-    ]
-    newer.commit()
     _compact_soon(settings, topic)
     time.sleep(0.3)  # past segment.ms: the next record of the partition rolls a new segment
     client.send(h, "//t/Request", json.dumps({"n": 2}))
     client.flush()
-
-    def waiting() -> list[str]:
-        return [k for k, (m, r) in queue_receipts(settings, Q).items() if m and not r]
-
     # m2 and the new one wait; m1's record, its receipt and the outcome are in an older segment
-    wait_for("the new message in the queue", lambda: len(waiting()) == 2, timeout_s=15)
+    _queued(settings, 2)
 
     def m1_compacted() -> bool:
         return all(k != m1.message_id.encode() or v is None for k, v in read_topic(settings, topic))
@@ -305,18 +319,7 @@ def test_a_stale_token_is_refused_after_compaction_and_a_restart(
     restarted = ThreadDispatcher(settings)
     try:
         restarted.wait_owning_every_shard()
-        m2_id = waiting()[0]
-        stale = CommitRequest(
-            reader="stale-holder",
-            receipt=Receipt(queue=Q, group=group, token=stale_token, message_ids=(m2_id,)),
-        )
-        p = kafka.producer(settings)
-        p.produce(
-            Names(settings.instance).requests_for(settings.sender),
-            key=group.encode(),
-            value=dumps(stale),
-        )
-        assert p.flush(10) == 0
+        stale = _send_commit(settings, group, stale_token, _waiting(settings)[0])
         err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
         assert err["code"] == "stale_token"
         got = receive_all(client, Q, 2, timeout_s=15)
