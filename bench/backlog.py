@@ -38,13 +38,13 @@ from devtools.deployment import Deployment, stack_fields
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import start_stack
 from devtools.runner import REPO_ROOT
-from ksb.dialog.shards import shard_of
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.backpressure import CommittedOffsets
 from ksb.sdk.client import KsbClient
 from ksb.settings import ClientSettings, settings_env
+from ksb.wire.partitioning import shard_of
 
 __all__ = ["BacklogOptions", "format_lines", "main", "run_backlog"]
 

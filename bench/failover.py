@@ -4,7 +4,7 @@ how soon do the lost ones deliver again?
 The e2e load (bench/e2e.py) runs through a pool of dispatcher processes on an instance of its own
 (its target queue co-partitioned with the shards). Once a share of the messages has been delivered
 one member is SIGKILLed. Every delivery (a commit outcome that says applied) is timed and mapped to
-its dialog's shard (`ksb.dialog.shards.shard_of` of the dialog's handle, its group), and the shards
+its dialog's shard (`ksb.wire.partitioning.shard_of` of the dialog's handle, its group), and the shards
 to the member that owned them before the kill (`DispatcherPool.owned`). From those:
 
 * the longest gap between deliveries on the shards the killed member did NOT own, from the last
@@ -35,8 +35,8 @@ from bench.scaling import sharded_instance
 from bench.stats import now_ns
 from devtools.deployment import Deployment
 from devtools.dispatchers import DispatcherPool
-from ksb.dialog.shards import shard_of
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.wire.partitioning import shard_of
 
 __all__ = ["FailoverOptions", "delivery_gaps", "format_lines", "run_failover"]
 

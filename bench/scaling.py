@@ -44,8 +44,8 @@ from bench.raw_kafka import median_run
 from bench.stats import CpuMeter, fmt_ms, jit_settle, peak_rss_kb, ratio, run_ratios
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
-from ksb.dialog.shards import shard_of
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.wire.partitioning import shard_of
 
 __all__ = [
     "ScalingOptions",

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from devtools.processes import REPO_ROOT
-from ksb.security.credentials import generate_password, write_private
+from ksb.runtime.credentials import generate_password, write_private
 from ksb.security.principals import ADMIN, BROKER, Role
 
 __all__ = ["env_name", "main"]

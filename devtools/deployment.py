@@ -23,8 +23,8 @@ from typing import Self
 from devtools.processes import REPO_ROOT
 from devtools.stack_security import StackSecurity
 from ksb.catalog.model import Catalog
+from ksb.runtime.credentials import CredentialStore, write_private
 from ksb.security.apply import apply_plan
-from ksb.security.credentials import CredentialStore, write_private
 from ksb.security.plan import SecurityPlan, plan_instance
 from ksb.security.principals import ADMIN, Role, service_principal
 from ksb.settings import (

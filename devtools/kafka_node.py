@@ -28,7 +28,7 @@ from typing import Any
 
 from devtools.processes import REPO_ROOT, LocalStackError, register_child, tail
 from devtools.stack_security import StackSecurity
-from ksb.security.credentials import KafkaLogin
+from ksb.runtime.credentials import KafkaLogin
 from ksb.security.principals import ADMIN, BROKER
 
 __all__ = [

@@ -26,7 +26,7 @@ import redis
 
 from devtools.processes import LocalStackError, free_port, register_child
 from devtools.stack_security import StackSecurity
-from ksb.security.credentials import write_private
+from ksb.runtime.credentials import write_private
 from ksb.security.principals import ADMIN
 
 __all__ = ["SlotMove", "form_cluster", "move_slot", "redis_ready", "start_redis"]

@@ -9,7 +9,7 @@ Every secret is generated per stack into ``<workdir>/security`` (0700; files 060
 under the stack's work directory and so is never committed (``var/`` and pytest's temporary
 directories are not in the repository): the inter-broker user ``broker`` and the ACL tool's user
 ``admin`` (Kafka's only super users, and ``admin`` is Redis's only unrestricted user), then every
-principal's password as `ksb acl apply` creates it, in a `ksb.security.credentials.CredentialStore`.
+principal's password as `ksb acl apply` creates it, in a `ksb.runtime.credentials.CredentialStore`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from devtools.processes import LocalStackError
-from ksb.security.credentials import CredentialStore, KafkaLogin, write_private
+from ksb.runtime.credentials import CredentialStore, KafkaLogin, write_private
 from ksb.security.principals import ADMIN, BROKER
 
 __all__ = ["MODES", "SecurityMode", "StackSecurity", "security_mode"]

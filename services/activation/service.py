@@ -46,9 +46,9 @@ from ksb.activation.events import Traces, decisions, edges
 from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.activation.poison import PoisonAction, disabled, on_rollbacks, to_dead_letter
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.backoff import Backoff
 from ksb.catalog.model import Catalog, CatalogView, Queue
 from ksb.clock import Clock
-from ksb.dialog.sequencing import Backoff
 from ksb.errors import KsbError
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
@@ -212,6 +212,7 @@ class ActivationService(Service):
                     reader,
                     QueueMonitor(
                         empty_grace_ms=self.settings.activation_empty_grace_ms,
+                        starting_hold_ms=self.settings.activation_starting_hold_ms,
                         retry=Backoff(
                             initial_ms=self.settings.activation_retry_ms,
                             max_ms=self.settings.activation_retry_max_ms,

@@ -29,10 +29,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from ksb.catalog.model import CatalogView
 from ksb.dialog.endpoint import decode_endpoint
 from ksb.dialog.engine import Engine
-from ksb.dialog.shards import shard_of
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime.kafka import watermarks
+from ksb.wire.partitioning import shard_of
 from ksb.wire.protocol import CommitOutcome, parse_queue_record
 
 __all__ = [

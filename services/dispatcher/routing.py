@@ -17,8 +17,8 @@ from typing import Literal
 from confluent_kafka import TIMESTAMP_NOT_AVAILABLE, Message
 
 from ksb.dialog.outputs import Outputs
-from ksb.dialog.shards import shard_of
 from ksb.names import Names
+from ksb.wire.partitioning import shard_of
 from ksb.wire.protocol import (
     AnyRequest,
     FragmentRecord,

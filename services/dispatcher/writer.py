@@ -15,9 +15,9 @@ from confluent_kafka import Producer
 from ksb.audit import Audit, AuditEvent, dispatcher_events
 from ksb.dialog.endpoint import Endpoint, encode_endpoint
 from ksb.dialog.outputs import Outputs
-from ksb.dialog.shards import shard_of
 from ksb.names import Names
 from ksb.wire.depth import QueueDepth, depth_key
+from ksb.wire.partitioning import shard_of
 from ksb.wire.protocol import dumps
 from ksb.wire.relay import relay_key
 

@@ -11,6 +11,7 @@ import tempfile
 
 import ksb.runtime.kafka as kafka
 from ksb.activation.external import ActivationPlanner, load_config
+from ksb.backoff import Backoff
 from ksb.names import Names
 from ksb.runtime.metrics import serve_metrics
 from ksb.runtime.service import configure_logging
@@ -33,7 +34,11 @@ def main() -> None:
     settings = ExternalActivatorSettings.from_env()
     if not settings.external_activator_config:
         raise SettingsError("KSB_EXTERNAL_ACTIVATOR_CONFIG names no file")
-    planner = ActivationPlanner(load_config(settings.external_activator_config), settings.instance)
+    planner = ActivationPlanner(
+        load_config(settings.external_activator_config),
+        settings.instance,
+        backoff=Backoff(initial_ms=settings.restart_initial_ms, max_ms=settings.restart_max_ms),
+    )
     supervisor = ReaderSupervisor(settings, planner)
     serve_metrics(settings.metrics_port, {"/readers": supervisor.view}, host=settings.metrics_host)
     partitions = activation_partitions(settings)

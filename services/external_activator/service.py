@@ -38,8 +38,8 @@ from ksb.activation.external import ActivationPlanner, StartDecision, parse_even
 from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
 from ksb.names import Names
+from ksb.runtime.credentials import kafka_login
 from ksb.runtime.metrics import HEALTHY
-from ksb.security.credentials import kafka_login
 from ksb.settings import ClientSettings, ExternalActivatorSettings, settings_env
 
 __all__ = ["ActivatorWorker", "ReaderSupervisor", "build_app"]

@@ -81,7 +81,8 @@ class Forwarder(Service):
         export_transport_defaults("forwarder")
 
     def tick_tasks(self) -> Iterable[TickTask]:
-        return (TickTask(5, "drop_stale", lambda _t: self._drop_stale()),)
+        every = self.settings.stale_check_every_ticks
+        return (TickTask(every, "drop_stale", lambda _t: self._drop_stale()),)
 
     def step(self) -> None:
         assert self._inbound is not None and self._view is not None

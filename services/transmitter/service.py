@@ -24,9 +24,9 @@ import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.backoff import Backoff
 from ksb.catalog.model import CatalogView, Route
 from ksb.clock import Clock
-from ksb.dialog.sequencing import Backoff
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -86,11 +86,14 @@ class Transmitter(Service):
         self._view = RedisView("transmission", self._redis, self.handlers, s.view_every_ms)
 
     def tick_tasks(self) -> Iterable[TickTask]:
+        s = self.settings
         return (
-            TickTask(2, "reclassify", lambda _t: self._reclassify()),
-            TickTask(2, "reregister", lambda _t: self._reregister()),
-            TickTask(2, "trim_caches", lambda _t: self._trim_caches()),
-            TickTask(5, "cleanup_acked", lambda _t: self._cleanup_acked()),
+            TickTask(s.reclassify_every_ticks, "reclassify", lambda _t: self._reclassify()),
+            TickTask(s.reclassify_every_ticks, "reregister", lambda _t: self._reregister()),
+            TickTask(s.reclassify_every_ticks, "trim_caches", lambda _t: self._trim_caches()),
+            TickTask(
+                s.acked_cleanup_every_ticks, "cleanup_acked", lambda _t: self._cleanup_acked()
+            ),
         )
 
     def on_catalog(self, view: CatalogView) -> None:

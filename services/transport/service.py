@@ -100,10 +100,11 @@ class Transport(Service):
         self.links.restore_suppression(restored, self.clock.now_ms())
 
     def tick_tasks(self) -> Iterable[TickTask]:
+        s = self.settings
         return (
             TickTask(1, "commit", lambda _t: self._commit_position()),
-            TickTask(2, "close_rerouted", lambda _t: self._close_rerouted()),
-            TickTask(5, "close_idle", lambda _t: self._close_idle()),
+            TickTask(s.reroute_every_ticks, "close_rerouted", lambda _t: self._close_rerouted()),
+            TickTask(s.idle_check_every_ticks, "close_idle", lambda _t: self._close_idle()),
         )
 
     def on_catalog(self, view: CatalogView) -> None:

@@ -113,7 +113,7 @@ class KsbSettings(BaseModel):
     """PEM file of the CA that signed the brokers' certificates (SASL_SSL)."""
     kafka_remote_credentials: str = ""
     """A JSON file: far cluster bootstrap list -> the credentials this process uses there
-    (transports and forwarders crossing to another cluster; `ksb.security.credentials`)."""
+    (transports and forwarders crossing to another cluster; `ksb.runtime.credentials`)."""
     redis_username: str = ""
     """The Redis ACL user; empty means Redis's `default` user (a stack without ACLs)."""
     redis_password: str = Field("", repr=False)
@@ -286,6 +286,11 @@ class TransmitterSettings(ServiceSettings):
     retry_initial_ms: int = Field(2_000, ge=1)
     retry_max_ms: int = Field(60_000, ge=1)
     """Retransmission of what is not acknowledged backs off from the first to the second."""
+    reclassify_every_ticks: int = Field(2, ge=1)
+    """Routes and HONOR_BROKER_PRIORITY are re-resolved, dialogs set aside for memory taken back
+    and caches trimmed every this many ticks."""
+    acked_cleanup_every_ticks: int = Field(5, ge=1)
+    """Acknowledged messages are folded away every this many ticks."""
 
 
 class TransportSettings(ServiceSettings):
@@ -300,6 +305,10 @@ class TransportSettings(ServiceSettings):
     suppress_after_disconnect_ms: int = Field(15_000, ge=1)
     suppress_after_failed_connect_ms: int = Field(60_000, ge=1)
     idle_connection_ms: int = Field(90_000, ge=1)
+    reroute_every_ticks: int = Field(2, ge=1)
+    """Connections whose route changed or expired are closed every this many ticks."""
+    idle_check_every_ticks: int = Field(5, ge=1)
+    """Connections idle for `idle_connection_ms` are closed every this many ticks."""
 
 
 class ForwarderSettings(ServiceSettings):
@@ -308,7 +317,9 @@ class ForwarderSettings(ServiceSettings):
     delivery_timeout_ms: int = Field(5_000, ge=1)
     view_every_ms: int = Field(500, ge=1)
     forwarder_stale_ms: int = Field(60_000, ge=1)
-    """What could not be forwarded within this is dropped on the 5th tick."""
+    """What could not be forwarded within this is dropped (checked every
+    `stale_check_every_ticks`)."""
+    stale_check_every_ticks: int = Field(5, ge=1)
 
 
 class ActivationSettings(ServiceSettings):
@@ -318,6 +329,9 @@ class ActivationSettings(ServiceSettings):
     """How often each queue monitor looks at its queue."""
     activation_empty_grace_ms: int = Field(5_000, ge=0)
     """An empty RECEIVE this recent means a reader is keeping up: no activation."""
+    activation_starting_hold_ms: int = Field(5_000, ge=0)
+    """After a task is started, no other is started for runnable work alone until the first
+    RECEIVEs, the tasks exit, or this passes (`ksb.activation.monitor`)."""
     activated_idle_ms: int = Field(2_000, ge=0)
     """Passed to the tasks it starts (`ActivatedTaskSettings.activated_idle_ms`)."""
     poison_rollbacks: int = Field(5, ge=1)
@@ -332,6 +346,10 @@ class ActivationSettings(ServiceSettings):
 class ExternalActivatorSettings(ServiceSettings):
     external_activator_config: str = ""
     """The YAML file of per-queue reader commands."""
+    restart_initial_ms: int = Field(500, ge=1)
+    """A command that failed is started again this much later, doubled with each failure in a
+    row up to `restart_max_ms`; one that ends normally starts the curve over."""
+    restart_max_ms: int = Field(30_000, ge=1)
     lock_ttl_ms: int = Field(30_000, ge=100)
     """Passed to the readers it starts."""
     faust_replication_factor: int = Field(1, ge=1)

@@ -24,8 +24,8 @@ import pytest
 from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, Catalog
 from ksb.names import Names
+from ksb.runtime.credentials import kafka_login, write_private
 from ksb.sdk.client import KsbClient
-from ksb.security.credentials import kafka_login, write_private
 from ksb.wire.partitioning import target_handle
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import receive_all, wait_endpoint

@@ -13,12 +13,12 @@ import pytest
 
 from devtools.deployment import Deployment, secure_instance
 from ksb.catalog.model import parse_catalog
-from ksb.dialog.shards import shard_of
 from ksb.errors import BackpressureTimeout
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
 from ksb.wire.depth import parse_depth
+from ksb.wire.partitioning import shard_of
 from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import read_topic, receive_all, wait_for
 

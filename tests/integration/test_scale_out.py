@@ -29,9 +29,9 @@ from bench.e2e import (
 )
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
-from ksb.dialog.shards import shard_of
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
+from ksb.wire.partitioning import shard_of
 from tests.integration.faulted_load import Load, assert_exactly_once_in_order, run_with_fault
 from tests.integration.support import endpoints, queue_receipts
 

@@ -489,8 +489,8 @@ def test_a_revoked_grant_stops_a_running_client_without_a_restart(
 def test_a_rotated_password_refuses_new_logins_with_the_old_one_only(
     stack: Stack, settings: Deployment, alice: Deployment, flow: Flow
 ) -> None:
+    from ksb.runtime.credentials import CredentialStore
     from ksb.security.apply import rotate_password
-    from ksb.security.credentials import CredentialStore
 
     old = kafka.client_security(alice, alice.kafka_bootstrap)
     live = Producer({"bootstrap.servers": alice.kafka_bootstrap, **old})

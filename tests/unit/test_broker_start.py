@@ -18,7 +18,7 @@ from ksb.dialog.broker_start import (
     start_problem,
 )
 from ksb.errors import CatalogError, ProtocolError
-from ksb.runtime.ticker import Ticker, TickSchedule
+from ksb.runtime.ticker import Ticker
 from ksb.wire.protocol import BrokerNotification, dumps, parse_bcn, to_dict
 
 NO_CATALOG = StartFailure("no_catalog", "no catalog applied")
@@ -30,7 +30,7 @@ class FakeBroker:
     def __init__(self, clock: ManualClock, *, tick_ms: int = 5000) -> None:
         self.clock = clock
         self.state = BrokerStart("i1")
-        self.ticker = Ticker(clock.now_ms(), TickSchedule(tick_ms=tick_ms))
+        self.ticker = Ticker(clock.now_ms(), tick_ms=tick_ms)
         self.ticker.every(1, "broker_start", self.on_tick)
         self.ready_version = 0
         self.attempt_ticks: list[int] = []
@@ -207,7 +207,7 @@ class FakeDispatcher:
     def __init__(self, clock: ManualClock, *, tick_ms: int = 5000) -> None:
         self.clock = clock
         self.state = BrokerStart("i1")
-        self.ticker = Ticker(clock.now_ms(), TickSchedule(tick_ms=tick_ms))
+        self.ticker = Ticker(clock.now_ms(), tick_ms=tick_ms)
         self.ticker.every(1, "broker_start", self.on_tick)
         self.kafka_up = False
         self.start_fails_anyway = False  # Kafka answers metadata, the start still fails for it

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from ksb.errors import SecurityError
+from ksb.runtime.credentials import CredentialStore, kafka_login, redis_login
 from ksb.runtime.kafka import client_security
-from ksb.security.credentials import CredentialStore, kafka_login, redis_login
 from ksb.settings import KsbSettings
 
 

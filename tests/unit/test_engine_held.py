@@ -15,9 +15,9 @@ from ksb.dialog.endpoint import State
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
 from ksb.transmission.links import QUEUE_DISABLED, delivery_problem, route_for
-from ksb.transmission.queue import TransmissionQueue
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import EndRequest, InboundMessage, QueueMessage
+from tests.unit.factories import transmission_queue
 from tests.unit.test_engine import CATALOG, begin, messages, send
 
 
@@ -120,7 +120,7 @@ def test_transmitter_holds_local_records_while_the_queue_is_disabled() -> None:
     [rec] = send(e, 1, "h1").transmissions
     reason = delivery_problem(off, rec.to_service, rec.to_instance, "u", 5)
     assert reason is not None and reason.startswith(QUEUE_DISABLED) and "'TQ'" in reason
-    q = TransmissionQueue()
+    q = transmission_queue()
     q.add(rec, reason)
     [row] = q.rows(10, {})
     assert row["status"] == "QUEUE_DISABLED" and row["last_failure"] == reason

@@ -16,7 +16,7 @@ from ksb.activation.external import (
     load_config,
     parse_event,
 )
-from ksb.dialog.sequencing import Backoff
+from ksb.backoff import Backoff
 from ksb.errors import CatalogError, ProtocolError
 from ksb.settings import ExternalActivatorSettings
 from services.external_activator.service import ReaderSupervisor, build_app

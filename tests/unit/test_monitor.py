@@ -7,7 +7,24 @@ from dataclasses import replace
 import pytest
 
 from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
-from ksb.dialog.sequencing import Backoff
+from ksb.backoff import Backoff
+from ksb.settings import ActivationSettings
+
+SETTINGS = ActivationSettings()
+
+
+def new_monitor(
+    *,
+    empty_grace_ms: int = SETTINGS.activation_empty_grace_ms,
+    starting_hold_ms: int = SETTINGS.activation_starting_hold_ms,
+    retry: Backoff | None = None,
+) -> QueueMonitor:
+    """A monitor as the activation service makes one with its default settings."""
+    default = Backoff(SETTINGS.activation_retry_ms, SETTINGS.activation_retry_max_ms)
+    return QueueMonitor(
+        empty_grace_ms=empty_grace_ms, starting_hold_ms=starting_hold_ms, retry=retry or default
+    )
+
 
 IDLE = QueueObservation(
     now_ms=100_000,
@@ -32,24 +49,24 @@ def at(obs: QueueObservation, now_ms: int, **changes: int | bool | None) -> Queu
 
 def test_first_message_on_an_empty_queue_activates() -> None:
     obs = replace(IDLE, ready_groups=1, ready_messages=1)
-    decision = QueueMonitor().on_message_arrived(obs, had_unread_before=False)
+    decision = new_monitor().on_message_arrived(obs, had_unread_before=False)
     assert decision == Decision(True, "first_message", "NOTIFIED", necessary=True)
 
 
 def test_first_message_activates_even_right_after_an_empty_receive() -> None:
     obs = replace(IDLE, ready_groups=1, ready_messages=1, last_empty_receive_ms=99_999)
-    assert QueueMonitor().on_message_arrived(obs, had_unread_before=False).activate
+    assert new_monitor().on_message_arrived(obs, had_unread_before=False).activate
 
 
 def test_a_message_on_a_queue_that_already_had_unread_messages_is_not_rule_1() -> None:
     obs = replace(IDLE, ready_groups=0, ready_messages=5)  # all groups locked
-    decision = QueueMonitor().on_message_arrived(obs, had_unread_before=True)
+    decision = new_monitor().on_message_arrived(obs, had_unread_before=True)
     assert decision == Decision(False, "no_ready_groups", "INACTIVE")
 
 
 def test_a_message_on_an_empty_queue_with_a_task_running_is_not_rule_1() -> None:
     obs = replace(IDLE, ready_groups=1, ready_messages=1, running_tasks=1, waiting_receivers=1)
-    decision = QueueMonitor().on_message_arrived(obs, had_unread_before=False)
+    decision = new_monitor().on_message_arrived(obs, had_unread_before=False)
     assert decision == Decision(False, "reader_waiting", "INACTIVE")
 
 
@@ -57,29 +74,29 @@ def test_a_message_on_an_empty_queue_with_a_task_running_is_not_rule_1() -> None
 
 
 def test_a_backlog_in_unlocked_groups_activates() -> None:
-    decision = QueueMonitor().on_tick(BACKLOG)
+    decision = new_monitor().on_tick(BACKLOG)
     assert decision == Decision(True, "backlog", "NOTIFIED", necessary=True)
 
 
 def test_no_activation_while_a_reader_waits_in_receive() -> None:
-    decision = QueueMonitor().on_tick(replace(BACKLOG, waiting_receivers=1))
+    decision = new_monitor().on_tick(replace(BACKLOG, waiting_receivers=1))
     assert (decision.activate, decision.reason) == (False, "reader_waiting")
 
 
 def test_no_activation_when_every_group_with_messages_is_locked() -> None:
-    decision = QueueMonitor().on_tick(replace(BACKLOG, ready_groups=0))
+    decision = new_monitor().on_tick(replace(BACKLOG, ready_groups=0))
     assert (decision.activate, decision.reason) == (False, "no_ready_groups")
 
 
 def test_an_empty_receive_holds_activation_for_the_grace_period() -> None:
-    monitor = QueueMonitor(empty_grace_ms=5000)
+    monitor = new_monitor(empty_grace_ms=5000)
     obs = replace(BACKLOG, last_empty_receive_ms=96_000)
     assert monitor.on_tick(at(obs, 100_999)).reason == "recent_empty_receive"
     assert monitor.on_tick(at(obs, 101_000)).activate
 
 
 def test_the_monitor_remembers_empty_receives_it_was_told_about() -> None:
-    monitor = QueueMonitor(empty_grace_ms=2000)
+    monitor = new_monitor(empty_grace_ms=2000)
     empty = monitor.on_receive(at(BACKLOG, 100_000, ready_groups=0), returned_empty=True)
     assert empty.state == "RECEIVES_OCCURRING"
     assert monitor.on_tick(at(BACKLOG, 101_999)).reason == "recent_empty_receive"
@@ -90,18 +107,18 @@ def test_the_monitor_remembers_empty_receives_it_was_told_about() -> None:
 
 
 def test_no_reader_beyond_max_queue_readers() -> None:
-    decision = QueueMonitor().on_tick(replace(BACKLOG, running_tasks=4))
+    decision = new_monitor().on_tick(replace(BACKLOG, running_tasks=4))
     assert decision == Decision(False, "max_queue_readers", "INACTIVE", necessary=True)
 
 
 def test_activation_disabled_is_necessary_but_does_not_occur() -> None:
-    decision = QueueMonitor().on_tick(replace(BACKLOG, activation_enabled=False))
+    decision = new_monitor().on_tick(replace(BACKLOG, activation_enabled=False))
     assert decision == Decision(False, "activation_disabled", "INACTIVE", necessary=True)
 
 
 def test_a_disabled_queue_never_needs_a_reader() -> None:
     obs = replace(IDLE, ready_groups=1, ready_messages=1, queue_enabled=False)
-    decision = QueueMonitor().on_message_arrived(obs, had_unread_before=False)
+    decision = new_monitor().on_message_arrived(obs, had_unread_before=False)
     assert decision == Decision(False, "queue_disabled", "INACTIVE")
 
 
@@ -109,7 +126,7 @@ def test_a_disabled_queue_never_needs_a_reader() -> None:
 
 
 def test_a_started_reader_that_has_not_received_yet_holds_back_the_next_one() -> None:
-    monitor = QueueMonitor(starting_hold_ms=5000)
+    monitor = new_monitor(starting_hold_ms=5000)
     assert monitor.on_tick(BACKLOG).activate
     starting = at(BACKLOG, 101_000, running_tasks=2)
     assert monitor.on_message_arrived(starting, had_unread_before=True).reason == "reader_starting"
@@ -117,28 +134,28 @@ def test_a_started_reader_that_has_not_received_yet_holds_back_the_next_one() ->
 
 
 def test_a_receive_releases_the_hold_and_moves_to_receives_occurring() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     monitor.on_tick(BACKLOG)
     decision = monitor.on_receive(at(BACKLOG, 100_500, running_tasks=2), returned_empty=False)
     assert decision == Decision(True, "backlog", "NOTIFIED", necessary=True)
 
 
 def test_a_receive_with_nothing_left_to_do_reports_receives_occurring() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     obs = at(BACKLOG, 100_500, ready_groups=0, ready_messages=0)
     decision = monitor.on_receive(obs, returned_empty=False)
     assert decision == Decision(False, "no_ready_groups", "RECEIVES_OCCURRING")
 
 
 def test_a_rollback_that_returns_messages_may_activate() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     busy = replace(BACKLOG, ready_groups=0)
     assert not monitor.on_tick(busy).activate
     assert monitor.on_rollback(at(busy, 100_100, ready_groups=1)).activate
 
 
 def test_when_all_tasks_exit_a_remaining_backlog_starts_a_reader() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     assert monitor.on_tick(BACKLOG).activate
     assert monitor.state == "NOTIFIED"
     decision = monitor.on_tasks_exited(at(BACKLOG, 100_200, running_tasks=0))
@@ -146,7 +163,7 @@ def test_when_all_tasks_exit_a_remaining_backlog_starts_a_reader() -> None:
 
 
 def test_when_all_tasks_exit_on_an_empty_queue_the_monitor_goes_inactive() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     monitor.on_tick(BACKLOG)
     decision = monitor.on_tasks_exited(at(IDLE, 100_200))
     assert decision == Decision(False, "no_ready_groups", "INACTIVE")
@@ -156,7 +173,7 @@ def test_when_all_tasks_exit_on_an_empty_queue_the_monitor_goes_inactive() -> No
 
 
 def test_a_failed_task_holds_activation_back_doubling_with_each_failure_in_a_row() -> None:
-    monitor = QueueMonitor(retry=Backoff(initial_ms=1000, max_ms=3000))
+    monitor = new_monitor(retry=Backoff(initial_ms=1000, max_ms=3000))
     after_exit = at(BACKLOG, 100_000, running_tasks=0)
     assert monitor.on_task_exit(100_000, 2) == 1000
     held = monitor.on_tasks_exited(after_exit)
@@ -171,14 +188,14 @@ def test_a_failed_task_holds_activation_back_doubling_with_each_failure_in_a_row
 
 
 def test_a_failing_task_holds_back_the_first_message_rule_too() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     monitor.on_task_exit(100_000, 3)
     obs = at(IDLE, 100_500, ready_groups=1, ready_messages=1)
     assert monitor.on_message_arrived(obs, had_unread_before=False).reason == "failing_tasks"
 
 
 def test_a_task_that_ends_normally_clears_the_failures() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     monitor.on_task_exit(100_000, 1)
     monitor.on_task_exit(100_100, 1)
     assert monitor.on_task_exit(100_200, 0) is None
@@ -187,20 +204,20 @@ def test_a_task_that_ends_normally_clears_the_failures() -> None:
 
 
 def test_alter_queue_clears_the_failures_it_may_have_mended() -> None:
-    monitor = QueueMonitor(retry=Backoff(initial_ms=60_000))
+    monitor = new_monitor(retry=Backoff(initial_ms=60_000, max_ms=60_000))
     monitor.on_task_exit(100_000, 2)
     assert monitor.on_alter(at(BACKLOG, 100_100, running_tasks=0)).activate
 
 
 def test_alter_queue_raising_max_readers_activates() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     full = replace(BACKLOG, running_tasks=4)
     assert not monitor.on_tick(full).activate
     assert monitor.on_alter(at(full, 100_100, max_queue_readers=5)).activate
 
 
 def test_alter_queue_enabling_activation_activates() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     off = replace(BACKLOG, activation_enabled=False)
     assert not monitor.on_tick(off).activate
     assert monitor.on_alter(at(off, 100_100, activation_enabled=True)).activate
@@ -211,7 +228,7 @@ def test_alter_queue_enabling_activation_activates() -> None:
 
 def test_a_backlog_on_one_conversation_starts_only_one_extra_reader() -> None:
     """One conversation, many messages: reader 1 holds the group; reader 2 waits; no reader 3."""
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     t = 100_000
     one_group = replace(IDLE, now_ms=t, ready_groups=1, ready_messages=1)
     assert monitor.on_message_arrived(one_group, had_unread_before=False).activate  # reader 1
@@ -242,7 +259,7 @@ def test_a_backlog_on_one_conversation_starts_only_one_extra_reader() -> None:
 
 
 def test_a_backlog_over_many_groups_ramps_readers_up_to_the_maximum() -> None:
-    monitor = QueueMonitor()
+    monitor = new_monitor()
     started = 0
     now = 100_000
     starts: list[int] = []
@@ -292,8 +309,8 @@ def test_the_time_out_allows_another_notification(now_ms: int, expected: bool) -
 
 
 def test_external_activation_uses_the_monitors_necessity() -> None:
-    monitor = QueueMonitor()
-    notifier = ExternalNotifier()
+    monitor = new_monitor()
+    notifier = ExternalNotifier(timeout_ms=60_000)
     external = replace(BACKLOG, activation_enabled=False, running_tasks=0)
     assert notifier.should_notify(monitor.on_tick(external), external.now_ms)
     waiting = at(external, 100_100, waiting_receivers=1)

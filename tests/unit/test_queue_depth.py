@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from ksb.catalog.model import CatalogView, parse_catalog
 from ksb.dialog.engine import Engine
-from ksb.dialog.shards import Ownership, shard_of
+from ksb.dialog.shards import Ownership
 from ksb.sdk.depth import QueueDepths
 from ksb.wire.depth import QueueDepth, parse_depth
+from ksb.wire.partitioning import shard_of
 from ksb.wire.protocol import BeginRequest, CommitRequest, Receipt, SendRequest, dumps
 from tests.unit.test_shards import CATALOG, Cluster, _fold, split_handles
 

@@ -25,7 +25,7 @@ from ksb.runtime.task_handlers import (
     default_handler_count,
     handlers_to_restart,
 )
-from ksb.runtime.ticker import Ticker, TickSchedule
+from ksb.runtime.ticker import Ticker
 from ksb.settings import ActivationSettings
 from services.activation import ActivationService
 from services.activation import service as activation
@@ -121,7 +121,7 @@ def test_a_dead_handler_is_restarted_on_the_next_tick(
     pool: TaskHandlers, service: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = ManualClock(start_ms=0)
-    ticker = Ticker(clock.now_ms(), TickSchedule(tick_ms=5000))
+    ticker = Ticker(clock.now_ms(), tick_ms=5000)
     ticker.every(1, "task_handlers", pool.on_tick)
 
     def die() -> None:

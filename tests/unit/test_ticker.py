@@ -1,4 +1,4 @@
-"""The periodic timer and the pure maintenance rules, all in milliseconds."""
+"""The periodic timer, in milliseconds."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import logging
 import pytest
 
 from ksb.clock import ManualClock
-from ksb.runtime.ticker import Ticker, TickSchedule, idle_to_close, stale
-from ksb.transmission.suppression import Suppression
+from ksb.runtime.ticker import Ticker
 
 START = 1_000_000
+TICK_MS = 5000
 
 
 def make_ticker(max_catch_up: int = 1) -> tuple[Ticker, dict[str, list[int]]]:
     seen: dict[str, list[int]] = {"every": [], "second": [], "fifth": []}
-    ticker = Ticker(START, TickSchedule(tick_ms=5000), max_catch_up=max_catch_up)
+    ticker = Ticker(START, tick_ms=TICK_MS, max_catch_up=max_catch_up)
     ticker.every(1, "every", seen["every"].append)
     ticker.every(2, "second", seen["second"].append)
     ticker.every(5, "fifth", seen["fifth"].append)
@@ -79,7 +79,7 @@ def test_a_failing_task_is_logged_and_does_not_stop_the_others(
     def broken(tick: int) -> None:
         raise RuntimeError("boom")
 
-    ticker = Ticker(START)
+    ticker = Ticker(START, tick_ms=TICK_MS)
     ticker.every(1, "broken", broken)
     ticker.every(1, "after", ran.append)
     with caplog.at_level(logging.ERROR, logger="ksb.runtime.ticker"):
@@ -92,61 +92,11 @@ def test_a_failing_task_is_logged_and_does_not_stop_the_others(
 @pytest.mark.parametrize("n", [0, -1])
 def test_every_rejects_non_positive_n(n: int) -> None:
     with pytest.raises(ValueError, match="n must be >= 1"):
-        Ticker(START).every(n, "x", lambda tick: None)
+        Ticker(START, tick_ms=TICK_MS).every(n, "x", lambda tick: None)
 
 
 def test_every_rejects_a_duplicate_name() -> None:
-    ticker = Ticker(START)
+    ticker = Ticker(START, tick_ms=TICK_MS)
     ticker.every(1, "x", lambda tick: None)
     with pytest.raises(ValueError, match="already registered"):
         ticker.every(2, "x", lambda tick: None)
-
-
-def test_suppression_after_disconnect_lasts_15_seconds() -> None:
-    s = Suppression()
-    s.on_disconnect("b", 1000)
-    assert s.is_suppressed("b", 15_999)
-    assert not s.is_suppressed("b", 16_000)
-
-
-def test_suppression_restarts_after_each_failed_connect() -> None:
-    s = Suppression()
-    s.on_failed_connect("b", 0)
-    assert s.is_suppressed("b", 59_999)
-    assert not s.is_suppressed("b", 60_000)
-    s.on_failed_connect("b", 60_000)
-    assert s.is_suppressed("b", 119_999)
-    assert s.suppressed_until("b") == 120_000
-
-
-def test_a_disconnect_does_not_shorten_a_failed_connect_back_off() -> None:
-    s = Suppression()
-    s.on_failed_connect("b", 0)
-    s.on_disconnect("b", 1000)
-    assert s.is_suppressed("b", 59_999)
-
-
-def test_a_connection_clears_suppression() -> None:
-    s = Suppression()
-    s.on_failed_connect("b", 0)
-    s.on_connected("b")
-    assert not s.is_suppressed("b", 1)
-
-
-def test_due_lists_pending_destinations_that_are_not_suppressed() -> None:
-    s = Suppression(after_disconnect_ms=1000)
-    s.on_disconnect("down", 0)
-    s.on_failed_connect("dead", 0)
-    assert s.due(["up", "down", "dead"], 500) == ["up"]
-    assert s.due(["up", "down", "dead"], 1000) == ["up", "down"]
-
-
-def test_idle_to_close_picks_connections_idle_for_the_full_interval() -> None:
-    last = {"a": 0, "b": 10_000, "c": 50_000}
-    assert idle_to_close(last, 100_000, 90_000) == ["a", "b"]
-
-
-def test_stale_picks_entries_at_least_max_age_old() -> None:
-    arrivals = {("dialog", 1): 0, ("dialog", 2): 5_000, ("dialog", 3): 9_999}
-    assert stale(arrivals, 15_000, 10_000) == [("dialog", 1), ("dialog", 2)]
-    assert stale({}, 0, 10_000) == []

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ksb.errors import ConversationError
+from ksb.settings import TransmitterSettings
 from ksb.transmission.scheduler import (
     DEFAULT_WEIGHTS,
     Pending,
@@ -20,6 +21,8 @@ from ksb.transmission.scheduler import (
 STRICT = {level: 1000**level for level in range(1, 11)}
 """Each level outweighs the one below by more than any test's backlog: strict priority order."""
 FOREVER = 10**15
+MAX_WAIT_MS = TransmitterSettings().max_wait_ms
+"""Starvation prevention as a transmitter runs it by default."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +273,7 @@ def test_forwarded_messages_always_go_at_level_5() -> None:
 
 
 def test_remove_forgets_a_message_and_unblocks_its_conversation() -> None:
-    scheduler = TransmissionScheduler()
+    scheduler = TransmissionScheduler(max_wait_ms=MAX_WAIT_MS)
     scheduler.add(msg("a0", conv="a", seq=0))
     scheduler.add(msg("a1", conv="a", seq=1))
     scheduler.add(msg("a2", conv="a", seq=2))
@@ -306,7 +309,7 @@ def test_an_overdue_message_for_another_destination_does_not_block_a_filtered_ta
 
 
 def test_waiting_view_reports_assigned_and_effective_levels() -> None:
-    scheduler = TransmissionScheduler(honor_broker_priority=False)
+    scheduler = TransmissionScheduler(honor_broker_priority=False, max_wait_ms=MAX_WAIT_MS)
     scheduler.add(msg("a", 9, at=100))
     scheduler.add(msg("b", 2, dest="west", at=50))
     rows = scheduler.waiting(1000)
@@ -319,24 +322,26 @@ def test_waiting_view_reports_assigned_and_effective_levels() -> None:
 
 
 def test_next_on_an_empty_scheduler_is_none() -> None:
-    assert TransmissionScheduler().next(0) is None
+    assert TransmissionScheduler(max_wait_ms=MAX_WAIT_MS).next(0) is None
 
 
 def test_bad_input_fails_with_a_reason() -> None:
     with pytest.raises(ConversationError, match="priority level 11"):
         msg("x", 11)
-    scheduler = TransmissionScheduler()
+    scheduler = TransmissionScheduler(max_wait_ms=MAX_WAIT_MS)
     scheduler.add(msg("x"))
     with pytest.raises(ValueError, match="already waiting"):
         scheduler.add(msg("x"))
     with pytest.raises(ValueError, match="missing 1"):
-        TransmissionScheduler(weights={level: 1 for level in range(2, 11)})
+        TransmissionScheduler(max_wait_ms=MAX_WAIT_MS, weights={level: 1 for level in range(2, 11)})
     with pytest.raises(ValueError, match="must be positive"):
-        TransmissionScheduler(weights={level: level - 1 for level in range(1, 11)})
+        TransmissionScheduler(
+            max_wait_ms=MAX_WAIT_MS, weights={level: level - 1 for level in range(1, 11)}
+        )
 
 
 def test_100k_messages_are_scheduled_quickly() -> None:
-    scheduler = TransmissionScheduler()
+    scheduler = TransmissionScheduler(max_wait_ms=MAX_WAIT_MS)
     for i in range(100_000):
         scheduler.add(msg(f"m{i}", 1 + i % 10, conv=f"c{i % 1000}", seq=i // 1000, at=i))
     taken = scheduler.take_batch(100_000, 100_000)

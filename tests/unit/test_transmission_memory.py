@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ksb.transmission.queue import WAITING_FOR_MEMORY, TransmissionQueue, held_size
+from ksb.transmission.queue import WAITING_FOR_MEMORY, held_size
 from ksb.wire.protocol import InboundMessage
+from tests.unit.factories import transmission_queue
 from tests.unit.test_transport import T0, _ack, _msg
 
 ONE = held_size(_msg(0))
@@ -21,7 +22,7 @@ def _topic(*convs_and_seqs: tuple[str, int]) -> list[tuple[int, InboundMessage]]
 
 
 def test_a_record_over_budget_unclassifies_its_direction_and_later_ones_wait_too() -> None:
-    q = TransmissionQueue(max_held_bytes=3 * ONE)
+    q = transmission_queue(max_held_bytes=3 * ONE)
     topic = _topic(("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1), ("c", 0))
     held = [q.add(r, offset=off) for off, r in topic]
     assert held == [True, True, True, False, False, False]
@@ -33,7 +34,7 @@ def test_a_record_over_budget_unclassifies_its_direction_and_later_ones_wait_too
 
 
 def test_acks_free_memory_and_reregistration_restores_each_direction_in_order() -> None:
-    q = TransmissionQueue(max_held_bytes=3 * ONE)
+    q = transmission_queue(max_held_bytes=3 * ONE)
     topic = _topic(("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1), ("a", 3), ("c", 0))
     for off, r in topic:
         q.add(r, offset=off)
@@ -51,7 +52,7 @@ def test_acks_free_memory_and_reregistration_restores_each_direction_in_order() 
 
 
 def test_reregister_skips_what_was_acknowledged_meanwhile() -> None:
-    q = TransmissionQueue(max_held_bytes=ONE)
+    q = transmission_queue(max_held_bytes=ONE)
     topic = _topic(("a", 0), ("a", 1), ("a", 2))
     for off, r in topic:
         q.add(r, offset=off)
@@ -78,7 +79,7 @@ def test_every_message_goes_out_once_in_order_whatever_the_budget(
         seq = next_seq.get(conv, 0)
         next_seq[conv] = seq + 1
         topic.append((off, _msg(seq, conv)))
-    q = TransmissionQueue(max_held_bytes=budget * ONE)
+    q = transmission_queue(max_held_bytes=budget * ONE)
     for off, r in topic:
         q.add(r, offset=off)
     delivered: dict[str, list[int]] = {}
@@ -95,7 +96,7 @@ def test_every_message_goes_out_once_in_order_whatever_the_budget(
 
 
 def test_a_reread_that_breaks_off_keeps_every_direction_waiting() -> None:
-    q = TransmissionQueue(max_held_bytes=2 * ONE)
+    q = transmission_queue(max_held_bytes=2 * ONE)
     topic = _topic(("a", 0), ("a", 1), ("b", 0), ("a", 2), ("b", 1))
     for off, r in topic:
         q.add(r, offset=off)

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 from typing import Any
 
+from ksb.backoff import Backoff
 from ksb.catalog.model import CatalogView, parse_catalog
-from ksb.dialog.sequencing import Backoff
 from ksb.transmission.links import (
     ROUTE_EXPIRED,
     Headers,
     LinkEvent,
-    Links,
     Packet,
     Peers,
     route_for,
     route_problem,
 )
-from ksb.transmission.queue import TransmissionQueue
 from ksb.wire.protocol import AckRecord, InboundMessage
+from tests.unit import factories
+from tests.unit.factories import transmission_queue
 
 T0 = 1_700_000_000_000
 
 
 def test_suppression_schedule_15s_after_disconnect_60s_after_failed_connect() -> None:
-    links = Links()
+    links = factories.links()
     assert not links.is_suppressed("B", T0)
     failed = links.on_failed_connect("B", "x:1", "refused", T0)
     assert (failed.kind, failed.suppressed_until_ms, failed.reason) == (
@@ -44,7 +44,7 @@ def test_suppression_schedule_15s_after_disconnect_60s_after_failed_connect() ->
 
 
 def test_a_failed_attempt_restarts_the_full_back_off_and_a_disconnect_never_shortens_it() -> None:
-    links = Links(suppress_after_disconnect_ms=15, suppress_after_failed_connect_ms=60)
+    links = factories.links(suppress_after_disconnect_ms=15, suppress_after_failed_connect_ms=60)
     links.on_connected("B", "x:1", T0)
     links.on_failed_connect("B", "x:1", "refused", T0)
     links.on_failed_connect("B", "x:1", "refused", T0 + 50)
@@ -53,7 +53,7 @@ def test_a_failed_attempt_restarts_the_full_back_off_and_a_disconnect_never_shor
 
 
 def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
-    links = Links()
+    links = factories.links()
     links.on_connected("B", "x:1", T0)
     links.on_activity("B", T0 + 10_000, sent=3)
     assert links.idle(T0 + 99_999) == []
@@ -61,7 +61,7 @@ def test_idle_connections_close_after_90s_and_restore_from_redis() -> None:
     closed = links.close("B", T0 + 100_000)
     assert closed is not None and (closed.kind, closed.suppressed_until_ms) == ("closed", None)
     assert links.close("B", T0 + 100_001) is None
-    other = Links()
+    other = factories.links()
     other.restore_suppression({"C": T0 + 5_000, "D": T0 - 1}, T0)
     assert other.is_suppressed("C", T0) and not other.is_suppressed("D", T0)
     assert links.rows(T0 + 10_000)[0]["sent"] == 3
@@ -150,7 +150,7 @@ def _ack(seq: int, conv: str = "c") -> AckRecord:
 
 
 def test_priority_order_across_destinations_and_acks_remove() -> None:
-    q = TransmissionQueue()
+    q = transmission_queue()
     q.add(_msg(0, "low", 2, "B"))
     q.add(_msg(0, "high", 9, "C"))
     q.add(_msg(1, "high", 9, "C"))
@@ -161,7 +161,7 @@ def test_priority_order_across_destinations_and_acks_remove() -> None:
 
 
 def test_unacked_is_retransmitted_with_backoff_and_on_reconnect() -> None:
-    q = TransmissionQueue(backoff=Backoff(initial_ms=1_000, max_ms=4_000))
+    q = transmission_queue(backoff=Backoff(initial_ms=1_000, max_ms=4_000))
     q.add(_msg(0))
     q.add(_msg(1))
     assert len(q.take(T0, {"B"}, 10)) == 2
@@ -175,7 +175,7 @@ def test_unacked_is_retransmitted_with_backoff_and_on_reconnect() -> None:
 
 
 def test_no_route_is_held_with_its_reason_until_reclassified() -> None:
-    q = TransmissionQueue()
+    q = transmission_queue()
     q.add(_msg(0), "no route to service 'T'")
     assert q.take(T0, {"B"}, 10) == []
     row = q.rows(T0, {})[0]
@@ -219,7 +219,7 @@ def test_route_via_a_forwarder_names_the_next_hop() -> None:
 
 
 def test_expired_route_holds_messages_until_renewed() -> None:
-    q = TransmissionQueue()
+    q = transmission_queue()
     view = _view(5)
     for seq in range(2):
         m = _msg(seq)
@@ -237,14 +237,14 @@ def test_expired_route_holds_messages_until_renewed() -> None:
 
 
 def test_take_reports_effective_level_and_starvation_exceptions() -> None:
-    q = TransmissionQueue(max_wait_ms=1_000)
+    q = transmission_queue(max_wait_ms=1_000)
     q.add(_msg(0, "old", level=1, dest="b", t=0))
     q.add(_msg(0, "new", level=10, dest="b", t=1_500))
     [first] = q.take(2_000, {"b"}, 1)
     assert first.message_id == "old-0" and q.last_take["old-0"] == (1, True)  # waited past 1 s
     [second] = q.take(2_000, {"b"}, 1)
     assert second.message_id == "new-0" and q.last_take == {"new-0": (10, False)}
-    off = TransmissionQueue(honor_broker_priority=False)
+    off = transmission_queue(honor_broker_priority=False)
     off.add(_msg(0, "x", level=9, dest="b", t=0))
     off.take(0, {"b"}, 1)
     assert off.last_take["x-0"] == (5, False)  # HONOR_BROKER_PRIORITY OFF: sent at 5

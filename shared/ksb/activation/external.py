@@ -30,7 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ksb.dialog.sequencing import Backoff, FailureHold
+from ksb.backoff import Backoff, FailureHold
 from ksb.errors import CatalogError, ProtocolError
 
 __all__ = [
@@ -144,7 +144,7 @@ class ActivationPlanner:
 
     config: ExternalActivatorConfig
     instance: str
-    backoff: Backoff = field(default_factory=lambda: Backoff(initial_ms=500, max_ms=30_000))
+    backoff: Backoff
     _states: dict[str, _QueueState] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:

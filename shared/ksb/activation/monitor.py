@@ -23,8 +23,9 @@ arrivals would start every allowed reader before the first one got going, which 
 locking-aware rule exists to avoid.
 
 And one for tasks that fail: a task that exits with a failure status (its procedure cannot be
-loaded, its principal may not RECEIVE, it crashed) holds activation back as `retry` says (1 s,
-doubled with each failure in a row up to 60 s, by default); a task that ends normally, or an
+loaded, its principal may not RECEIVE, it crashed) holds activation back as `retry` says
+(`ActivationSettings.activation_retry_ms`, doubled with each failure in a row up to
+`activation_retry_max_ms`); a task that ends normally, or an
 ALTER QUEUE, clears it.
 Service Broker starts a failing procedure again while messages wait; started again the moment it
 ended, a KSB task (a Python process) whose procedure could not be loaded was started every 1.1 s,
@@ -39,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ksb.dialog.sequencing import Backoff, FailureHold
+from ksb.backoff import Backoff, FailureHold
 
 __all__ = [
     "Decision",
@@ -82,13 +83,14 @@ class QueueMonitor:
 
     def __init__(
         self,
-        empty_grace_ms: int = 5000,
-        starting_hold_ms: int = 5000,
-        retry: Backoff | None = None,
+        *,
+        empty_grace_ms: int,
+        starting_hold_ms: int,
+        retry: Backoff,
     ) -> None:
         self._empty_grace_ms = empty_grace_ms
         self._starting_hold_ms = starting_hold_ms
-        self._hold = FailureHold(retry or Backoff())
+        self._hold = FailureHold(retry)
         self._state: MonitorState = "INACTIVE"
         self._notified_ms: int | None = None
         self._last_empty_ms: int | None = None
@@ -199,7 +201,7 @@ class ExternalNotifier:
     `timeout_ms` passes (the reader evidently did not come, so ask again).
     """
 
-    def __init__(self, timeout_ms: int = 60_000) -> None:
+    def __init__(self, timeout_ms: int) -> None:
         self._timeout_ms = timeout_ms
         self._notified_ms: int | None = None
 

@@ -18,8 +18,8 @@ import typer
 from ksb.cli.app import app, cli_settings, echo_json, reported
 from ksb.errors import SecurityError
 from ksb.runtime.catalog_store import load_catalog
+from ksb.runtime.credentials import CredentialStore
 from ksb.security.apply import add_principal, apply_plan, rotate_password
-from ksb.security.credentials import CredentialStore
 from ksb.security.plan import SecurityPlan, plan_instance
 from ksb.settings import CliSettings
 

@@ -15,16 +15,11 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 
-from ksb.wire.partitioning import partition_for, target_handle
+from ksb.wire.partitioning import shard_of, target_handle
 
-__all__ = ["Ownership", "colocated_group", "shard_of"]
+__all__ = ["Ownership", "colocated_group"]
 
 _GROUP_NS = uuid.UUID("5d0c4a52-6f55-4f1e-9a67-2c1b0f3e8a41")
-
-
-def shard_of(group: str, shards: int) -> int:
-    """The shard of a conversation group (also its partition of every co-partitioned topic)."""
-    return partition_for(group, shards)
 
 
 def colocated_group(conversation_id: str, shard: int, shards: int) -> str:

@@ -23,7 +23,7 @@ from confluent_kafka.cimpl import NewTopic
 
 from ksb.catalog.model import Queue
 from ksb.names import Names
-from ksb.security.credentials import kafka_login
+from ksb.runtime.credentials import kafka_login
 from ksb.settings import STICKY_SHARDS, ClientSettings, KsbSettings
 
 __all__ = [

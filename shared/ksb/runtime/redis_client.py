@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from ksb.security.credentials import redis_login
+from ksb.runtime.credentials import redis_login
 from ksb.settings import KsbSettings, SettingsError
 
 __all__ = ["best_effort", "cluster_urls", "redis_client"]

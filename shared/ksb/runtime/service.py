@@ -42,7 +42,7 @@ from ksb.runtime.metrics import (
     unregister_health_check,
 )
 from ksb.runtime.task_handlers import TaskHandlers
-from ksb.runtime.ticker import Ticker, TickSchedule
+from ksb.runtime.ticker import Ticker
 from ksb.settings import ServiceSettings
 
 __all__ = [
@@ -146,7 +146,7 @@ class ServiceShell:
         self.service = service
         settings = service.settings
         self.handlers = TaskHandlers(service.name, settings.task_handlers)
-        self.ticker = Ticker(service.clock.now_ms(), TickSchedule(tick_ms=settings.tick_ms))
+        self.ticker = Ticker(service.clock.now_ms(), tick_ms=settings.tick_ms)
         self.catalog = CatalogView(Catalog())
         """The catalog as of the watcher's last poll (empty until `read_catalog`)."""
         self.metrics_port = 0
@@ -198,7 +198,7 @@ class ServiceShell:
     def start_ticker(self) -> None:
         """Ticks count from here: the time `open` took is not ticks the service missed."""
         now = self.service.clock.now_ms()
-        self.ticker = Ticker(now, TickSchedule(tick_ms=self.service.settings.tick_ms))
+        self.ticker = Ticker(now, tick_ms=self.service.settings.tick_ms)
         self.ticker.every(1, "task_handlers", self.handlers.on_tick)
         for task in self.service.tick_tasks():
             self.ticker.every(task.every, task.name, task.fn)

@@ -1,4 +1,4 @@
-"""The broker's periodic timer and the pure maintenance rules it drives.
+"""The broker's periodic timer: which housekeeping runs on which tick.
 
 Service Broker does its housekeeping on one coarse timer: every notification, every 2nd and every
 5th. KSB keeps that shape so that the housekeeping cost is predictable and independent of traffic,
@@ -14,49 +14,22 @@ delivered ticks, an "every 5th" task still runs on every 5th delivered tick afte
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
-from ksb.errors import KsbError
-
-__all__ = [
-    "IntervalsError",
-    "TickSchedule",
-    "Ticker",
-    "idle_to_close",
-    "stale",
-]
+__all__ = ["TickFn", "Ticker"]
 
 logger = logging.getLogger(__name__)
 
-K = TypeVar("K", bound=Hashable)
-
-TickTask = Callable[[int], None]
-
-
-class IntervalsError(KsbError):
-    """A timer setting from the environment that is unknown or not a positive integer."""
-
-    code = "invalid_setting"
-
-
-@dataclass(frozen=True)
-class TickSchedule:
-    """How often the broker notification fires."""
-
-    tick_ms: int = 5000
-
-    def __post_init__(self) -> None:
-        if self.tick_ms <= 0:
-            raise IntervalsError(f"tick_ms must be positive, got {self.tick_ms}")
+TickFn = Callable[[int], None]
+"""A housekeeping task: called with the number of the tick it runs on."""
 
 
 @dataclass(frozen=True)
 class _Task:
     every: int
     name: str
-    fn: TickTask
+    fn: TickFn
 
 
 class Ticker:
@@ -66,12 +39,14 @@ class Ticker:
     registered after another on the same tick can rely on the first having run.
     """
 
-    def __init__(
-        self, start_ms: int, schedule: TickSchedule | None = None, max_catch_up: int = 1
-    ) -> None:
+    def __init__(self, start_ms: int, *, tick_ms: int, max_catch_up: int = 1) -> None:
+        """`tick_ms` is `ServiceSettings.tick_ms`; `max_catch_up` how many missed ticks a stalled
+        caller still gets (the rest are dropped, see the module)."""
+        if tick_ms <= 0:
+            raise ValueError(f"tick_ms must be positive, got {tick_ms}")
         if max_catch_up < 0:
             raise ValueError(f"max_catch_up must be >= 0, got {max_catch_up}")
-        self._tick_ms = (schedule or TickSchedule()).tick_ms
+        self._tick_ms = tick_ms
         self._next_due_ms = start_ms + self._tick_ms
         self._max_catch_up = max_catch_up
         self._tick = 0
@@ -87,7 +62,7 @@ class Ticker:
         """When the next tick falls, so a loop can sleep exactly until then."""
         return self._next_due_ms
 
-    def every(self, n: int, name: str, fn: TickTask) -> None:
+    def every(self, n: int, name: str, fn: TickFn) -> None:
         """Run `fn(tick)` on every n-th tick."""
         if n < 1:
             raise ValueError(f"task {name!r}: n must be >= 1, got {n}")
@@ -126,13 +101,3 @@ class Ticker:
                 continue
             ran.append(task.name)
         return ran
-
-
-def idle_to_close(last_activity_ms: Mapping[str, int], now_ms: int, idle_ms: int) -> list[str]:
-    """Connections idle for at least `idle_ms`: they hold sockets and buffers for nothing."""
-    return [conn for conn, last in last_activity_ms.items() if now_ms - last >= idle_ms]
-
-
-def stale(arrivals_ms: Mapping[K, int], now_ms: int, max_age_ms: int) -> list[K]:
-    """Entries at least `max_age_ms` old: in-memory buffers must not grow with unclaimed work."""
-    return [key for key, arrived in arrivals_ms.items() if now_ms - arrived >= max_age_ms]

@@ -31,12 +31,12 @@ from typing import Any
 from confluent_kafka import KafkaError, Message, TopicPartition
 
 from ksb.clock import Clock, SystemClock
-from ksb.dialog.shards import shard_of
 from ksb.errors import BackpressureTimeout, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.settings import ClientSettings
 from ksb.wire.depth import QueueDepth, parse_depth
+from ksb.wire.partitioning import shard_of
 
 __all__ = ["DepthWatch", "QueueDepths"]
 

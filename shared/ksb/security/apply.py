@@ -48,8 +48,8 @@ from redis.cluster import RedisCluster
 
 from ksb.errors import SecurityError
 from ksb.runtime import kafka
+from ksb.runtime.credentials import CredentialStore, generate_password
 from ksb.runtime.redis_client import redis_client
-from ksb.security.credentials import CredentialStore, generate_password
 from ksb.security.kafka_acls import KafkaAcl, Operation, Pattern, Resource
 from ksb.security.plan import SecurityPlan
 from ksb.security.principals import check_principal

@@ -51,8 +51,8 @@ from pyspark.sql.types import (
 )
 
 from ksb.names import Names
+from ksb.runtime.credentials import kafka_login
 from ksb.runtime.kafka import client_security
-from ksb.security.credentials import kafka_login
 from ksb.settings import KsbSettings
 from ksb.spark.exporter import SlaExporter
 from ksb.spark.queue_audit import EVENT_FIELDS, OUTPUT_COLUMNS, AuditSettings, QueueAudit

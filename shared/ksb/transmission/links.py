@@ -30,7 +30,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from ksb.catalog.model import CatalogView, Route
-from ksb.runtime.ticker import idle_to_close
 from ksb.transmission.suppression import Suppression
 
 __all__ = [
@@ -166,9 +165,9 @@ class Links:
     def __init__(
         self,
         *,
-        suppress_after_disconnect_ms: int = 15_000,
-        suppress_after_failed_connect_ms: int = 60_000,
-        idle_connection_ms: int = 90_000,
+        suppress_after_disconnect_ms: int,
+        suppress_after_failed_connect_ms: int,
+        idle_connection_ms: int,
     ) -> None:
         self.suppression = Suppression(
             after_disconnect_ms=suppress_after_disconnect_ms,
@@ -242,9 +241,13 @@ class Links:
         return self._event(link, "closed", now_ms)
 
     def idle(self, now_ms: int) -> list[str]:
-        """Connected destinations idle for `idle_connection_ms`: the caller closes them."""
-        active = {d: link.last_activity_ms for d, link in self._links.items() if link.connected}
-        return idle_to_close(active, now_ms, self.idle_connection_ms)
+        """Connected destinations idle for `idle_connection_ms`: they hold sockets and buffers
+        for nothing, and the caller closes them."""
+        return [
+            d
+            for d, link in self._links.items()
+            if link.connected and now_ms - link.last_activity_ms >= self.idle_connection_ms
+        ]
 
     def suppressed(self, now_ms: int) -> dict[str, int]:
         """Destinations suppressed now -> until when (ms), for Redis and the views."""

@@ -28,8 +28,9 @@ from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ksb.dialog.sequencing import Backoff, Retransmitter
+from ksb.backoff import Backoff
 from ksb.transmission.links import QUEUE_DISABLED, ROUTE_EXPIRED
+from ksb.transmission.retransmit import Retransmitter
 from ksb.transmission.scheduler import Pending, TransmissionScheduler
 from ksb.wire.protocol import AckRecord, InboundMessage
 
@@ -78,16 +79,16 @@ class TransmissionQueue:
         self,
         *,
         honor_broker_priority: bool = True,
-        max_wait_ms: int = 10_000,
-        backoff: Backoff | None = None,
+        max_wait_ms: int,
+        backoff: Backoff,
         max_held_bytes: int | None = None,
     ) -> None:
         self._max_wait_ms = max_wait_ms
         self._max_held_bytes = max_held_bytes
         self.held_bytes = 0
         self._unclassified: dict[Direction, _Unclassified] = {}
-        self._backoff = backoff or Backoff()
-        self.scheduler = TransmissionScheduler(honor_broker_priority, max_wait_ms)
+        self._backoff = backoff
+        self.scheduler = TransmissionScheduler(honor_broker_priority, max_wait_ms=max_wait_ms)
         self._honor = honor_broker_priority
         self._held: dict[str, _Held] = {}
         self._by_dir: dict[Direction, dict[int, str]] = {}
@@ -251,7 +252,9 @@ class TransmissionQueue:
         waiting = {mid for mid in self._held if mid in self.scheduler}
         if honor_broker_priority != self._honor:
             self._honor = honor_broker_priority
-            self.scheduler = TransmissionScheduler(honor_broker_priority, self._max_wait_ms)
+            self.scheduler = TransmissionScheduler(
+                honor_broker_priority, max_wait_ms=self._max_wait_ms
+            )
         for mid, held in sorted(self._held.items(), key=lambda kv: _order(kv[1].record)):
             held.no_route = route_problem(held.record)
             if held.no_route is not None:

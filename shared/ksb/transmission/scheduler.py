@@ -132,7 +132,8 @@ class TransmissionScheduler:
     def __init__(
         self,
         honor_broker_priority: bool = True,
-        max_wait_ms: int = 10_000,
+        *,
+        max_wait_ms: int,
         weights: Mapping[int, int] | None = None,
     ) -> None:
         if max_wait_ms < 0:

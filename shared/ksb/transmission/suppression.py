@@ -1,7 +1,8 @@
 """Suppression: which destinations the transport must not try to connect to yet.
 
-A destination is suppressed for 15 s after a disconnect and for 60 s after each failed connection
-attempt (both settings of the transport), so a dead peer costs one attempt per back-off instead of
+A destination is suppressed for a while after a disconnect and for longer after each failed
+connection attempt (`TransportSettings.suppress_after_disconnect_ms`, 15 s, and
+`suppress_after_failed_connect_ms`, 60 s), so a dead peer costs one attempt per back-off instead of
 one per tick. The deadlines are kept in Redis by the transport, so a restart does not forget them.
 """
 
@@ -21,8 +22,9 @@ class Suppression:
 
     def __init__(
         self,
-        after_disconnect_ms: int = 15_000,
-        after_failed_connect_ms: int = 60_000,
+        *,
+        after_disconnect_ms: int,
+        after_failed_connect_ms: int,
     ) -> None:
         self._after_disconnect_ms = after_disconnect_ms
         self._after_failed_connect_ms = after_failed_connect_ms
