@@ -70,7 +70,7 @@ class Recorder:
         """Commit the oldest `take` (all) waiting messages of `handle`'s group."""
         ep = self.engine.endpoints[handle]
         mids = sorted(
-            (mid for mid, i in self.engine.inflight.items() if i.handle == handle),
+            (mid for mid, i in self.engine.waiting.items() if i.handle == handle),
             key=lambda m: int(m.rsplit(":", 1)[1]),
         )[:take]
         self.token += 1
@@ -131,7 +131,7 @@ def test_a_rebuild_restores_what_endpoint_records_left_out(compact: bool) -> Non
     assert {h: counters(ep) for h, ep in fresh.endpoints.items()} == {
         h: counters(ep) for h, ep in live.items()
     }
-    assert set(fresh.inflight) == set(r.engine.inflight)
+    assert set(fresh.waiting) == set(r.engine.waiting)
     # And the rebuilt engine goes on where the live one would: the next message has the next
     # number and sequence, in either.
     nxt = SendRequest(handles=("h1",), message_type="Req", body="next")

@@ -123,7 +123,7 @@ def test_stale_token_is_refused(engine: Engine) -> None:
     assert not receive(engine, 1, first, token=7).errors
     out = receive(engine, 2, second, token=6)
     assert [e.code for e in out.errors] == ["stale_token"]
-    assert second[0].message_id in engine.inflight
+    assert second[0].message_id in engine.waiting
 
 
 def test_multi_handle_send_is_atomic(engine: Engine) -> None:
@@ -152,7 +152,7 @@ def test_commit_with_a_bad_action_leaves_the_receipt_unapplied(engine: Engine) -
     )
     out = engine.handle(bad, 1)
     assert [e.code for e in out.errors] == ["message_type_not_allowed"]
-    assert msgs[0].message_id in engine.inflight  # not received: it will be delivered again
+    assert msgs[0].message_id in engine.waiting  # not received: it will be delivered again
 
 
 @pytest.mark.parametrize(
@@ -214,7 +214,7 @@ def test_end_with_cleanup_removes_queued_messages_silently(engine: Engine) -> No
     msgs = messages(send(engine, 0, "h1"))
     out = engine.handle(EndRequest(handle=target_handle("h1"), cleanup=True), 1)
     assert [(w.key, w.value) for w in out.queue] == [(msgs[0].message_id, None)]
-    assert msgs[0].message_id not in engine.inflight
+    assert msgs[0].message_id not in engine.waiting
     assert engine.endpoints["h1"].state is State.CONVERSING  # the far side is not told
 
 
@@ -303,7 +303,7 @@ def test_retention_keeps_received_messages_until_the_conversation_ends(engine: E
 
 def _recount(engine: Engine) -> dict[str, int]:
     counts: dict[str, int] = {}
-    for info in engine.inflight.values():
+    for info in engine.waiting.values():
         counts[info.queue] = counts.get(info.queue, 0) + 1
     return {q: n for q, n in counts.items() if n}
 

@@ -109,9 +109,9 @@ def test_a_receipt_on_a_queue_without_receive_is_refused_with_its_outcome(engine
     out = engine.handle(CommitRequest(receipt=receipt), 2, principal="alice")
     [error] = out.errors
     assert error.code == "not_authorized" and "RECEIVE" in error.reason and "'TQ'" in error.reason
-    assert msg.message_id in engine.inflight  # still waiting for a reader that may take it
+    assert msg.message_id in engine.waiting  # still waiting for a reader that may take it
     applied = engine.handle(CommitRequest(receipt=receipt), 3, principal="tom")
-    assert not applied.errors and msg.message_id not in engine.inflight
+    assert not applied.errors and msg.message_id not in engine.waiting
 
 
 def test_a_reply_needs_send_on_the_receiving_service(engine: Engine) -> None:
@@ -127,7 +127,7 @@ def test_a_reply_needs_send_on_the_receiving_service(engine: Engine) -> None:
     reply = CommitRequest(receipt=receipt, actions=(SendRequest(handles=(target,), body="r"),))
     refused = engine.handle(reply, 3, principal="tom")
     assert [e.code for e in refused.errors] == ["not_authorized"]
-    assert msg.message_id in engine.inflight  # all or nothing: the receipt is not applied
+    assert msg.message_id in engine.waiting  # all or nothing: the receipt is not applied
     assert not engine.handle(CommitRequest(receipt=receipt), 4, principal="tom").errors
 
 

@@ -47,7 +47,7 @@ def test_each_owner_counts_its_shards_waiting_messages_and_hands_out_what_change
     assert _depths(owner) == {("TQ", shard): 3}
     assert _depths(owner) == {}, "handed out once, until the count changes again"
     assert _depths(other) == {}
-    [record] = owner.inflight.shard_depth.items()
+    [record] = owner.waiting.shard_depth.items()
     assert record == (("TQ", shard), 3)
 
     c.receive("TQ", _target_group(c, h))

@@ -97,7 +97,7 @@ class Cluster:
             for m in self.messages
             if m.queue == queue
             and m.conversation_group_id == group
-            and m.message_id in self.owner(group).inflight
+            and m.message_id in self.owner(group).waiting
         ]
 
     def receive(self, queue: str, group: str, *actions: Any) -> CommitRequest:
@@ -279,7 +279,7 @@ def test_the_sdk_directory_keys_requests_the_way_the_engine_groups_them() -> Non
 def test_every_group_has_one_owner(shards: int) -> None:
     c = Cluster(shards)
     for n in range(200):
-        owners = [e for e in c.engines if e.owns(f"g{n}")]
+        owners = [e for e in c.engines if e.ownership.owns(f"g{n}")]
         assert len(owners) == 1
 
 
@@ -290,7 +290,7 @@ def _fold(into: Engine, c: Cluster, shard: int) -> None:
     for ep in src.endpoints.values():
         into.load_endpoint(ep.copy())
     for m in c.messages:
-        if m.message_id in src.inflight:
+        if m.message_id in src.waiting:
             into.load_queue_record(m.message_id, m, 0)
     for o in c.outcomes:
         if shard_of(o.group, c.shards) == shard:
@@ -328,7 +328,7 @@ def test_a_shard_rebuilt_in_an_engine_of_its_own_then_adopted_is_the_shard_loade
 
     assert adopted.ownership.owned == {0, 1}
     assert adopted.endpoints == in_place.endpoints and len(adopted.endpoints) == 2 * len(handles)
-    assert dict(adopted.inflight.items()) == dict(in_place.inflight.items())
+    assert dict(adopted.waiting.items()) == dict(in_place.waiting.items())
     assert adopted.depth == in_place.depth and sum(adopted.depth.values()) > 0
     assert [adopted.fences.get("TQ", g) for g in groups] == [
         in_place.fences.get("TQ", g) for g in groups
@@ -338,9 +338,9 @@ def test_a_shard_rebuilt_in_an_engine_of_its_own_then_adopted_is_the_shard_loade
     assert adopted._group_sizes == in_place._group_sizes  # when a group's fence is forgotten
     # ... and does the same: a receipt on the adopted shard, a stale token, the lifetimes.
     [group] = [g for g in groups[1::2] if shard_of(g, 2) == 1][:1]
-    waiting = [m.message_id for m in c.messages if m.message_id in c.engines[1].inflight]
+    waiting = [m.message_id for m in c.messages if m.message_id in c.engines[1].waiting]
     for engine in (adopted, in_place):
-        mids = tuple(m for m in waiting if engine.inflight[m].group == group)
+        mids = tuple(m for m in waiting if engine.waiting[m].group == group)
         receipt = Receipt(queue="TQ", group=group, token=99, message_ids=mids)
         engine.handle(CommitRequest(receipt=receipt), 1)
     stale = CommitRequest(receipt=Receipt(queue="TQ", group=group, token=98, message_ids=()))

@@ -9,54 +9,50 @@ when it is created and never changes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.shards import colocated_group
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.errors import CatalogError, ConversationError
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import BeginRequest
 
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
-
 __all__ = ["begin", "ensure_target"]
 
 
-def begin(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> None:
-    if req.handle in eng.endpoints or req.handle in stage.endpoints:
-        existing = stage.endpoints.get(req.handle) or eng.endpoints[req.handle]
+def begin(state: DialogState, stage: Stage, req: BeginRequest, now: int) -> None:
+    if req.handle in state.endpoints or req.handle in stage.endpoints:
+        existing = stage.endpoints.get(req.handle) or state.endpoints[req.handle]
         if existing.is_initiator and existing.remote_service == req.to_service:
             return  # a retried BEGIN: the dialog already exists
         raise ConversationError(f"handle {req.handle!r} is already in use", code="duplicate_handle")
-    cat = eng.catalog
+    cat = state.catalog
     cat.service(req.from_service)  # an unknown sender is refused before anything else
     contract = cat.contract(req.contract)
     target = cat.services.get(req.to_service)
     if target is None:
-        _begin_remote(eng, stage, req, now)
+        _begin_remote(state, stage, req, now)
         return
     if contract.name not in target.contracts:
         raise CatalogError(
             f"service {target.name!r} does not accept contract {contract.name!r}",
             code="contract_not_accepted",
         )
-    _put_initiator(eng, stage, req, now, remote_service=target.name, far_instance=None)
+    _put_initiator(state, stage, req, now, remote_service=target.name, far_instance=None)
     initiator = stage.endpoints[req.handle]
-    if eng.ownership.shards > 1:
-        shard = eng.ownership.shard(initiator.group)
-        far_group = colocated_group(req.handle, shard, eng.ownership.shards)
+    if state.ownership.shards > 1:
+        shard = state.ownership.shard(initiator.group)
+        far_group = colocated_group(req.handle, shard, state.ownership.shards)
         initiator.far_group = None if far_group == initiator.far_handle else far_group
 
 
-def _begin_remote(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> None:
+def _begin_remote(state: DialogState, stage: Stage, req: BeginRequest, now: int) -> None:
     """A target on another instance: the route names it; the far endpoint is not ours to make.
 
     The target's acceptance of the contract is checked by the target's dispatcher when the
     first message arrives (it answers with an Error message if it refuses).
     """
-    route = eng.catalog.routes.get(req.to_service)
+    route = state.catalog.routes.get(req.to_service)
     if route is None:
         raise CatalogError(
             f"unknown target service {req.to_service!r} (no local service, no route)",
@@ -68,19 +64,19 @@ def _begin_remote(eng: Engine, stage: Stage, req: BeginRequest, now: int) -> Non
             f"{req.to_broker_instance!r} (the route names {route.broker_instance!r})",
             code="unknown_service",
         )
-    if route.broker_instance == eng.instance:
+    if route.broker_instance == state.instance:
         raise CatalogError(
             f"route {route.name!r} points service {req.to_service!r} at this instance, "
             "which does not host it",
             code="unknown_service",
         )
     _put_initiator(
-        eng, stage, req, now, remote_service=req.to_service, far_instance=route.broker_instance
+        state, stage, req, now, remote_service=req.to_service, far_instance=route.broker_instance
     )
 
 
 def _put_initiator(
-    eng: Engine,
+    state: DialogState,
     stage: Stage,
     req: BeginRequest,
     now: int,
@@ -91,7 +87,7 @@ def _put_initiator(
     """The initiator endpoint, in the related conversation's group (or the named one, or a new
     group whose id is the handle), with the level its own catalog assigns; the conversation id is
     the initiator's handle."""
-    cat = eng.catalog
+    cat = state.catalog
     local = cat.service(req.from_service)
     contract = cat.contract(req.contract)
     group = req.conversation_group_id or req.handle
@@ -118,16 +114,20 @@ def _put_initiator(
     )
 
 
-def ensure_target(eng: Engine, stage: Stage, initiator: Endpoint, now: int) -> Endpoint:
+def ensure_target(state: DialogState, stage: Stage, initiator: Endpoint, now: int) -> Endpoint:
     """The target endpoint comes into being with the first message sent to it, in a new group
     (as Service Broker gives a new target a new group): its handle, or with several shards the
     initiator's choice of an id in its own shard (`ksb.dialog.shards.colocated_group`)."""
     assert initiator.far_handle is not None
-    existing = stage.endpoints.get(initiator.far_handle) or eng.endpoints.get(initiator.far_handle)
+    existing = stage.endpoints.get(initiator.far_handle) or state.endpoints.get(
+        initiator.far_handle
+    )
     if existing is not None:
         return stage.endpoint(existing.handle)
-    service = eng.catalog.service(initiator.remote_service)
-    level = eng.catalog.priorities.level(initiator.contract, service.name, initiator.local_service)
+    service = state.catalog.service(initiator.remote_service)
+    level = state.catalog.priorities.level(
+        initiator.contract, service.name, initiator.local_service
+    )
     ep = Endpoint(
         handle=initiator.far_handle,
         conversation_id=initiator.conversation_id,

@@ -8,12 +8,11 @@ and its conversation ends WITH ERROR. An operator can replay it into the queue (
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ksb.dialog.end import end
 from ksb.dialog.endpoint import State
 from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
@@ -24,16 +23,13 @@ from ksb.wire.protocol import (
     replace,
 )
 
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
-
 __all__ = ["dead_letter", "replay"]
 
 
-def dead_letter(eng: Engine, stage: Stage, req: DeadLetterRequest, now: int) -> None:
+def dead_letter(state: DialogState, stage: Stage, req: DeadLetterRequest, now: int) -> None:
     m = req.message
-    eng.permissions.check_receive(stage.principal, m.queue, "dead-letter a message")
-    info = eng.inflight.get(m.message_id)
+    state.permissions.check_receive(stage.principal, m.queue, "dead-letter a message")
+    info = state.waiting.get(m.message_id)
     if info is None or info.queue != m.queue:
         raise ConversationError(
             f"message {m.message_id} is not waiting in queue {m.queue!r}",
@@ -48,7 +44,7 @@ def dead_letter(eng: Engine, stage: Stage, req: DeadLetterRequest, now: int) -> 
     if receiver is None:
         return
     receiver.outstanding = max(0, receiver.outstanding - 1)
-    queue = eng.catalog.queues.get(m.queue)
+    queue = state.catalog.queues.get(m.queue)
     code = queue.dead_letter.error_code if queue and queue.dead_letter else -1
     if receiver.state not in (State.DISCONNECTED_OUTBOUND, State.CLOSED):
         request = EndRequest(
@@ -56,19 +52,19 @@ def dead_letter(eng: Engine, stage: Stage, req: DeadLetterRequest, now: int) -> 
             error_code=code,
             error_description=f"message dead-lettered: {req.reason}",
         )
-        end(eng, stage, request, now)
+        end(state, stage, request, now)
 
 
-def replay(eng: Engine, stage: Stage, req: ReplayRequest) -> None:
+def replay(state: DialogState, stage: Stage, req: ReplayRequest) -> None:
     m = req.message
-    eng.permissions.check_receive(stage.principal, m.queue, "replay a dead letter")
-    if m.message_id in eng.inflight:
+    state.permissions.check_receive(stage.principal, m.queue, "replay a dead letter")
+    if m.message_id in state.waiting:
         raise ConversationError(
             f"message {m.message_id} is already in its queue", code="duplicate_message"
         )
-    queue = eng.catalog.queue(m.queue)
+    queue = state.catalog.queue(m.queue)
     part = partition_for(m.conversation_group_id, queue.partitions)
-    again = replace(m, status=1, queuing_order=eng.next_order())
+    again = replace(m, status=1, queuing_order=stage.next_order())
     stage.out.queue.append(QueueWrite(m.queue, part, m.message_id, again))
     stage.new_inflight[m.message_id] = Inflight(
         m.queue,

@@ -11,26 +11,22 @@ endpoint's messages from its queue. A local dialog's two ends are always in one 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog import membership
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import VALIDATION_CODE, parse_error_body
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body, new_id
-
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
 
 __all__ = ["accept", "drop_queued", "enqueue", "transmit"]
 
 
 def enqueue(
-    eng: Engine,
+    state: DialogState,
     stage: Stage,
     receiver: Endpoint,
     message_type: str,
@@ -40,7 +36,7 @@ def enqueue(
     now: int,
 ) -> None:
     """A message into `receiver`'s queue, in its group's partition, remembered as waiting."""
-    queue = eng.catalog.queue(receiver.queue)
+    queue = state.catalog.queue(receiver.queue)
     message_id = membership.message_id(receiver.handle, receiver.enqueued)
     receiver.enqueued += 1
     part = partition_for(receiver.group, queue.partitions)
@@ -50,7 +46,7 @@ def enqueue(
         queue=queue.name,
         status=1,
         priority=receiver.priority,
-        queuing_order=eng.next_order(),
+        queuing_order=stage.next_order(),
         conversation_group_id=receiver.group,
         conversation_handle=receiver.handle,
         conversation_id=receiver.conversation_id,
@@ -83,7 +79,7 @@ def enqueue(
 
 
 def transmit(
-    eng: Engine,
+    state: DialogState,
     stage: Stage,
     sender: Endpoint,
     message_type: str,
@@ -103,7 +99,7 @@ def transmit(
         InboundMessage(
             message_id=new_id(),
             conversation_id=sender.conversation_id,
-            from_instance=eng.instance,
+            from_instance=state.instance,
             to_instance=destination,
             from_service=sender.local_service,
             to_service=sender.remote_service,
@@ -125,10 +121,11 @@ def transmit(
     stage.persist.add(sender.handle)
 
 
-def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:
+def drop_queued(state: DialogState, stage: Stage, ep: Endpoint) -> None:
     """A closed endpoint's messages leave its queue, retained ones included."""
     mine = [
-        (mid, eng.inflight.get(mid) or eng.retained.get(mid)) for mid in eng.queued_for(ep.handle)
+        (mid, state.waiting.get(mid) or state.waiting.retained.get(mid))
+        for mid in state.waiting.queued_for(ep.handle)
     ]
     mine += [(mid, i) for mid, i in stage.new_inflight.items() if i.handle == ep.handle]
     mine += [(mid, i) for mid, i in stage.new_retained.items() if i.handle == ep.handle]
@@ -138,7 +135,7 @@ def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:
         received_now = mid in stage.new_retained
         if mid in stage.gone_inflight and not received_now:
             continue
-        if not received_now and (mid in eng.inflight or mid in stage.new_inflight):
+        if not received_now and (mid in state.waiting or mid in stage.new_inflight):
             stage.out.purged.append(info)
         stage.gone_inflight.add(mid)
         stage.new_inflight.pop(mid, None)
@@ -148,7 +145,7 @@ def drop_queued(eng: Engine, stage: Stage, ep: Endpoint) -> None:
 
 
 def accept(
-    eng: Engine,
+    state: DialogState,
     stage: Stage,
     receiver: Endpoint,
     message_type: str,
@@ -162,18 +159,18 @@ def accept(
         if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR):
             # We ended first (or failed): the far side's EndDialog closes us; nobody reads it.
             receiver.state = State.CLOSED
-            drop_queued(eng, stage, receiver)
+            drop_queued(state, stage, receiver)
             return
-        enqueue(eng, stage, receiver, END_DIALOG, "E", b"", seq, now)
+        enqueue(state, stage, receiver, END_DIALOG, "E", b"", seq, now)
         receiver.state = ep_rules.after_peer_ended(receiver)
         return
     if receiver.state in (State.DISCONNECTED_OUTBOUND, State.ERROR, State.CLOSED):
         return  # Service Broker drops messages for a conversation this side has given up
     if message_type == ERROR:
-        enqueue(eng, stage, receiver, ERROR, "X", body, seq, now)
+        enqueue(state, stage, receiver, ERROR, "X", body, seq, now)
         receiver.state = ep_rules.after_peer_error(receiver)
         receiver.error_code, receiver.error_description = parse_error_body(body)
         return
-    mtype = eng.catalog.message_types.get(message_type)
+    mtype = state.catalog.message_types.get(message_type)
     validation = VALIDATION_CODE[mtype.validation.value] if mtype is not None else "N"
-    enqueue(eng, stage, receiver, message_type, validation, body, seq, now)
+    enqueue(state, stage, receiver, message_type, validation, body, seq, now)

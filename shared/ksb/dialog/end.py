@@ -9,58 +9,54 @@ transmission queue (a disabled target queue) waits in line with them, so it neve
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.delivery import drop_queued, enqueue, transmit
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.send import must_park
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import error_body
 from ksb.wire.protocol import EndRequest
-
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
 
 __all__ = ["end"]
 
 
-def end(eng: Engine, stage: Stage, req: EndRequest, now: int) -> None:
+def end(state: DialogState, stage: Stage, req: EndRequest, now: int) -> None:
     ep = stage.endpoint(req.handle)
     ep.updated_ms = now
     if req.cleanup:
         ep.state = State.CLOSED
-        drop_queued(eng, stage, ep)
+        drop_queued(state, stage, ep)
         return
     if ep.far_instance is not None:
-        _end_remote(eng, stage, ep, req, now)
+        _end_remote(state, stage, ep, req, now)
     else:
-        _end_local(eng, stage, ep, req, now)
+        _end_local(state, stage, ep, req, now)
     # Ending a conversation removes its messages from this side's queue, and its timer fires no
     # more: an ended side receives nothing (Service Broker's END CONVERSATION).
     ep.timer_deadline_ms = None
-    drop_queued(eng, stage, ep)
+    drop_queued(state, stage, ep)
 
 
-def _end_local(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
+def _end_local(state: DialogState, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
     peer = _local_peer(stage, ep)
     new_state = ep_rules.after_end(ep)
     told = ep.state not in (State.DISCONNECTED_INBOUND, State.ERROR)
     if peer is not None and peer.state is not State.CLOSED and told:
-        if must_park(eng, ep, peer):
-            _park_end(eng, stage, ep, req, now)
+        if must_park(state, ep, peer):
+            _park_end(state, stage, ep, req, now)
             ep.state = new_state
             return
         peer.recv_seq = ep.send_seq + 1
         if req.error_code is not None:
             desc = req.error_description or ""
             body = error_body(req.error_code, desc)
-            enqueue(eng, stage, peer, ERROR, "X", body, ep.send_seq, now)
+            enqueue(state, stage, peer, ERROR, "X", body, ep.send_seq, now)
             peer.state = ep_rules.after_peer_error(peer)
             peer.error_code, peer.error_description = req.error_code, desc
         else:
-            enqueue(eng, stage, peer, END_DIALOG, "E", b"", ep.send_seq, now)
+            enqueue(state, stage, peer, END_DIALOG, "E", b"", ep.send_seq, now)
             peer.state = ep_rules.after_peer_ended(peer)
         ep.send_seq += 1
     elif peer is None:
@@ -82,17 +78,17 @@ def _local_peer(stage: Stage, ep: Endpoint) -> Endpoint | None:
     return stage.maybe_endpoint(ep.far_handle)
 
 
-def _park_end(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
+def _park_end(state: DialogState, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
     """A local END behind parked messages: its EndDialog or Error waits in line with them,
     and the peer's state changes when it is accepted (`ksb.dialog.remote`), as for a remote peer."""
     if req.error_code is not None:
         body = error_body(req.error_code, req.error_description or "")
-        transmit(eng, stage, ep, ERROR, body, now, to_instance=eng.instance)
+        transmit(state, stage, ep, ERROR, body, now, to_instance=state.instance)
     else:
-        transmit(eng, stage, ep, END_DIALOG, b"", now, to_instance=eng.instance)
+        transmit(state, stage, ep, END_DIALOG, b"", now, to_instance=state.instance)
 
 
-def _end_remote(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
+def _end_remote(state: DialogState, stage: Stage, ep: Endpoint, req: EndRequest, now: int) -> None:
     """END toward another instance: the EndDialog (or Error) travels like any message.
 
     Unlike a local dialog, the far side cannot see our receipt of its EndDialog, so a side that
@@ -104,8 +100,8 @@ def _end_remote(eng: Engine, stage: Stage, ep: Endpoint, req: EndRequest, now: i
     elif ep.state is not State.ERROR:
         if req.error_code is not None:
             body = error_body(req.error_code, req.error_description or "")
-            transmit(eng, stage, ep, ERROR, body, now)
+            transmit(state, stage, ep, ERROR, body, now)
             new_state = State.CLOSED  # nothing more can come that this side would accept
         else:
-            transmit(eng, stage, ep, END_DIALOG, b"", now)
+            transmit(state, stage, ep, END_DIALOG, b"", now)
     ep.state = new_state

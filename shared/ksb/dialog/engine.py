@@ -8,7 +8,9 @@ what makes delivery exactly-once.
 Every request is applied to a copy-on-write `Stage` and merged only when it succeeded, so a
 request with several actions (a multi-conversation SEND, a reader's commit) applies whole or leaves
 no trace. The rules themselves live in one module each: `begin`, `send`, `end`, `receipts` (with
-`fences`), `dead_letters`, `timers`, `remote` (messages from other instances).
+`fences`), `dead_letters`, `timers`, `remote` (messages from other instances). They read this
+engine only through `ksb.dialog.state.DialogState` and write only to the stage: the engine alone
+dispatches requests to them, applies a commit's actions, and merges.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 from collections.abc import Callable, Iterable
 
 from ksb.catalog.model import CatalogView
+from ksb.dialog import receipts, timers
 from ksb.dialog.begin import begin
 from ksb.dialog.counters import CounterScan, durable_change
 from ksb.dialog.dead_letters import dead_letter, replay
@@ -25,13 +28,13 @@ from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.fences import Fences
 from ksb.dialog.membership import Membership
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
-from ksb.dialog.permissions import OPEN
-from ksb.dialog.receipts import commit, outcome_key, refused_outcome
+from ksb.dialog.permissions import OPEN, Permissions
 from ksb.dialog.remote import RemoteWindows, inbound
 from ksb.dialog.send import send
+from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.shards import Ownership
 from ksb.dialog.stage import Stage
-from ksb.dialog.timers import Timers, fire_due, set_timer
+from ksb.dialog.timers import Timers, set_timer
 from ksb.errors import KsbError, ProtocolError
 from ksb.wire.depth import QueueDepth
 from ksb.wire.partitioning import partition_for
@@ -54,7 +57,8 @@ __all__ = ["Engine"]
 
 
 class Engine:
-    """Endpoint state, queue membership, fences and timers for one broker instance."""
+    """Endpoint state, queue membership, fences and timers for one broker instance (the one
+    `ksb.dialog.state.DialogState`)."""
 
     def __init__(
         self,
@@ -69,10 +73,10 @@ class Engine:
         self.instance = instance
         self.max_body_bytes = max_body_bytes
         self.ownership = ownership or Ownership(1)
-        self.permissions = OPEN
+        self.permissions: Permissions = OPEN
         """Who may act for which service and queue; the dispatcher sets the catalog's."""
         self.endpoints: dict[str, Endpoint] = {}
-        self.inflight = Membership(self.endpoints, self._partitions, self.ownership.shard)
+        self.waiting = Membership(self.endpoints, self._partitions, self.ownership.shard)
         """Every message waiting in a queue, by id: what a receipt needs (`ksb.dialog.membership`)."""
         self.fences = Fences()
         self.timers = Timers()
@@ -89,7 +93,7 @@ class Engine:
     @property
     def depth(self) -> dict[str, int]:
         """Unreceived messages per queue."""
-        return self.inflight.depth
+        return self.waiting.depth
 
     def changed_depths(self, now_ms: int) -> list[QueueDepth]:
         """The queue depths changed since they were last handed out, once `depth_every_ms` has
@@ -98,19 +102,19 @@ class Engine:
         writing them with every batch made each one-message transaction about 2.5 ms slower.
         A count left for later is due by `next_deadline_ms`, so a quiet dispatcher writes it in
         a transaction of its own."""
-        if now_ms < self._depth_due_ms or not self.inflight.depths_changed:
+        if now_ms < self._depth_due_ms or not self.waiting.depths_changed:
             return []
         self._depth_due_ms = now_ms + self.depth_every_ms
         services = self.catalog.services_of_queue
         return [
             QueueDepth(queue=queue, shard=shard, depth=n, services=services.get(queue, ()))
-            for (queue, shard), n in self.inflight.take_changed().items()
+            for (queue, shard), n in self.waiting.take_changed().items()
         ]
 
     @property
     def retained(self) -> dict[str, Inflight]:
         """Received messages RETENTION queues keep until their conversation ends."""
-        return self.inflight.retained
+        return self.waiting.retained
 
     # ------------------------------------------------------------------ rebuild from Kafka
     def load_endpoint(self, ep: Endpoint) -> None:
@@ -127,7 +131,7 @@ class Engine:
 
     def load_queue_record(self, key: str, value: QueueMessage | None, partition: int) -> None:
         retains = value is not None and self._retains(value.queue)
-        self.inflight.load(key, value, partition, retains)
+        self.waiting.load(key, value, partition, retains)
         self._scan.note(key, value)
         if value is not None and value.status == 1:
             self._order = max(self._order, value.queuing_order + 1)
@@ -135,7 +139,7 @@ class Engine:
     def finish_load(self) -> None:
         """After a rebuild's records: the counters endpoint records leave to the queue records
         (`ksb.dialog.counters`)."""
-        self._scan.restore(self.endpoints, self.inflight.waiting_of)
+        self._scan.restore(self.endpoints, self.waiting.waiting_of)
 
     def rebuilding(self, shards: Iterable[int]) -> Engine:
         """An empty engine like this one that owns only `shards`: a rebuild on another thread
@@ -156,7 +160,7 @@ class Engine:
         for ep in rebuilt.endpoints.values():
             self.timers.arm(ep)
         self._group_sizes.update(rebuilt._group_sizes)
-        self.inflight.adopt(rebuilt.inflight)
+        self.waiting.adopt(rebuilt.waiting)
         self.fences.adopt(rebuilt.fences)
         self.remote.closed.update(rebuilt.remote.closed)
         self._order = max(self._order, rebuilt._order)
@@ -172,7 +176,7 @@ class Engine:
             self.endpoints.pop(ep.handle, None)
             self.remote.windows.pop(ep.handle, None)
             self._group_sizes.pop((ep.queue, ep.group), None)
-        self.inflight.drop(shard)
+        self.waiting.drop(shard)
         self.fences.drop(in_shard)
         self.remote.drop(in_shard)
 
@@ -194,7 +198,7 @@ class Engine:
         stage = Stage(self, sent_ms, principal)
         try:
             if isinstance(request, CommitRequest):
-                commit(self, stage, request, now_ms)
+                self._commit(stage, request, now_ms)
             elif isinstance(request, DeadLetterRequest):
                 dead_letter(self, stage, request, now_ms)
             elif isinstance(request, ReplayRequest):
@@ -229,6 +233,13 @@ class Engine:
         self.merge(stage)
         stage.out.principal = record.principal
         return stage.out
+
+    def _commit(self, stage: Stage, req: CommitRequest, now: int) -> None:
+        """A reader's commit: its receipt, its actions here (the others relayed), its outcome."""
+        receipts.receive(self, stage, req, now)
+        for action in receipts.local_actions(self, stage, req):
+            self.apply_action(stage, action, now)
+        receipts.applied(self, stage, req)
 
     def apply_action(
         self,
@@ -270,7 +281,7 @@ class Engine:
             )
         )
         if isinstance(request, CommitRequest):
-            refused_outcome(self, request, exc, out)
+            receipts.refused_outcome(self, request, exc, out)
         return out
 
     def merge(self, stage: Stage) -> None:
@@ -282,6 +293,10 @@ class Engine:
         messages, then the endpoints that closed (their messages are gone by then).
         """
         changed: list[Endpoint] = []
+        for (queue, group), token in stage.fences.items():
+            self.fences.applied(queue, group, token)
+        self.remote.keep(stage.windows)
+        self._order = max(self._order, stage.order)
         for ep in stage.endpoints.values():
             before = self.endpoints.get(ep.handle)
             if ep.state is not State.CLOSED:
@@ -293,12 +308,12 @@ class Engine:
             if before is None or ep.handle in stage.persist or durable_change(before, ep):
                 changed.append(ep)
         for mid in stage.gone_inflight:
-            if not self.inflight.remove(mid):
-                self.inflight.retained.pop(mid, None)
+            if not self.waiting.remove(mid):
+                self.waiting.retained.pop(mid, None)
         for mid, info in stage.new_inflight.items():
-            self.inflight.add(mid, info)
+            self.waiting.add(mid, info)
         for mid, info in stage.new_retained.items():
-            self.inflight.retain(mid, info)
+            self.waiting.retain(mid, info)
         for ep in changed:
             if ep.state is State.CLOSED:
                 if self.endpoints.pop(ep.handle, None) is not None and self._left_group(ep):
@@ -320,37 +335,43 @@ class Engine:
     def _forget_group(self, ep: Endpoint) -> QueueWrite:
         """The tombstone of an emptied group's newest commit outcome (and fence)."""
         partition = partition_for(ep.group, self._partitions(ep.queue))
-        return QueueWrite(ep.queue, partition, outcome_key(ep.group), None)
+        return QueueWrite(ep.queue, partition, receipts.outcome_key(ep.group), None)
 
-    # ------------------------------------------------------------------ what the rules ask
-    def next_order(self) -> int:
-        """The next enqueue order: RECEIVE's tie-break among equal levels in one millisecond."""
-        self._order += 1
-        return self._order
+    # ------------------------------------------------------------------ what the rules read
+    def fence(self, queue: str, group: str) -> int:
+        return self.fences.get(queue, group)
 
-    def owns(self, group: str) -> bool:
-        """Whether this engine owns the shard of `group` (else work for it is relayed)."""
-        return self.ownership.owns(group)
+    def receive_window(self, receiver: Endpoint) -> ReceiveWindow[InboundMessage]:
+        return self.remote.copy_of(receiver)
+
+    def closed_remote(self, handle: str) -> bool:
+        return handle in self.remote.closed
 
     def queue_disabled(self, name: str) -> bool:
         queue = self.catalog.queues.get(name)
         return queue is not None and queue.disabled
 
-    def queued_for(self, handle: str) -> list[str]:
-        """Ids of the messages (waiting or retained) queued for the endpoint `handle`."""
-        return self.inflight.queued_for(handle)
+    def last_order(self) -> int:
+        return self._order
 
     # ------------------------------------------------------------------ timers and housekeeping
     def next_deadline_ms(self) -> int | None:
         """When the next timer fires, or changed queue depths are due for writing."""
         deadline = self.timers.next_deadline_ms()
-        if self.inflight.depths_changed and (deadline is None or self._depth_due_ms < deadline):
+        if self.waiting.depths_changed and (deadline is None or self._depth_due_ms < deadline):
             return self._depth_due_ms
         return deadline
 
     def tick(self, now_ms: int) -> Outputs:
-        """Fire every due conversation timer and lifetime; stale heap entries are skipped."""
-        return fire_due(self, now_ms)
+        """Fire every due conversation timer and lifetime, each as its own staged change; stale
+        heap entries are skipped."""
+        out = Outputs()
+        while (due := self.timers.pop_due(now_ms)) is not None:
+            stage = Stage(self)
+            if timers.fire(self, stage, due, now_ms):
+                self.merge(stage)
+                out.extend(stage.out)
+        return out
 
     def purge_windows(self, now_ms: int, max_age_ms: int) -> int:
         """Drop early arrivals from other instances held longer than `max_age_ms`."""

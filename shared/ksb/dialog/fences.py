@@ -7,7 +7,8 @@ higher token and may commit first. When the paused holder wakes up and commits, 
 than the one already applied for that group, and the dispatcher refuses the whole commit
 (`stale_token`): the sink, not the lock, is the authority.
 
-Here: the highest token applied per (queue, group), the check, and the record of an applied commit.
+Here: the check, and the highest token applied per (queue, group) (the engine's; a commit records
+its own on its stage, merged with it).
 Token 0 means "no KSB lock" (a reader in another language that takes none) and is never fenced.
 """
 
@@ -17,7 +18,16 @@ from collections.abc import Callable
 
 from ksb.errors import ConversationError
 
-__all__ = ["Fences"]
+__all__ = ["Fences", "check_token"]
+
+
+def check_token(fence: int, group: str, token: int) -> None:
+    """Refuse a commit whose token is older than `fence`, the newest one applied for its group."""
+    if token and token < fence:
+        raise ConversationError(
+            f"stale lock token {token} for group {group} (a newer holder committed {fence})",
+            code="stale_token",
+        )
 
 
 class Fences:
@@ -25,15 +35,6 @@ class Fences:
 
     def __init__(self) -> None:
         self._applied: dict[tuple[str, str], int] = {}
-
-    def check(self, queue: str, group: str, token: int) -> None:
-        """Refuse a commit whose token is older than one already applied for its group."""
-        fence = self._applied.get((queue, group), 0)
-        if token and token < fence:
-            raise ConversationError(
-                f"stale lock token {token} for group {group} (a newer holder committed {fence})",
-                code="stale_token",
-            )
 
     def applied(self, queue: str, group: str, token: int) -> None:
         """A commit with `token` was applied (its outcome written): older tokens are stale from

@@ -10,13 +10,13 @@ the newest one also keeps the group's fence through compaction and restarts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.endpoint import Endpoint
+from ksb.dialog.fences import check_token
 from ksb.dialog.outputs import Outputs, QueueWrite
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError, KsbError
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
@@ -30,21 +30,26 @@ from ksb.wire.protocol import (
 )
 from ksb.wire.relay import RelayAction
 
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
-
-__all__ = ["apply_receipt", "commit", "outcome_key", "refused_outcome"]
+__all__ = ["applied", "local_actions", "outcome_key", "receive", "refused_outcome"]
 
 
-def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
+def receive(state: DialogState, stage: Stage, req: CommitRequest, now: int) -> None:
+    """A commit's first step: its receipt, if it has one (the engine then applies the actions
+    `local_actions` leaves it, and ends with `applied`)."""
     if req.receipt is not None:
-        eng.permissions.check_receive(stage.principal, req.receipt.queue, "commit a receipt")
-        apply_receipt(eng, stage, req.receipt, now)
+        state.permissions.check_receive(stage.principal, req.receipt.queue, "commit a receipt")
+        apply_receipt(state, stage, req.receipt, now)
+
+
+def local_actions(state: DialogState, stage: Stage, req: CommitRequest) -> list[Action]:
+    """The commit's actions on groups this engine owns, in order, for the engine to apply; the
+    others are relayed to their groups' owners."""
     begun: dict[str, str] = {}
+    local: list[Action] = []
     for action in req.actions:
         group = _group_of(stage, action, begun)
-        if group is None or eng.owns(group):
-            eng.apply_action(stage, action, now)
+        if group is None or state.ownership.owns(group):
+            local.append(action)
         else:
             # A conversation of a group another dispatcher owns: carried out there, after this
             # commit, exactly once; a refusal is reported under this commit's request id.
@@ -56,18 +61,25 @@ def commit(eng: Engine, stage: Stage, req: CommitRequest, now: int) -> None:
                     principal=stage.principal,
                 )
             )
+    return local
+
+
+def applied(state: DialogState, stage: Stage, req: CommitRequest) -> None:
+    """The whole commit applied: its token fences older holders out, and its outcome tells the
+    committing reader."""
     if req.receipt is None:
         return
     r = req.receipt
-    eng.fences.applied(r.queue, r.group, r.token)
-    stage.out.queue.append(_outcome(eng, req, r, applied=True, reason=""))
+    stage.apply_fence(r.queue, r.group, r.token)
+    fence = stage.fence(r.queue, r.group)
+    stage.out.queue.append(_outcome(state, req, r, fence, applied=True, reason=""))
 
 
-def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
-    eng.fences.check(r.queue, r.group, r.token)
-    eng.catalog.queue(r.queue)  # an unknown queue is refused before anything is applied
+def apply_receipt(state: DialogState, stage: Stage, r: Receipt, now: int) -> None:
+    check_token(stage.fence(r.queue, r.group), r.group, r.token)
+    state.catalog.queue(r.queue)  # an unknown queue is refused before anything is applied
     for mid in dict.fromkeys(r.message_ids):
-        info = eng.inflight.get(mid)
+        info = state.waiting.get(mid)
         if info is None or mid in stage.gone_inflight:
             raise ConversationError(
                 f"message {mid} is not waiting in queue {r.queue!r} (already received?)",
@@ -95,7 +107,7 @@ def apply_receipt(eng: Engine, stage: Stage, r: Receipt, now: int) -> None:
         receiver.updated_ms = now
         _persist_counters(stage, receiver)
         if info.message_type in (END_DIALOG, ERROR):
-            _far_received_end(eng, stage, receiver, now)
+            _far_received_end(state, stage, receiver, now)
 
 
 def _persist_counters(stage: Stage, receiver: Endpoint) -> None:
@@ -132,7 +144,7 @@ def _group_of(stage: Stage, action: Action, begun: dict[str, str]) -> str | None
     return begun.get(handle) or action.group or handle
 
 
-def _far_received_end(eng: Engine, stage: Stage, receiver: Endpoint, now: int) -> None:
+def _far_received_end(state: DialogState, stage: Stage, receiver: Endpoint, now: int) -> None:
     """Our application received the far side's EndDialog or Error: the far side, if it ended
     first, is closed by that (a local dialog's two ends always have the same owner)."""
     if receiver.far_instance is not None:
@@ -143,11 +155,12 @@ def _far_received_end(eng: Engine, stage: Stage, receiver: Endpoint, now: int) -
         peer.updated_ms = now
 
 
-def refused_outcome(eng: Engine, req: CommitRequest, exc: KsbError, out: Outputs) -> None:
+def refused_outcome(state: DialogState, req: CommitRequest, exc: KsbError, out: Outputs) -> None:
     """A refused commit still gets its outcome record, so its reader learns and lets go."""
     if req.receipt is not None:
         reason = f"{exc.code}: {exc.reason}"
-        out.queue.append(_outcome(eng, req, req.receipt, applied=False, reason=reason))
+        fence = state.fence(req.receipt.queue, req.receipt.group)
+        out.queue.append(_outcome(state, req, req.receipt, fence, applied=False, reason=reason))
 
 
 def outcome_key(group: str) -> str:
@@ -156,9 +169,9 @@ def outcome_key(group: str) -> str:
 
 
 def _outcome(
-    eng: Engine, req: CommitRequest, r: Receipt, *, applied: bool, reason: str
+    state: DialogState, req: CommitRequest, r: Receipt, fence: int, *, applied: bool, reason: str
 ) -> QueueWrite:
-    queue = eng.catalog.queues.get(r.queue)
+    queue = state.catalog.queues.get(r.queue)
     partitions = queue.partitions if queue else 1
     record = CommitOutcome(
         request_id=req.request_id,
@@ -166,6 +179,6 @@ def _outcome(
         token=r.token,
         applied=applied,
         reason=reason,
-        fence=eng.fences.get(r.queue, r.group),
+        fence=fence,
     )
     return QueueWrite(r.queue, partition_for(r.group, partitions), outcome_key(r.group), record)

@@ -13,39 +13,19 @@ picked up within the stale age (10 s by default, `DispatcherSettings.inbound_sta
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
 
 from ksb.catalog.model import ERROR
 from ksb.dialog.delivery import accept, transmit
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.stage import Stage
-from ksb.dialog.system_messages import (
-    CONTRACT_REFUSED,
-    error_body,
-)
+from ksb.dialog.state import DialogState
+from ksb.dialog.system_messages import CONTRACT_REFUSED, error_body
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import AckRecord, ErrorRecord, InboundMessage
 
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
-
 __all__ = ["RemoteWindows", "inbound"]
-
-
-class _StepClock:
-    """The windows' notion of now: set from each request's `now_ms`."""
-
-    def __init__(self) -> None:
-        self.now = 0
-
-    def now_ms(self) -> int:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        """Part of the Clock protocol; the engine never blocks, so sleeping only moves time on."""
-        self.now += round(seconds * 1000)
 
 
 class RemoteWindows:
@@ -56,17 +36,19 @@ class RemoteWindows:
         self.windows: dict[str, ReceiveWindow[InboundMessage]] = {}
         self.closed: dict[str, str] = {}
         """Handle -> conversation group of each closed endpoint of a remote dialog."""
-        self.clock = _StepClock()
 
-    def window(self, receiver: Endpoint, now: int) -> ReceiveWindow[InboundMessage]:
+    def copy_of(self, receiver: Endpoint) -> ReceiveWindow[InboundMessage]:
+        """A copy of `receiver`'s window for a request to move (`keep` takes it back)."""
         window = self.windows.get(receiver.handle)
         if window is None or window.next_seq != receiver.recv_seq:
-            # (A local dialog also moves `recv_seq` on direct deliveries, so a cached window can
+            # (A local dialog also moves `recv_seq` on direct deliveries, so a kept window can
             # be behind it; the durable number wins.)
-            window = ReceiveWindow(self.clock, next_seq=receiver.recv_seq)
-            self.windows[receiver.handle] = window
-        self.clock.now = now
-        return window
+            return ReceiveWindow(next_seq=receiver.recv_seq)
+        return window.copy()
+
+    def keep(self, moved: Mapping[str, ReceiveWindow[InboundMessage]]) -> None:
+        """The windows a merged request moved."""
+        self.windows.update(moved)
 
     def closed_endpoint(self, ep: Endpoint) -> None:
         self.windows.pop(ep.handle, None)
@@ -90,46 +72,46 @@ class RemoteWindows:
         return sum(len(w.drop_older_than(now_ms, max_age_ms)) for w in self.windows.values())
 
 
-def inbound(eng: Engine, stage: Stage, msg: InboundMessage, now: int) -> None:
+def inbound(state: DialogState, stage: Stage, msg: InboundMessage, now: int) -> None:
     """A message from another instance: dedupe and order per direction, enqueue, acknowledge.
 
-    Nothing here raises after the window has moved, so the window and the stage stay in step;
-    a failed Kafka transaction rebuilds its shards, whose windows and closed endpoints are
-    forgotten first (`Engine.drop_shard`).
+    The window moves on the stage's copy, so it moves with the request or not at all; a failed
+    Kafka transaction rebuilds its shards, whose windows and closed endpoints are forgotten
+    first (`Engine.drop_shard`).
     """
-    if msg.to_instance != eng.instance:
+    if msg.to_instance != state.instance:
         # Passing through: the forwarder reads the same topic and sends it on; the final
         # receiver acknowledges it, so a record nobody forwards is retransmitted by its origin.
         return
     handle = target_handle(msg.conversation_id) if msg.from_initiator else msg.conversation_id
-    receiver = _inbound_endpoint(eng, stage, msg, handle, now)
+    receiver = _inbound_endpoint(state, stage, msg, handle, now)
     if receiver is None:
         # The conversation is over here (or never existed): acknowledge so the sender stops.
-        stage.out.acks.append(_ack(msg, msg.seq, eng.instance))
+        stage.out.acks.append(_ack(msg, msg.seq, state.instance))
         return
-    if eng.queue_disabled(receiver.queue):
+    if state.queue_disabled(receiver.queue):
         # Not acknowledged: it stays in the sender's transmission queue and is sent again
         # after the queue is enabled.
         return
-    window = eng.remote.window(receiver, now)
-    for item in window.offer(msg.seq, msg):
-        accept(eng, stage, receiver, item.message_type, item.body_bytes(), item.seq, now)
+    window = stage.window(receiver)
+    for item in window.offer(msg.seq, msg, now):
+        accept(state, stage, receiver, item.message_type, item.body_bytes(), item.seq, now)
     receiver.recv_seq = window.next_seq
     receiver.updated_ms = now
-    stage.out.acks.append(_ack(msg, window.ack_seq, eng.instance))
+    stage.out.acks.append(_ack(msg, window.ack_seq, state.instance))
 
 
 def _inbound_endpoint(
-    eng: Engine, stage: Stage, msg: InboundMessage, handle: str, now: int
+    state: DialogState, stage: Stage, msg: InboundMessage, handle: str, now: int
 ) -> Endpoint | None:
-    if handle in eng.remote.closed and handle not in stage.endpoints:
+    if state.closed_remote(handle) and handle not in stage.endpoints:
         return None
     existing = stage.maybe_endpoint(handle)
     if existing is not None or not msg.from_initiator:
         return existing
     # The first message from a remote initiator creates the target endpoint, as locally; the
     # level comes from OUR catalog (levels never travel).
-    cat = eng.catalog
+    cat = state.catalog
     service = cat.services.get(msg.to_service)
     ep = Endpoint(
         handle=handle,
@@ -151,7 +133,7 @@ def _inbound_endpoint(
     stage.put(ep)
     reason = None
     if service is None:
-        reason = f"service {msg.to_service!r} is not hosted on broker instance {eng.instance!r}"
+        reason = f"service {msg.to_service!r} is not hosted on broker instance {state.instance!r}"
     elif msg.contract not in service.contracts:
         reason = f"service {msg.to_service!r} does not accept contract {msg.contract!r}"
     if reason is None:
@@ -160,7 +142,7 @@ def _inbound_endpoint(
     stage.out.errors.append(
         ErrorRecord(request_id=msg.request_id, code="dialog_refused", reason=reason, handle=handle)
     )
-    transmit(eng, stage, ep, ERROR, error_body(CONTRACT_REFUSED, reason), now)
+    transmit(state, stage, ep, ERROR, error_body(CONTRACT_REFUSED, reason), now)
     ep.recv_seq = msg.seq + 1 if msg.seq == 0 else 0
     ep.state = State.CLOSED
     return None

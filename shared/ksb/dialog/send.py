@@ -9,42 +9,38 @@ to the sender, as Service Broker's target would. A multi-handle SEND is all or n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ksb.catalog.model import ERROR, MessageType
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.begin import ensure_target
 from ksb.dialog.delivery import drop_queued, enqueue, transmit
 from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import VALIDATION_CODE, VALIDATION_ERROR, error_body
 from ksb.errors import ConversationError, ValidationFailed
 from ksb.wire.protocol import SendRequest
 
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
-
 __all__ = ["fail_dialog", "must_park", "send"]
 
 
-def send(eng: Engine, stage: Stage, req: SendRequest, now: int) -> None:
+def send(state: DialogState, stage: Stage, req: SendRequest, now: int) -> None:
     body = req.body_bytes()
-    if len(body) > eng.max_body_bytes:
+    if len(body) > state.max_body_bytes:
         raise ConversationError(
-            f"message body is {len(body)} bytes, over the limit of {eng.max_body_bytes}",
+            f"message body is {len(body)} bytes, over the limit of {state.max_body_bytes}",
             code="body_too_large",
         )
-    mtype = eng.catalog.message_type(req.message_type)
+    mtype = state.catalog.message_type(req.message_type)
     senders = [stage.endpoint(h) for h in dict.fromkeys(req.handles)]
     for sender in senders:
-        _check_sender(eng, sender, mtype, now)
+        _check_sender(state, sender, mtype, now)
     for sender in senders:
-        _deliver(eng, stage, sender, mtype, body, now)
+        _deliver(state, stage, sender, mtype, body, now)
 
 
-def _check_sender(eng: Engine, sender: Endpoint, mtype: MessageType, now: int) -> None:
+def _check_sender(state: DialogState, sender: Endpoint, mtype: MessageType, now: int) -> None:
     ep_rules.check_can_send(sender)
-    contract = eng.catalog.contract(sender.contract)
+    contract = state.catalog.contract(sender.contract)
     if not contract.knows(mtype.name):
         raise ConversationError(
             f"message type {mtype.name!r} is not in contract {contract.name!r}",
@@ -64,12 +60,12 @@ def _check_sender(eng: Engine, sender: Endpoint, mtype: MessageType, now: int) -
 
 
 def _deliver(
-    eng: Engine, stage: Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
+    state: DialogState, stage: Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
 ) -> None:
     if sender.far_instance is not None:
-        _deliver_remote(eng, stage, sender, mtype, body, now)
+        _deliver_remote(state, stage, sender, mtype, body, now)
         return
-    receiver = _receiver(eng, stage, sender, now)
+    receiver = _receiver(state, stage, sender, now)
     sender.state = ep_rules.after_send(sender)
     sender.updated_ms = now
     if receiver is None:
@@ -81,30 +77,30 @@ def _deliver(
         mtype.validate_body(body)
     except ValidationFailed as exc:
         # The receiving side refuses the message and fails the dialog, as a target would.
-        fail_dialog(eng, stage, sender, receiver, VALIDATION_ERROR, exc.reason, now)
+        fail_dialog(state, stage, sender, receiver, VALIDATION_ERROR, exc.reason, now)
         return
-    if must_park(eng, sender, receiver):
-        transmit(eng, stage, sender, mtype.name, body, now, to_instance=eng.instance)
+    if must_park(state, sender, receiver):
+        transmit(state, stage, sender, mtype.name, body, now, to_instance=state.instance)
         return
     receiver.recv_seq = sender.send_seq + 1
     code = VALIDATION_CODE[mtype.validation.value]
-    enqueue(eng, stage, receiver, mtype.name, code, body, sender.send_seq, now)
+    enqueue(state, stage, receiver, mtype.name, code, body, sender.send_seq, now)
     sender.send_seq += 1
 
 
-def _receiver(eng: Engine, stage: Stage, sender: Endpoint, now: int) -> Endpoint | None:
+def _receiver(state: DialogState, stage: Stage, sender: Endpoint, now: int) -> Endpoint | None:
     """The far endpoint of a local dialog, or None when it is gone (it ended WITH CLEANUP).
 
     The target comes into being with the initiator's first message; after that it exists until
     it closes, and a local target closes while its initiator can still send only by CLEANUP.
     """
     if sender.is_initiator and sender.send_seq == 0:
-        return ensure_target(eng, stage, sender, now)
+        return ensure_target(state, stage, sender, now)
     return stage.maybe_endpoint(sender.far_handle)
 
 
 def _deliver_remote(
-    eng: Engine, stage: Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
+    state: DialogState, stage: Stage, sender: Endpoint, mtype: MessageType, body: bytes, now: int
 ) -> None:
     """Validate here (the target would refuse the same body), then hand to the transmitter."""
     sender.state = ep_rules.after_send(sender)
@@ -115,26 +111,26 @@ def _deliver_remote(
         # As a remote target would: the dialog fails on both sides. Our side gets the Error
         # message now; the far side is told with an Error in the conversation's order.
         failure = error_body(VALIDATION_ERROR, exc.reason)
-        enqueue(eng, stage, sender, ERROR, "X", failure, -1, now)
-        transmit(eng, stage, sender, ERROR, failure, now)
+        enqueue(state, stage, sender, ERROR, "X", failure, -1, now)
+        transmit(state, stage, sender, ERROR, failure, now)
         sender.state = ep_rules.after_peer_error(sender)
         sender.error_code, sender.error_description = VALIDATION_ERROR, exc.reason
         return
-    transmit(eng, stage, sender, mtype.name, body, now)
+    transmit(state, stage, sender, mtype.name, body, now)
 
 
-def must_park(eng: Engine, sender: Endpoint, receiver: Endpoint) -> bool:
+def must_park(state: DialogState, sender: Endpoint, receiver: Endpoint) -> bool:
     """Whether a local message goes through the transmission queue instead of straight in.
 
     Local delivery skips the transmission queue unless the target queue is disabled; and once
     one message of a direction waits there, every later one of that direction waits behind
     it (the receiver's `recv_seq` lags the sender's `send_seq`), so order is never broken.
     """
-    return eng.queue_disabled(receiver.queue) or receiver.recv_seq < sender.send_seq
+    return state.queue_disabled(receiver.queue) or receiver.recv_seq < sender.send_seq
 
 
 def fail_dialog(
-    eng: Engine,
+    state: DialogState,
     stage: Stage,
     sender: Endpoint,
     receiver: Endpoint,
@@ -143,9 +139,9 @@ def fail_dialog(
     now: int,
 ) -> None:
     """The receiver refuses the dialog: an Error goes back to the sender, the receiver closes."""
-    enqueue(eng, stage, sender, ERROR, "X", error_body(code, reason), -1, now)
+    enqueue(state, stage, sender, ERROR, "X", error_body(code, reason), -1, now)
     sender.state = ep_rules.after_peer_error(sender)
     sender.error_code, sender.error_description = code, reason
     receiver.state = State.CLOSED
     receiver.updated_ms = now
-    drop_queued(eng, stage, receiver)
+    drop_queued(state, stage, receiver)

@@ -11,16 +11,13 @@ half, which sends again what is not acknowledged, is the transmitter's
 
 Nothing is lost when the receiver throws a buffered message away (because it is too old, or because
 the buffer is full): the sender never saw it acknowledged and will send it again. That is what lets
-the receiver keep a hard bound on its memory. Pure: no I/O, and time comes in through an injected
-`Clock`.
+the receiver keep a hard bound on its memory. Pure: no I/O, and time comes in as int milliseconds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Generic, TypeVar
-
-from ksb.clock import Clock
 
 __all__ = ["ReceiveWindow"]
 
@@ -42,12 +39,11 @@ class ReceiveWindow(Generic[T]):
     is always accepted, even with a full buffer, so a full window can never block progress.
     """
 
-    def __init__(self, clock: Clock, *, next_seq: int = 0, max_buffered: int = 1024) -> None:
+    def __init__(self, *, next_seq: int = 0, max_buffered: int = 1024) -> None:
         if next_seq < 0:
             raise ValueError(f"next_seq must be >= 0, got {next_seq}")
         if max_buffered < 0:
             raise ValueError(f"max_buffered must be >= 0, got {max_buffered}")
-        self._clock = clock
         self._next_seq = next_seq
         self._max_buffered = max_buffered
         self._buffer: dict[int, _Buffered[T]] = {}
@@ -85,8 +81,23 @@ class ReceiveWindow(Generic[T]):
         """Buffered arrivals dropped by `drop_older_than`."""
         return self._purged
 
-    def offer(self, seq: int, item: T) -> list[T]:
-        """Take one arrival; return the items now deliverable, in sequence order (often none)."""
+    def copy(self) -> ReceiveWindow[T]:
+        """A window in the same place, whose offers leave this one as it is (a request's staged
+        copy, `ksb.dialog.stage.Stage.window`)."""
+        twin: ReceiveWindow[T] = ReceiveWindow(
+            next_seq=self._next_seq, max_buffered=self._max_buffered
+        )
+        twin._buffer = dict(self._buffer)
+        twin._duplicates, twin._refused, twin._purged = (
+            self._duplicates,
+            self._refused,
+            self._purged,
+        )
+        return twin
+
+    def offer(self, seq: int, item: T, now_ms: int) -> list[T]:
+        """Take one arrival at `now_ms`; return the items now deliverable, in sequence order
+        (often none)."""
         if seq < 0:
             raise ValueError(f"sequence numbers start at 0, got {seq}")
         if seq < self._next_seq or seq in self._buffer:
@@ -98,7 +109,7 @@ class ReceiveWindow(Generic[T]):
             if len(self._buffer) >= self._max_buffered:
                 self._refused += 1
                 return []
-            self._buffer[seq] = _Buffered(item, self._clock.now_ms())
+            self._buffer[seq] = _Buffered(item, now_ms)
             return []
         ready = [item]
         self._next_seq += 1

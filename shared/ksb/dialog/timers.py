@@ -11,21 +11,17 @@ the caller passes in, so the rules are tested in milliseconds.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 from ksb.catalog.model import DIALOG_TIMER, ERROR
 from ksb.dialog.delivery import drop_queued, enqueue
 from ksb.dialog.endpoint import Endpoint, State
-from ksb.dialog.outputs import Outputs
 from ksb.dialog.stage import Stage
+from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import LIFETIME_EXPIRED, error_body
 from ksb.errors import ConversationError
 from ksb.wire.protocol import TimerRequest
 
-if TYPE_CHECKING:
-    from ksb.dialog.engine import Engine
-
-__all__ = ["Timers", "fire_due", "set_timer"]
+__all__ = ["Timers", "fire", "set_timer"]
 
 
 class Timers:
@@ -61,28 +57,24 @@ def set_timer(stage: Stage, req: TimerRequest, now: int) -> None:
     ep.updated_ms = now
 
 
-def fire_due(eng: Engine, now_ms: int) -> Outputs:
-    """Fire every due conversation timer and lifetime, each as its own staged change."""
-    out = Outputs()
-    while (due := eng.timers.pop_due(now_ms)) is not None:
-        deadline, handle, kind = due
-        stage = Stage(eng)
-        ep = stage.maybe_endpoint(handle)
-        if ep is None:
-            continue
-        if kind == "timer" and ep.timer_deadline_ms == deadline:
-            ep.timer_deadline_ms = None
-            enqueue(eng, stage, ep, DIALOG_TIMER, "E", b"", -1, now_ms)
-        elif kind == "lifetime" and ep.lifetime_deadline_ms == deadline:
-            _expire(eng, stage, ep, now_ms)
-        else:
-            continue
-        eng.merge(stage)
-        out.extend(stage.out)
-    return out
+def fire(state: DialogState, stage: Stage, due: tuple[int, str, str], now_ms: int) -> bool:
+    """Fire one due timer or lifetime (from `Timers.pop_due`) on `stage`; False when the entry
+    is stale (a replaced timer, an ended dialog) and nothing happened."""
+    deadline, handle, kind = due
+    ep = stage.maybe_endpoint(handle)
+    if ep is None:
+        return False
+    if kind == "timer" and ep.timer_deadline_ms == deadline:
+        ep.timer_deadline_ms = None
+        enqueue(state, stage, ep, DIALOG_TIMER, "E", b"", -1, now_ms)
+        return True
+    if kind == "lifetime" and ep.lifetime_deadline_ms == deadline:
+        _expire(state, stage, ep, now_ms)
+        return True
+    return False
 
 
-def _expire(eng: Engine, stage: Stage, ep: Endpoint, now: int) -> None:
+def _expire(state: DialogState, stage: Stage, ep: Endpoint, now: int) -> None:
     reason = "The conversation's lifetime has expired."
     sides = [ep]
     peer = stage.maybe_endpoint(ep.far_handle)
@@ -95,10 +87,10 @@ def _expire(eng: Engine, stage: Stage, ep: Endpoint, now: int) -> None:
             # side's acknowledgement it waits for will never come: it closes.
             side.state = State.CLOSED
             side.updated_ms = now
-            drop_queued(eng, stage, side)
+            drop_queued(state, stage, side)
             continue
         if side.state in (State.ERROR, State.CLOSED):
             continue
-        enqueue(eng, stage, side, ERROR, "X", error_body(LIFETIME_EXPIRED, reason), -1, now)
+        enqueue(state, stage, side, ERROR, "X", error_body(LIFETIME_EXPIRED, reason), -1, now)
         side.state = State.ERROR
         side.error_code, side.error_description = LIFETIME_EXPIRED, reason
