@@ -26,6 +26,7 @@ from ksb.settings import DispatcherSettings
 from ksb.wire.protocol import BrokerNotification, parse_bcn
 from services.dispatcher import Dispatcher
 from services.dispatcher.notifications import kafka_answers
+from services.dispatcher.pipeline import Pipeline
 from tests.healthz import get, serving_healthz
 from tests.integration.conftest import BASIC_CATALOG
 from tests.integration.support import read_topic, receive_all
@@ -193,16 +194,16 @@ def test_a_start_kafka_failed_is_retried_on_the_tick_after_kafka_answers(fast: D
         ),
         kafka_probe=probe,
     )
-    real_start = d.start
+    real_start = d.startup.start
     calls: list[int] = []
 
-    def start() -> None:
+    def start() -> Pipeline:
         calls.append(1)
         if len(calls) == 1:  # Kafka does not answer the first attempt
             raise KafkaException(KafkaError(KafkaError._TRANSPORT, "all brokers down (simulated)"))
-        real_start()
+        return real_start()
 
-    d.start = start  # type: ignore[method-assign]
+    d.startup.start = start  # type: ignore[method-assign]
     starting = StartingDispatcher(fast, d)
     try:
         failed = wait_bcn(fast, lambda b: b.event == "start_failed")

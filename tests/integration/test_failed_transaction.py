@@ -29,14 +29,15 @@ def test_a_failed_first_transaction_is_redone_from_the_partitions_beginning(
 ) -> None:
     dispatcher.wait_owning_every_shard()
     d = dispatcher.dispatcher
-    producer = d._producer
-    assert producer is not None
+    assert d.pipeline is not None
+    pipeline = d.pipeline
+    producer = pipeline.producer
     failed: list[int] = []
     commit = producer.commit_transaction
 
     def fail_first_with_requests(*args: Any) -> None:
-        if not failed and d._batch > 0:
-            failed.append(d._batch)
+        if not failed and pipeline.batch > 0:
+            failed.append(pipeline.batch)
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected commit time-out"))
         commit(*args)
 
@@ -58,12 +59,13 @@ def test_an_abort_that_does_not_end_in_time_starts_the_dispatcher_over(
     applied once, by the new one."""
     dispatcher.wait_owning_every_shard()
     d = dispatcher.dispatcher
-    stuck = d._producer
-    assert stuck is not None
+    assert d.pipeline is not None
+    pipeline = d.pipeline
+    stuck = pipeline.producer
     hung: list[str] = []
 
     def fail_with_requests(*_args: Any) -> None:
-        if d._batch > 0:
+        if pipeline.batch > 0:
             raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "injected commit time-out"))
 
     def hang(*_args: Any) -> None:
@@ -78,4 +80,4 @@ def test_an_abort_that_does_not_end_in_time_starts_the_dispatcher_over(
     got = receive_all(client, "TargetQueue", 2, timeout_s=30)
     assert hung, "the dispatcher never tried to abort"
     assert [m.message_body for m in got] == [b'{"once": true}']
-    assert d._producer is not stuck
+    assert d.pipeline is not None and d.pipeline.producer is not stuck

@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from ksb.catalog.ddl import Alter, Create, Drop, Statement, UseDatabase, parse
+from ksb.catalog.ddl import parse
 from ksb.catalog.ddl_apply import apply_script
+from ksb.catalog.ddl_statements import Alter, Create, Drop, Statement, UseDatabase
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.catalog.priorities import ANY, BrokerPriority, PriorityTable, endpoint_levels
 from ksb.errors import DdlError

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ksb.catalog.ddl import Alter, Create, DatabaseOption, Drop, Permission, UseDatabase, parse
+from ksb.catalog.ddl import parse
+from ksb.catalog.ddl_statements import Alter, Create, DatabaseOption, Drop, Permission, UseDatabase
 from ksb.errors import DdlError
 
 

@@ -34,18 +34,7 @@ from ksb.catalog.ddl_statements import (
 from ksb.catalog.priorities import ANY, DEFAULT_LEVEL, MAX_LEVEL, MIN_LEVEL
 from ksb.errors import DdlError
 
-__all__ = [
-    "Alter",
-    "Create",
-    "DatabaseOption",
-    "Drop",
-    "Kind",
-    "Permission",
-    "Statement",
-    "UseDatabase",
-    "Where",
-    "parse",
-]
+__all__ = ["parse"]
 
 
 def parse(text: str) -> list[Statement]:

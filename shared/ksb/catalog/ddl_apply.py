@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ValidationError
 
-from ksb.catalog.ddl import (
+from ksb.catalog.ddl_statements import (
     Alter,
     Create,
     DatabaseOption,

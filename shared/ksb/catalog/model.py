@@ -506,6 +506,3 @@ class CatalogView:
             return self.queues[name]
         except KeyError:
             raise CatalogError(f"unknown queue {name!r}", code="unknown_queue") from None
-
-    def queue_of(self, service_name: str) -> Queue:
-        return self.queue(self.service(service_name).queue)

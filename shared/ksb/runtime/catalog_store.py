@@ -123,13 +123,5 @@ class CatalogWatcher:
             self.poll(0.1)
         return self.view
 
-    def wait_for_version(self, version: int, timeout_s: float = 30.0) -> CatalogView:
-        deadline = time.monotonic() + timeout_s
-        while self.view.version < version:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"catalog version {version} not seen")
-            self.poll(0.1)
-        return self.view
-
     def close(self) -> None:
         self._c.close()

@@ -51,7 +51,6 @@ __all__ = [
     "TickTask",
     "configure_logging",
     "run_main",
-    "stop_on_signals",
 ]
 
 log = logging.getLogger("ksb.service")
@@ -222,15 +221,6 @@ class ServiceShell:
 def configure_logging(name: str) -> None:
     """One line format for every service, with its name, so interleaved logs stay readable."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
-
-
-def stop_on_signals() -> threading.Event:
-    """For a service's `main`: an event that SIGTERM or SIGINT sets, so the loop stops taking work
-    and drains instead of dying mid-transaction."""
-    stop = threading.Event()
-    for sig in _SIGNALS:
-        signal.signal(sig, lambda _s, _f: stop.set())
-    return stop
 
 
 EXIT_GRACE_S = 5.0

@@ -15,7 +15,7 @@ broker instance is:
 Liveness comes from the producer's delivery reports: a failed delivery is a disconnect.
 
 The rules are the seed's: a destination is not tried again for 15 s after a disconnect and for
-60 s after every failed attempt (`ksb.runtime.ticker.Suppression`), connections idle for 90 s are closed,
+60 s after every failed attempt (`ksb.transmission.suppression`), connections idle for 90 s are closed,
 and attempts go only to destinations that have packets waiting. The transport keeps the
 suppression deadlines in Redis (``Names.suppress_key``) so a restarted transport does not hammer a
 dead peer; losing them only means retrying sooner.
