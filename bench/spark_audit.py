@@ -37,10 +37,10 @@ from devtools.deployment import Deployment, secure_instance
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
 from devtools.runner import ServiceProcess
-from ksb.audit import AuditEvent
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.security.principals import Role
+from ksb.wire.audit import AuditEvent
 
 __all__ = ["SparkOptions", "format_lines", "run_spark_audit"]
 

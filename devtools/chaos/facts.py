@@ -15,11 +15,11 @@ from confluent_kafka.admin._group import MemberDescription
 
 from devtools.chaos.invariants import Side
 from devtools.deployment import Deployment
-from ksb.audit import parse_audit_record
-from ksb.dialog.endpoint import decode_endpoint
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.redis_client import redis_client
+from ksb.wire.audit import parse_audit_record
+from ksb.wire.endpoint import decode_endpoint
 from ksb.wire.protocol import (
     CommitOutcome,
     DeadLetterRecord,

@@ -45,7 +45,7 @@ from ksb.activation.activated import EXIT_NOT_AUTHORIZED
 from ksb.activation.events import Traces, decisions, edges
 from ksb.activation.monitor import Decision, ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.activation.poison import PoisonAction, disabled, on_rollbacks, to_dead_letter
-from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.audit import Audit, KafkaAudit
 from ksb.backoff import Backoff
 from ksb.catalog.model import Catalog, CatalogView, Queue
 from ksb.clock import Clock
@@ -64,6 +64,8 @@ from ksb.runtime.redis_view import RedisView, Writes
 from ksb.runtime.service import Service, TickTask
 from ksb.sdk.reader import QueueReader
 from ksb.settings import ActivatedTaskSettings, ActivationSettings, ClientSettings, settings_env
+from ksb.wire.activation import BrokerQueueDisabled, QueueActivation, encode_activation_event
+from ksb.wire.audit import AuditEvent, AuditKind
 from ksb.wire.protocol import DeadLetterRequest, dumps
 
 __all__ = ["ActivationService", "QueueWatch"]
@@ -426,17 +428,15 @@ class ActivationService(Service):
         return bool(exited)
 
     def _notify(self, w: QueueWatch, d: Decision) -> None:
-        event = {
-            "v": 1,
-            "kind": "QUEUE_ACTIVATION",
-            "instance": self.settings.instance,
-            "queue": w.queue.name,
-            "reason": d.reason,
-            "event_ms": self.clock.now_ms(),
-        }
+        event = QueueActivation(
+            instance=self.settings.instance,
+            queue=w.queue.name,
+            reason=d.reason,
+            event_ms=self.clock.now_ms(),
+        )
         assert self._producer is not None
         self._producer.produce(
-            self.names.activation, key=w.queue.name.encode(), value=json.dumps(event).encode()
+            self.names.activation, key=w.queue.name.encode(), value=encode_activation_event(event)
         )
         self._producer.poll(0)
         w.notifications += 1
@@ -503,17 +503,15 @@ class ActivationService(Service):
             written = apply_catalog(self.settings, disabled(load_catalog(self.settings), name))
             with self._disabling_lock:
                 self._disabling[name] = written.version
-            event = {
-                "v": 1,
-                "kind": "BROKER_QUEUE_DISABLED",
-                "instance": self.settings.instance,
-                "queue": name,
-                "reason": reason,
-                "event_ms": self.clock.now_ms(),
-            }
+            event = BrokerQueueDisabled(
+                instance=self.settings.instance,
+                queue=name,
+                reason=reason,
+                event_ms=self.clock.now_ms(),
+            )
             assert self._producer is not None
             self._producer.produce(
-                self.names.activation, key=name.encode(), value=json.dumps(event).encode()
+                self.names.activation, key=name.encode(), value=encode_activation_event(event)
             )
             self._producer.flush(5)
         except BaseException:

@@ -27,11 +27,11 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from ksb.catalog.model import CatalogView
-from ksb.dialog.endpoint import decode_endpoint
 from ksb.dialog.engine import Engine
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime.kafka import watermarks
+from ksb.wire.endpoint import decode_endpoint
 from ksb.wire.partitioning import shard_of
 from ksb.wire.protocol import CommitOutcome, parse_queue_record
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from confluent_kafka import Producer
 
-from ksb.audit import Audit, AuditEvent, dispatcher_events
-from ksb.dialog.endpoint import Endpoint, encode_endpoint
+from ksb.audit import Audit, dispatcher_events
 from ksb.dialog.outputs import Outputs
 from ksb.names import Names
+from ksb.wire.audit import AuditEvent
 from ksb.wire.depth import QueueDepth, depth_key
+from ksb.wire.endpoint import Endpoint, encode_endpoint
 from ksb.wire.partitioning import shard_of
 from ksb.wire.protocol import dumps
 from ksb.wire.relay import relay_key

@@ -34,13 +34,14 @@ import faust
 from faust.types import TP
 from mode.types.signals import BaseSignalT
 
-from ksb.activation.external import ActivationPlanner, StartDecision, parse_event
+from ksb.activation.external import ActivationPlanner, StartDecision
 from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime.credentials import kafka_login
 from ksb.runtime.metrics import HEALTHY
 from ksb.settings import ClientSettings, ExternalActivatorSettings, settings_env
+from ksb.wire.activation import parse_activation_event
 
 __all__ = ["ActivatorWorker", "ReaderSupervisor", "build_app"]
 
@@ -85,7 +86,7 @@ class ReaderSupervisor:
     def handle(self, raw: bytes | str) -> None:
         """One record of the activation topic; a malformed one is logged and skipped."""
         try:
-            event = parse_event(raw)
+            event = parse_activation_event(raw.encode() if isinstance(raw, str) else raw)
         except ProtocolError as exc:
             log.warning("skipping activation record: %s", exc.reason)
             return

@@ -23,7 +23,7 @@ from typing import Any
 import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.audit import Audit, KafkaAudit
 from ksb.backoff import Backoff
 from ksb.catalog.model import CatalogView, Route
 from ksb.clock import Clock
@@ -35,8 +35,10 @@ from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import RedisView
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import TransmitterSettings
-from ksb.transmission.links import LinkEvent, Packet, Peers, delivery_problem, route_for
+from ksb.transmission.links import Packet, Peers, delivery_problem, route_for
 from ksb.transmission.queue import TransmissionQueue
+from ksb.wire.audit import AuditEvent, AuditKind
+from ksb.wire.links import parse_link_event
 from ksb.wire.protocol import AckRecord, InboundMessage, dumps, parse_record
 
 __all__ = ["Transmitter"]
@@ -195,8 +197,8 @@ class Transmitter(Service):
                 kafka.log_consumer_error(m, log)
                 continue
             try:
-                self.peers.apply(LinkEvent.model_validate_json(m.value() or b""))
-            except ValueError as exc:
+                self.peers.apply(parse_link_event(m.value()))
+            except ProtocolError as exc:
                 log.warning("unreadable links record at %s: %s", m.offset(), exc)
         for dest in self.peers.reopened(self.clock.now_ms()):
             again = self.queue.requeue_destination(dest)

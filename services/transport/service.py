@@ -33,7 +33,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from ksb.audit import Audit, AuditEvent, AuditKind, KafkaAudit
+from ksb.audit import Audit, KafkaAudit
 from ksb.catalog.model import CatalogView
 from ksb.clock import Clock
 from ksb.errors import ProtocolError
@@ -45,8 +45,10 @@ from ksb.runtime.redis_view import RedisView
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import TransportSettings
 from ksb.transmission.ack_relay import AckRelay
-from ksb.transmission.links import LinkEvent, Links, Packet, bootstrap_of, route_for
+from ksb.transmission.links import Links, Packet, bootstrap_of, route_for
+from ksb.wire.audit import AuditEvent, AuditKind
 from ksb.wire.fragments import wire_records
+from ksb.wire.links import LinkEvent, encode_link_event
 from ksb.wire.protocol import InboundMessage, parse_record
 
 __all__ = ["Transport"]
@@ -287,7 +289,7 @@ class Transport(Service):
         if event is None or self._local is None:
             return
         self._local.produce(
-            self.names.links, key=event.destination.encode(), value=event.model_dump_json()
+            self.names.links, key=event.destination.encode(), value=encode_link_event(event)
         )
         self._local.poll(0)
 

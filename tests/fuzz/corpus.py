@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 
 from ksb.catalog.model import CatalogView, parse_catalog
-from ksb.dialog.endpoint import encode_endpoint
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
 from ksb.settings import (
@@ -33,6 +32,7 @@ from ksb.settings import (
     TransmitterSettings,
     TransportSettings,
 )
+from ksb.wire.endpoint import encode_endpoint
 from ksb.wire.fragments import wire_records
 from ksb.wire.protocol import (
     AnyRequest,

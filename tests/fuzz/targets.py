@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ksb.catalog import ddl
 from ksb.catalog.model import load_catalog_file
-from ksb.dialog.endpoint import Endpoint, decode_endpoint
+from ksb.wire.endpoint import Endpoint, decode_endpoint
 from ksb.wire.fragments import Reassembler
 from ksb.wire.protocol import (
     FragmentRecord,

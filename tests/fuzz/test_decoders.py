@@ -17,8 +17,8 @@ import yaml
 from hypothesis import strategies as st
 
 from ksb.catalog.model import parse_catalog
-from ksb.dialog.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
 from ksb.settings import PREFIX
+from ksb.wire.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
 from ksb.wire.fragments import Reassembler, wire_records
 from ksb.wire.protocol import FragmentRecord, InboundMessage, parse_inbound
 from tests.fuzz import corpus

@@ -11,10 +11,10 @@ from typing import Any
 from confluent_kafka import KafkaError, TopicPartition
 
 from devtools.deployment import Deployment
-from ksb.dialog.endpoint import Endpoint, decode_endpoint
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.sdk.client import KsbClient
+from ksb.wire.endpoint import Endpoint, decode_endpoint
 from ksb.wire.protocol import QueueMessage
 
 

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from prometheus_client import CollectorRegistry
 
 from devtools.deployment import Deployment
-from ksb.audit import AuditEvent, AuditKind, KafkaAudit
+from ksb.audit import KafkaAudit
 from ksb.catalog.model import Catalog
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -29,6 +29,7 @@ from ksb.runtime.kafka import client_security
 from ksb.sdk.client import KsbClient
 from ksb.security.principals import Role
 from ksb.spark.report import load_outputs
+from ksb.wire.audit import AuditEvent, AuditKind
 from tests.conftest import Stack
 
 from .conftest import ThreadDispatcher

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.outputs import Outputs
 from ksb.sdk.queue_index import QueueIndex
+from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 
 __all__ = ["Topics"]

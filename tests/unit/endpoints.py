@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ksb.dialog.endpoint import Endpoint, State
+from ksb.wire.endpoint import Endpoint, State
 
 _DEFAULTS: dict[str, Any] = {
     "handle": "h",

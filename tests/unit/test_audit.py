@@ -4,20 +4,11 @@ from __future__ import annotations
 
 import json
 
-from ksb.audit import (
-    BATCH_EVENTS,
-    Audit,
-    AuditEvent,
-    AuditHook,
-    BatchedAudit,
-    KafkaAudit,
-    dispatcher_events,
-    parse_audit_event,
-    parse_audit_record,
-)
+from ksb.audit import Audit, AuditHook, BatchedAudit, KafkaAudit, dispatcher_events
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
 from ksb.names import Names
 from ksb.spark.ordering import OrderingEvent, QueueOrdering
+from ksb.wire.audit import BATCH_EVENTS, AuditEvent, parse_audit_event, parse_audit_record
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 
 

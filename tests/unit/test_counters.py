@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from ksb.catalog.model import CatalogView, parse_catalog
-from ksb.dialog.endpoint import Endpoint, decode_endpoint, encode_endpoint
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs, QueueWrite
+from ksb.wire.endpoint import Endpoint, decode_endpoint, encode_endpoint
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import (
     AnyRequest,

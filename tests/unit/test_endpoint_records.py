@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ksb.dialog.endpoint import decode_endpoint, encode_endpoint
 from ksb.errors import ProtocolError
+from ksb.wire.endpoint import decode_endpoint, encode_endpoint
 from tests.unit.endpoints import make_endpoint
 
 

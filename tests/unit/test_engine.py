@@ -9,9 +9,9 @@ import pytest
 
 from ksb.catalog.model import DIALOG_TIMER, END_DIALOG, ERROR, CatalogView, parse_catalog
 from ksb.clock import ManualClock
-from ksb.dialog.endpoint import State
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
+from ksb.wire.endpoint import State
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import (
     BeginRequest,

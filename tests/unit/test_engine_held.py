@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from ksb.catalog.model import END_DIALOG, CatalogView, parse_catalog
-from ksb.dialog.endpoint import State
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
 from ksb.transmission.links import QUEUE_DISABLED, delivery_problem, route_for
+from ksb.wire.endpoint import State
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import EndRequest, InboundMessage, QueueMessage
 from tests.unit.factories import transmission_queue

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from ksb.catalog.model import END_DIALOG, ERROR, CatalogView, parse_catalog
-from ksb.dialog.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
+from ksb.wire.endpoint import Endpoint, State, decode_endpoint, encode_endpoint
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import (
     BeginRequest,

@@ -9,16 +9,16 @@ from typing import Literal
 
 import pytest
 
-from ksb.activation.external import (
-    ActivationEvent,
-    ActivationPlanner,
-    ExternalActivatorConfig,
-    load_config,
-    parse_event,
-)
+from ksb.activation.external import ActivationPlanner, ExternalActivatorConfig, load_config
 from ksb.backoff import Backoff
 from ksb.errors import CatalogError, ProtocolError
 from ksb.settings import ExternalActivatorSettings
+from ksb.wire.activation import (
+    ActivationEvent,
+    BrokerQueueDisabled,
+    QueueActivation,
+    parse_activation_event,
+)
 from services.external_activator.service import ReaderSupervisor, build_app
 
 INSTANCE = "i1"
@@ -36,7 +36,8 @@ def event(
     queue: str = "Q",
     instance: str = INSTANCE,
 ) -> ActivationEvent:
-    return ActivationEvent(kind, instance, queue, "runnable work", 1)
+    made = QueueActivation if kind == "QUEUE_ACTIVATION" else BrokerQueueDisabled
+    return made(instance=instance, queue=queue, reason="runnable work", event_ms=1)
 
 
 # -- configuration ---------------------------------------------------------------------------
@@ -88,8 +89,8 @@ def test_parse_event_reads_what_the_activation_service_writes() -> None:
             "event_ms": 42,
         }
     ).encode()
-    assert parse_event(raw) == ActivationEvent(
-        "QUEUE_ACTIVATION", INSTANCE, "Q", "first message", 42
+    assert parse_activation_event(raw) == QueueActivation(
+        instance=INSTANCE, queue="Q", reason="first message", event_ms=42
     )
 
 
@@ -106,7 +107,7 @@ def test_parse_event_reads_what_the_activation_service_writes() -> None:
 )
 def test_malformed_events_are_protocol_errors(raw: bytes) -> None:
     with pytest.raises(ProtocolError):
-        parse_event(raw)
+        parse_activation_event(raw)
 
 
 # -- QUEUE_ACTIVATION: one more, never beyond max --------------------------------------------

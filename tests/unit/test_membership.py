@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.membership import Membership, message_id
 from ksb.dialog.outputs import Inflight
+from ksb.wire.endpoint import Endpoint
 from tests.unit.endpoints import make_endpoint
 
 

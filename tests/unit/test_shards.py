@@ -16,11 +16,11 @@ import msgspec
 import pytest
 
 from ksb.catalog.model import END_DIALOG, CatalogView, parse_catalog
-from ksb.dialog.endpoint import State
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
 from ksb.dialog.shards import Ownership, colocated_group
 from ksb.sdk.groups import GroupDirectory
+from ksb.wire.endpoint import State
 from ksb.wire.partitioning import shard_of, target_handle
 from ksb.wire.protocol import (
     AnyRequest,

@@ -9,12 +9,12 @@ from ksb.catalog.model import CatalogView, parse_catalog
 from ksb.transmission.links import (
     ROUTE_EXPIRED,
     Headers,
-    LinkEvent,
     Packet,
     Peers,
     route_for,
     route_problem,
 )
+from ksb.wire.links import LinkEvent, LinkEventKind
 from ksb.wire.protocol import AckRecord, InboundMessage
 from tests.unit import factories
 from tests.unit.factories import transmission_queue
@@ -80,17 +80,15 @@ def test_packet_headers_round_trip_and_foreign_records_are_refused() -> None:
 
 
 def _event(
-    kind: str, dest: str = "B", until: int | None = None, reason: str | None = None
+    kind: LinkEventKind, dest: str = "B", until: int | None = None, reason: str | None = None
 ) -> LinkEvent:
-    return LinkEvent.model_validate(
-        {
-            "destination": dest,
-            "kind": kind,
-            "address": "x:1",
-            "event_ms": T0,
-            "suppressed_until_ms": until,
-            "reason": reason,
-        }
+    return LinkEvent(
+        destination=dest,
+        kind=kind,
+        address="x:1",
+        event_ms=T0,
+        suppressed_until_ms=until,
+        reason=reason,
     )
 
 

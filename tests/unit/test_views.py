@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.views import ONE_SIDED_GRACE_MS, endpoint_row, leaked
+from ksb.wire.endpoint import Endpoint, State
 from tests.unit.endpoints import make_endpoint
 
 NOW = 1_700_000_000_000

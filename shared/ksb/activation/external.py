@@ -22,28 +22,23 @@ and feeds the counts in, so the rules below are unit-tested in milliseconds.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ksb.backoff import Backoff, FailureHold
-from ksb.errors import CatalogError, ProtocolError
+from ksb.errors import CatalogError
+from ksb.wire.activation import ActivationEvent, BrokerQueueDisabled
 
 __all__ = [
-    "ActivationEvent",
     "ActivationPlanner",
     "ExternalActivatorConfig",
     "QueueReaders",
     "StartDecision",
     "load_config",
-    "parse_event",
 ]
-
-EventKind = Literal["QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED"]
 
 
 class QueueReaders(BaseModel):
@@ -84,38 +79,6 @@ def load_config(path: str | Path) -> ExternalActivatorConfig:
             f"{'.'.join(str(x) for x in e['loc']) or '(top)'}: {e['msg']}" for e in exc.errors()
         )
         raise CatalogError(f"external activator config {p}: {problems}") from exc
-
-
-@dataclass(frozen=True)
-class ActivationEvent:
-    """One record of ``ksb.<instance>.activation``, as the activation service writes it."""
-
-    kind: EventKind
-    instance: str
-    queue: str
-    reason: str
-    event_ms: int
-
-
-def parse_event(raw: bytes | str) -> ActivationEvent:
-    """Decode a record; anything not of the documented shape is a `ProtocolError` with the reason."""
-    try:
-        data: Any = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"activation event is not JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ProtocolError("activation event is not a JSON object")
-    if data.get("v") != 1:
-        raise ProtocolError(f"activation event version {data.get('v')!r} is not 1")
-    kind = data.get("kind")
-    if kind not in ("QUEUE_ACTIVATION", "BROKER_QUEUE_DISABLED"):
-        raise ProtocolError(f"activation event kind {kind!r} is unknown")
-    instance, queue, event_ms = data.get("instance"), data.get("queue"), data.get("event_ms")
-    if not isinstance(instance, str) or not isinstance(queue, str) or not queue:
-        raise ProtocolError("activation event lacks instance or queue")
-    if not isinstance(event_ms, int) or isinstance(event_ms, bool):
-        raise ProtocolError("activation event lacks an integer event_ms")
-    return ActivationEvent(kind, instance, queue, str(data.get("reason", "")), event_ms)
 
 
 @dataclass(frozen=True)
@@ -167,7 +130,7 @@ class ActivationPlanner:
         state = self._states.get(event.queue)
         if state is None:
             return StartDecision(event.queue, 0, "queue not configured")
-        if event.kind == "BROKER_QUEUE_DISABLED":
+        if isinstance(event, BrokerQueueDisabled):
             state.disabled = True
             return StartDecision(event.queue, 0, "queue disabled")
         state.disabled = False

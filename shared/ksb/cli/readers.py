@@ -16,7 +16,6 @@ from typing import Any
 from confluent_kafka import Message
 
 from ksb.catalog.model import CatalogView
-from ksb.dialog.endpoint import Endpoint, decode_endpoint
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -28,6 +27,7 @@ from ksb.sdk.fetch import RecordFetcher
 from ksb.sdk.queue_index import QueueIndex, pack_position
 from ksb.settings import KsbSettings
 from ksb.wire.depth import QueueDepth, parse_depth
+from ksb.wire.endpoint import Endpoint, decode_endpoint
 from ksb.wire.protocol import (
     CommitOutcome,
     DeadLetterRecord,

@@ -26,11 +26,11 @@ from ksb.cli.readers import (
     read_transmission,
     ready_messages,
 )
-from ksb.dialog.endpoint import State
 from ksb.dialog.views import endpoint_row, leaked
 from ksb.errors import KsbError
 from ksb.names import Names
 from ksb.runtime import kafka
+from ksb.wire.endpoint import State
 from ksb.wire.protocol import QueueMessage, ReplayRequest, dumps, to_dict
 
 __all__: list[str] = []

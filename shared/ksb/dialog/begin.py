@@ -9,11 +9,11 @@ when it is created and never changes.
 
 from __future__ import annotations
 
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.shards import colocated_group
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.errors import CatalogError, ConversationError
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import BeginRequest
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Mapping
 
-from ksb.dialog.endpoint import Endpoint
+from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import QueueMessage
 
 __all__ = ["CounterScan", "durable_change"]

@@ -9,11 +9,11 @@ and its conversation ends WITH ERROR. An operator can replay it into the queue (
 from __future__ import annotations
 
 from ksb.dialog.end import end
-from ksb.dialog.endpoint import State
 from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError
+from ksb.wire.endpoint import State
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
     DeadLetterRecord,

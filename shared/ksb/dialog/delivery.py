@@ -14,11 +14,11 @@ from __future__ import annotations
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog import membership
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.outputs import Inflight, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import VALIDATION_CODE, parse_error_body
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import InboundMessage, QueueMessage, encode_body, new_id
 

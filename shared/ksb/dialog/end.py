@@ -12,11 +12,11 @@ from __future__ import annotations
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.delivery import drop_queued, enqueue, transmit
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.send import must_park
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import error_body
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.protocol import EndRequest
 
 __all__ = ["end"]

@@ -24,7 +24,6 @@ from ksb.dialog.begin import begin
 from ksb.dialog.counters import CounterScan, durable_change
 from ksb.dialog.dead_letters import dead_letter, replay
 from ksb.dialog.end import end
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.fences import Fences
 from ksb.dialog.membership import Membership
 from ksb.dialog.outputs import Inflight, Outputs, QueueWrite
@@ -37,6 +36,7 @@ from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, set_timer
 from ksb.errors import KsbError, ProtocolError
 from ksb.wire.depth import QueueDepth
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
     AnyRequest,

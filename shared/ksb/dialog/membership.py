@@ -25,8 +25,8 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping
 
 from ksb.catalog.model import DIALOG_TIMER, END_DIALOG, ERROR
-from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.outputs import Inflight
+from ksb.wire.endpoint import Endpoint
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import QueueMessage
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ksb.dialog.endpoint import Endpoint
+from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import (
     AckRecord,
     CommitOutcome,

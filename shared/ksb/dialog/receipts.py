@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
-from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.fences import check_token
 from ksb.dialog.outputs import Outputs, QueueWrite
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError, KsbError
+from ksb.wire.endpoint import Endpoint
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import (
     Action,

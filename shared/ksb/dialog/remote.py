@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping
 
 from ksb.catalog.model import ERROR
 from ksb.dialog.delivery import accept, transmit
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import CONTRACT_REFUSED, error_body
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import AckRecord, ErrorRecord, InboundMessage
 

@@ -13,11 +13,11 @@ from ksb.catalog.model import ERROR, MessageType
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.begin import ensure_target
 from ksb.dialog.delivery import drop_queued, enqueue, transmit
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import VALIDATION_CODE, VALIDATION_ERROR, error_body
 from ksb.errors import ConversationError, ValidationFailed
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.protocol import SendRequest
 
 __all__ = ["fail_dialog", "must_park", "send"]

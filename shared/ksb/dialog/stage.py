@@ -10,11 +10,11 @@ and never touch it.
 
 from __future__ import annotations
 
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.outputs import Inflight, Outputs
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.protocol import InboundMessage
 
 __all__ = ["Stage"]

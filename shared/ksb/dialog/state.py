@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from ksb.catalog.model import CatalogView
-from ksb.dialog.endpoint import Endpoint
 from ksb.dialog.outputs import Inflight
 from ksb.dialog.permissions import Permissions
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.shards import Ownership
+from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import InboundMessage
 
 __all__ = ["DialogState", "WaitingMessages"]

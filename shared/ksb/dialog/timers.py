@@ -14,11 +14,11 @@ import heapq
 
 from ksb.catalog.model import DIALOG_TIMER, ERROR
 from ksb.dialog.delivery import drop_queued, enqueue
-from ksb.dialog.endpoint import Endpoint, State
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.dialog.system_messages import LIFETIME_EXPIRED, error_body
 from ksb.errors import ConversationError
+from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.protocol import TimerRequest
 
 __all__ = ["Timers", "fire", "set_timer"]

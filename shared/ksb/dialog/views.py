@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from ksb.dialog.endpoint import Endpoint, State
+from ksb.wire.endpoint import Endpoint, State
 
 __all__ = [
     "ONE_SIDED_GRACE_MS",

@@ -17,7 +17,7 @@ from typing import Any
 import redis
 from confluent_kafka import KafkaError, Message
 
-from ksb.audit import Audit, AuditEvent, BatchedAudit, KafkaAudit
+from ksb.audit import Audit, BatchedAudit, KafkaAudit
 from ksb.errors import KsbError, LockLost, LockStoreUnavailable, NotAuthorized
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -28,6 +28,7 @@ from ksb.sdk.groups import GroupDirectory
 from ksb.sdk.locks import Lease
 from ksb.sdk.reader import QueueReader
 from ksb.settings import ClientSettings
+from ksb.wire.audit import AuditEvent
 from ksb.wire.protocol import (
     Action,
     BeginRequest,

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any
 
 from ksb.catalog.model import CatalogView, Route
 from ksb.transmission.suppression import Suppression
+from ksb.wire.links import LinkEvent, LinkEventKind
 
 __all__ = [
     "LOCAL_ADDRESS",
@@ -126,23 +125,6 @@ def route_for(
         if expires is None or now_ms < expires:
             return route
     return None
-
-
-LinkEventKind = Literal["connected", "failed", "disconnected", "closed"]
-
-
-class LinkEvent(BaseModel):
-    """A change of one connection, written by the transport to ``links`` for the transmitter."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    destination: str
-    kind: LinkEventKind
-    address: str
-    event_ms: int
-    suppressed_until_ms: int | None = None
-    """No attempt before this (failed, disconnected); None when nothing is suppressed."""
-    reason: str | None = None
 
 
 @dataclass
