@@ -10,7 +10,6 @@ latest record per key is current and a replay rewrites the same absolute figures
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -22,6 +21,7 @@ from confluent_kafka import Producer
 
 from ksb.spark.exporter import SlaExporter
 from ksb.spark.queue_audit import ORDERING_COLUMNS, SLA_COLUMNS
+from ksb.wire.sla import encode_sla_row
 
 __all__ = ["OUTPUTS", "BatchSinks", "row_key", "split_rows"]
 
@@ -93,5 +93,5 @@ class BatchSinks:
         if self.producer is None:
             return
         for r in rows:
-            value = json.dumps({"type": name, "batch_id": batch_id, **r}, default=str)
-            self.producer.produce(self.topic, key=row_key(name, r).encode(), value=value.encode())
+            value = encode_sla_row(name, batch_id, r)
+            self.producer.produce(self.topic, key=row_key(name, r).encode(), value=value)
