@@ -1,18 +1,23 @@
 """The documents name real code, link to real places, and say what the code does.
 
 ARCHITECTURE.md, the README and docs/ tell a newcomer where each rule lives and how to talk to
-KSB; a rename that leaves them pointing at nothing, or a link to a moved section, would send the
-next reader to the wrong place, so each of those fails here. The checks are cheap (text and
-imports only).
+KSB; a rename that leaves them pointing at nothing, a link to a moved section, or a protocol page
+that drifts from the records would send the next reader to the wrong place, so each of those
+fails here. The checks are cheap (text and imports only); the kcat example itself is run against a
+real broker by tests/integration/test_protocol_kcat.py.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from pathlib import Path
 
 import pytest
+
+from ksb.dialog.receipts import outcome_key
+from ksb.wire.protocol import CommitOutcome, Wire
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [
@@ -124,3 +129,53 @@ def test_the_readme_is_short() -> None:
         f"README.md has {lines} lines (at most {README_MAX_LINES}): dated runs go to "
         "docs/benchmarks.md, how-tos to docs/"
     )
+
+
+def _commit_outcomes() -> str:
+    text = _text("docs/protocol.md")
+    return text.split("**Commit outcomes.**", 1)[1].split("\n### ", 1)[0]
+
+
+def test_protocol_keys_commit_outcomes_as_the_dispatcher_does() -> None:
+    section = _commit_outcomes()
+    assert f"`{outcome_key('<group>')}`" in section
+    assert "commit/<request_id>" not in _text("docs/protocol.md")
+
+
+def test_protocol_documents_every_commit_outcome_field() -> None:
+    section = _commit_outcomes()
+    own = [f for f in CommitOutcome.__struct_fields__ if f not in Wire.__struct_fields__]
+    missing = [f for f in own if f"`{f}`" not in section]
+    assert not missing, f"docs/protocol.md, Commit outcomes, lacks {missing}"
+
+
+def _kcat_section() -> str:
+    return _text("docs/protocol.md").split("\n## kcat example", 1)[1]
+
+
+def _request(script: str, kind: str) -> dict[str, object]:
+    """The example's `kind` request, its shell-quoted variables made plain."""
+    for line in script.splitlines():
+        found = re.search(r"'(\{.*\})'", line)
+        if found is None:
+            continue
+        value = re.sub(r"'\"\$\w+\"'", "x", found.group(1))
+        record: dict[str, object] = json.loads(value)
+        if record.get("kind") == kind:
+            return record
+    raise AssertionError(f"the kcat example has no {kind!r} request")
+
+
+def test_the_kcat_examples_grants_are_what_the_dispatcher_checks() -> None:
+    """SEND on the service a BEGIN starts from (`ksb.dialog.permissions`), RECEIVE on the queue
+    its receipt names: the grants the example lists must be those."""
+    section = _kcat_section()
+    sends = re.findall(r"^GRANT SEND ON SERVICE::\[(.+?)\] TO \[(.+?)\]$", section, re.M)
+    receives = re.findall(r"^GRANT RECEIVE ON \[(.+?)\] TO \[(.+?)\]$", section, re.M)
+    begin = _request(section, "begin")
+    commit = _request(section, "commit")
+    receipt = commit["receipt"]
+    assert isinstance(receipt, dict)
+    assert [s for s, _ in sends] == [begin["from_service"]]
+    assert [q for q, _ in receives] == [receipt["queue"]]
+    assert {p for _, p in sends + receives} == {"kcat-app"}
