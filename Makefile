@@ -71,7 +71,7 @@ test-unit: $(STAMP_PY)
 test-integration: setup $(STAMP_SPARK)
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
 
-# Long mode of the reliability checks (README "Reliability"): hypothesis feeds 10,000 inputs to
+# Long mode of the reliability checks (docs/reliability.md): hypothesis feeds 10,000 inputs to
 # each decoder and the reference model runs more and longer sequences against the engine; then
 # atheris runs FUZZ_RUNS inputs per decoder. No Kafka: everything here is pure. The long reference
 # model takes about 3 minutes alone, more beside other work: past pyproject's 300 s per test.
@@ -87,7 +87,7 @@ $(STAMP_FUZZ): $(STAMP_PY)
 bench: setup $(STAMP_SPARK)
 	$(PY) -m bench $(BENCH_ARGS)
 
-# The chaos harness (README "Chaos harness"): rounds of cross-instance traffic while a seeded
+# The chaos harness (docs/reliability.md): rounds of cross-instance traffic while a seeded
 # schedule kills and pauses every service and reader, Kafka and Redis, and cuts the link; exits 1
 # naming the seed of any round that broke an invariant. CHAOS_ARGS passes options through:
 # make chaos CHAOS_ARGS='--rounds 2 --messages 2000 --seed 42'

@@ -156,7 +156,7 @@ def _check_side(
         if key is not None:
             received[key] += 1
         if got.message_type_name in _UNSEQUENCED:
-            continue  # ordered by class, ahead of the sequence (README, "Reliability")
+            continue  # ordered by class, ahead of the sequence (docs/reliability.md)
         prev = last_seq.get(got.conversation_handle)
         if prev is not None and got.message_sequence_number <= prev[0]:
             verdict.add(

@@ -137,7 +137,7 @@ class Progress:
 def _drive(owner: Deployment, workload: Workload, handles: list[str], errors: list[str]) -> None:
     """BEGIN every dialog, then SEND every request round-robin over them, all at once (Kafka
     holds what the dispatchers have not applied yet; the SDK's back-pressure is off: see
-    README "Chaos harness")."""
+    docs/reliability.md, "Not covered")."""
     settings = owner.model_copy(update={"max_inflight_requests": 0})
     try:
         with KsbClient(settings) as client:

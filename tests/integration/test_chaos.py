@@ -3,7 +3,7 @@
 The harness starts its own stack (it kills Kafka and Redis, so it must not touch the session's):
 a round of 400 requests over 150 dialogs across instances A, B and the forwarder F, hit once by
 every kind of fault (`FaultKind`), the killed broker included, then every invariant checked on
-what Kafka recorded (`devtools.chaos`; README, "Chaos harness"). One round, not two as until
+what Kafka recorded (`devtools.chaos`; docs/reliability.md, "Chaos harness"). One round, not two as until
 2026-11-26: a round takes one to two minutes and `make test` was near its 30 minutes; `make chaos` runs
 as many as asked. A fixed seed keeps
 the schedule the same from run to run; the failure message names the seed of a round that broke,
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.integration
 SEED = 1414
 KINDS = tuple(FaultKind)
 """Every kind. After a broker restart a dispatcher can still block for good in librdkafka's
-send_offsets_to_transaction (README, "Chaos harness", what it found); its watchdog ends it after
+send_offsets_to_transaction (docs/reliability.md, "What the harness found"); its watchdog ends it after
 `KSB_STUCK_TXN_S` and the harness starts it again, as a deployment's supervisor would, so a round
 with the broker kill takes about two minutes instead of one."""
 

@@ -407,7 +407,7 @@ def add_principal(admin: KsbSettings, store: CredentialStore, name: str) -> tupl
 
 def rotate_password(admin: KsbSettings, store: CredentialStore, name: str) -> str:
     """A new password for `name`, in Kafka, Redis and the store (in that order). New
-    connections need the new one at once; open ones keep working (see the README)."""
+    connections need the new one at once; open ones keep working (docs/security.md)."""
     check_principal(name)
     client = kafka.admin(admin)
     if name not in _existing_users(client, [name]):
