@@ -60,7 +60,7 @@ _TRANSIENT_CODES = frozenset(
 )
 
 _THREAD = re.compile(r"^\[thrd:[^\]]*\]: ")
-_AFTER = re.compile(r"\s*\((after \d+ms in state \w+|\d+ identical error\(s\) suppressed)[^)]*\)")
+_AFTER = re.compile(r"\s*\(after \d+ms in state \w+(, \d+ identical error\(s\) suppressed)?\)")
 _NUMBER = re.compile(r"\d+")
 
 
