@@ -21,6 +21,14 @@ in the thread that serves the client (``poll``, ``consume``, ``flush``), so libr
 threads never call Python. An AdminClient is served only by its ``poll``: `ksb.runtime.kafka`
 calls it where it waits on one; a client never served keeps its lines until it is destroyed,
 and they are then dropped (what went wrong reaches the caller as the call's own error).
+
+What an error callback changes. A consumer without one gets librdkafka's client-wide errors (a
+transport failure, all brokers down) back from ``poll``/``consume`` as error records; with one,
+those go to the callback, and only a partition's own errors (authorization refused, unknown
+topic, end of partition) still come as records. So a loop that raised on any error record
+(`ksb.runtime.kafka.read_to_end`, the dispatcher's rebuild, the SDK's read-back) now rides out
+a broker restart until its own deadline, and one that logged each (the ack relay) no longer
+repeats the callback's line on every pass.
 """
 
 from __future__ import annotations
