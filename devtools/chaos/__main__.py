@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / "var" / "chaos")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every fault as it hits")
     args = parser.parse_args(argv)
+    if not 1 <= args.dialogs <= args.messages:  # said now, not after the stack has started
+        parser.error("--dialogs must be at least 1 and at most --messages (one request each)")
     # SIGTERM (`timeout`, CI) unwinds like Ctrl-C, so every process this run started is stopped.
     signal.signal(signal.SIGTERM, _interrupt)
     logging.basicConfig(

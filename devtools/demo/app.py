@@ -7,13 +7,19 @@ dispatchers, applies their catalogs, and runs the two scenarios: order processin
 exit code says whether it all worked: every message, reply and `CLOSED` endpoint there, every
 shard owned, every service still running.
 
+The console shows progress and the summary only: each service logs to its own file under
+``<workdir>/logs/``, and so does the demo itself (``demo.log``: its own Kafka clients' lines,
+`ksb.runtime.kafka_logs`), which it names when something failed.
+
 Ctrl-C (or SIGTERM) at any moment stops the services, then the stack: nothing is left running.
 """
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
+from pathlib import Path
 
 from devtools.demo.common import INSTANCE, INSTANCE_B, say
 from devtools.demo.cross_instance import STOCK_CLIENT, WAREHOUSE, run_cross_instance
@@ -53,6 +59,8 @@ def demo(opts: DemoOptions) -> int:
     catalog, catalog_b = load_catalog_file(opts.catalog), load_catalog_file(opts.catalog_b)
     check_catalogs(catalog, catalog_b)
     guard_workdir(opts.workdir)
+    logs = opts.workdir / "logs"
+    _log_to(logs / "demo.log")
     say(f"starting the local stack (Kafka + Redis) under {opts.workdir}")
     t0 = time.perf_counter()
     stack = start_stack(opts.workdir / "stack", timeout_s=120, stop_at_exit=True)
@@ -87,7 +95,6 @@ def demo(opts: DemoOptions) -> int:
             say(
                 f"  security: {stack.security.protocol}, principals and ACLs of both instances made"
             )
-        logs = opts.workdir / "logs"
         # The first instance's dispatchers share its shards; every other service runs once.
         pool = dispatcher_pool(settings, opts.dispatchers, logs)
         others = [n for n in available_services() if n != "dispatcher"]
@@ -121,7 +128,7 @@ def demo(opts: DemoOptions) -> int:
             if dead:
                 say(f"service(s) exited during the demo: {', '.join(dead)}")
             ok = outcome.ok and cross.ok and _settles(pool) and not dead
-            say("demo OK" if ok else "demo FAILED")
+            say("demo OK" if ok else f"demo FAILED; the logs are in {logs}")
             if opts.keep_running:
                 print_env(stack, settings)
                 if not wait_until_interrupted(services):
@@ -133,6 +140,18 @@ def demo(opts: DemoOptions) -> int:
         say("stopping the stack")
         stack.stop()
         (opts.workdir / "demo.pid").unlink(missing_ok=True)
+
+
+def _log_to(path: Path) -> None:
+    """The demo process's own log records go to `path`, as each service's go to its own file,
+    so that the console keeps to progress and the summary."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        filename=path,
+        level=logging.INFO,
+        format="%(asctime)s demo %(name)s %(levelname)s %(message)s",
+        force=True,
+    )
 
 
 def _settles(pool: DispatcherPool, timeout_s: float = 30) -> bool:

@@ -81,7 +81,8 @@ class KsbSettings(BaseModel):
     session_timeout_ms: int = Field(6_000, ge=500)
     kafka_debug: str = Field("", pattern=r"^[a-z,]*$")
     """librdkafka debug contexts for consumer-group members (``cgrp``: every heartbeat and
-    assignment, to stderr); empty, off. For diagnosing a group that does not settle."""
+    assignment, logged at DEBUG on ``ksb.kafka.group``, which they turn on); empty, off. For
+    diagnosing a group that does not settle."""
     batch_linger_ms: int = Field(5, ge=0)
     kafka_compression: Literal["none", "lz4", "zstd", "snappy", "gzip"] = "lz4"
     """Every KSB producer's ``compression.type``. lz4 by default: message bodies (XML, JSON)

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from devtools.chaos.__main__ import main as chaos_main
 from devtools.chaos.invariants import Side, check_round, stale_commits
 from devtools.chaos.remedy import CoordinatorWatch, failed_loads
 from devtools.chaos.schedule import FaultKind, draw_schedule
@@ -181,3 +184,11 @@ def test_the_broker_logs_failed_loads_are_found_by_partition() -> None:
         "ERROR Failed to load metadata from __transaction_state-0 with epoch 2 due to ...\n"
     )
     assert failed_loads(text) == ["__consumer_offsets-1", "__transaction_state-0"]
+
+
+def test_more_dialogs_than_messages_is_refused_before_a_stack_starts(tmp_path: Path) -> None:
+    workdir = tmp_path / "chaos"
+    with pytest.raises(SystemExit) as exit_:
+        chaos_main(["--messages", "500", "--workdir", str(workdir)])  # 1,000 dialogs by default
+    assert exit_.value.code == 2
+    assert not workdir.exists()  # nothing started, nothing wiped

@@ -6,7 +6,9 @@ filled (librdkafka's 1 s default stalled readers of a backlog), and use short se
 restarted service rejoins in about a second.
 
 Every client made here logs in through `client_security`, the one place that turns a process's
-settings into its Kafka login, so no client can be made without the process's credentials.
+settings into its Kafka login, so no client can be made without the process's credentials; and
+hands its log lines and errors to Python's logging (`ksb.runtime.kafka_logs`, logger
+``ksb.kafka.<role>``) instead of librdkafka's stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from confluent_kafka.cimpl import NewTopic
 from ksb.catalog.model import Queue
 from ksb.names import Names
 from ksb.runtime.credentials import kafka_login
+from ksb.runtime.kafka_logs import client_log
 from ksb.settings import STICKY_SHARDS, ClientSettings, KsbSettings
 
 __all__ = [
@@ -88,6 +91,7 @@ def producer_conf(
         "linger.ms": settings.batch_linger_ms,
         "message.max.bytes": 8_000_000,
         "compression.type": settings.kafka_compression,
+        **client_log("producer"),
     }
     if transactional_id is not None:
         conf["transactional.id"] = transactional_id
@@ -139,6 +143,7 @@ def consumer(
         "enable.partition.eof": True,
         "topic.metadata.refresh.interval.ms": 5000,
         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
+        **client_log("consumer"),
     }
     conf.update(extra)
     conf.update(client_security(settings, conf["bootstrap.servers"]))
@@ -174,6 +179,7 @@ def group_consumer(
         "fetch.queue.backoff.ms": FETCH_QUEUE_BACKOFF_MS,
         "enable.partition.eof": False,
         "max.poll.interval.ms": rebalance_timeout_ms,  # sent as the member's rebalance timeout
+        **client_log("group", debug=bool(settings.kafka_debug)),
     }
     if settings.kafka_debug:
         conf["debug"] = settings.kafka_debug
@@ -183,7 +189,9 @@ def group_consumer(
 
 
 def admin(settings: KsbSettings) -> AdminClient:
-    conf = {"bootstrap.servers": settings.kafka_bootstrap}
+    """An admin client. Its log lines reach ``ksb.kafka.admin`` only when its ``poll`` is
+    called (`ensure_topics` does); a failed request raises from the call that made it."""
+    conf = {"bootstrap.servers": settings.kafka_bootstrap, **client_log("admin")}
     return AdminClient({**conf, **client_security(settings, settings.kafka_bootstrap)})
 
 
@@ -276,6 +284,7 @@ def ensure_topics(client: AdminClient, specs: Iterable[TopicSpec], timeout_s: fl
         if s.name not in existing
     ]
     if not new:
+        client.poll(0)  # hands over its queued log lines
         return
     for _name, fut in client.create_topics(new, operation_timeout=timeout_s).items():
         try:
@@ -290,6 +299,7 @@ def _wait_for_metadata(client: AdminClient, topics: list[str], timeout_s: float)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         md = client.list_topics(timeout=timeout_s).topics
+        client.poll(0)
         if all(t in md and not md[t].error and md[t].partitions for t in topics):
             return
         time.sleep(0.05)

@@ -34,6 +34,7 @@ from ksb.catalog.model import Catalog, CatalogView
 from ksb.clock import Clock, SystemClock
 from ksb.names import Names
 from ksb.runtime.catalog_store import CatalogWatcher
+from ksb.runtime.log_limits import LIBRARY_LOGGERS, RepeatLimit
 from ksb.runtime.metrics import (
     HEALTHY,
     JsonRoute,
@@ -219,8 +220,12 @@ class ServiceShell:
 
 
 def configure_logging(name: str) -> None:
-    """One line format for every service, with its name, so interleaved logs stay readable."""
+    """One line format for every service, with its name, so interleaved logs stay readable; the
+    client libraries' own loggers (aiokafka's, which logs every reconnect attempt) rate-limited
+    as KSB's Kafka clients are (`ksb.runtime.log_limits`)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RepeatLimit(prefixes=LIBRARY_LOGGERS))
 
 
 EXIT_GRACE_S = 5.0
