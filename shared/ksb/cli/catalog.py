@@ -7,7 +7,10 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from rich.console import RenderableType
+from rich.style import StyleType
 from rich.table import Table
+from rich.text import Text
 
 from ksb.catalog.ddl import parse
 from ksb.catalog.ddl_apply import apply_script
@@ -23,7 +26,7 @@ from ksb.errors import DdlError
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.settings import KsbSettings
 
-__all__ = ["catalog_tables", "store_catalog", "table"]
+__all__ = ["LiteralTable", "catalog_tables", "store_catalog", "table"]
 
 
 def store_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
@@ -54,7 +57,7 @@ def catalog_show(
         echo_json(current.model_dump(mode="json", by_alias=True))
         return
     console = make_console()
-    console.print(f"catalog version {current.version} of instance {settings.instance}")
+    console.print(Text(f"catalog version {current.version} of instance {settings.instance}"))
     for table in catalog_tables(current):
         console.print(table)
 
@@ -141,10 +144,29 @@ def _activation_text(a: Activation) -> str:
     return f"{a.status} {program} readers={a.max_queue_readers} as {a.execute_as}"
 
 
-def table(title: str, *columns: str) -> Table:
-    t = Table(title=title, title_justify="left")
+class LiteralTable(Table):
+    """A table whose text cells are shown as written, never read as rich markup.
+
+    Cells hold names and reasons taken from records: a `not_authorized` reason quotes
+    ``GRANT SEND ON SERVICE::[//t/Initiator]``, which rich would read as a closing tag and refuse
+    (`MarkupError`), and a ``[bold]`` in a name would vanish into a style.
+    """
+
+    def add_row(
+        self,
+        *renderables: RenderableType | None,
+        style: StyleType | None = None,
+        end_section: bool = False,
+    ) -> None:
+        cells = (Text(r) if isinstance(r, str) else r for r in renderables)
+        super().add_row(*cells, style=style, end_section=end_section)
+
+
+def table(title: str, *columns: str) -> LiteralTable:
+    """Title and headers are literal text too: they name queues and record fields."""
+    t = LiteralTable(title=Text(title, style="table.title"), title_justify="left")
     for c in columns:
-        t.add_column(c, overflow="fold")
+        t.add_column(Text(c), overflow="fold")
     return t
 
 

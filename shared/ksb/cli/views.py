@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any
 
 import typer
+from rich.text import Text
 
 from ksb.cli.app import app, cli_settings, dlq_app, echo_json, make_console, queue_app, reported
 from ksb.cli.catalog import table
@@ -74,7 +75,7 @@ def endpoints(
 def _print_rows(title: str, rows: Sequence[dict[str, Any]]) -> None:
     console = make_console()
     if not rows:
-        console.print(f"{title}: none")
+        console.print(Text(f"{title}: none"))
         return
     t = table(f"{title} ({len(rows)})", *rows[0])
     for row in rows:
