@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,12 +29,16 @@ pytestmark = pytest.mark.integration
 INITIATOR, T, C = "//t/Initiator", "//t/Target", "//t/Contract"
 
 
+def operator_env(settings: Deployment) -> dict[str, str]:
+    """The ``KSB_*`` variables of the test instance's operator."""
+    operator = settings.as_service(Role.OPERATOR).narrow(CliSettings)
+    return {k: v for k, v in settings_env(operator).items() if k.startswith("KSB_")}
+
+
 def ksb(settings: Deployment, *args: str) -> Result:
     """Run `ksb ARGS` with the test instance's settings in the environment, as a user would:
     the instance's operator."""
-    operator = settings.as_service(Role.OPERATOR).narrow(CliSettings)
-    env = {k: v for k, v in settings_env(operator).items() if k.startswith("KSB_")}
-    return CliRunner().invoke(app, list(args), env=env)
+    return CliRunner().invoke(app, list(args), env=operator_env(settings))
 
 
 def ok(result: Result) -> str:
@@ -210,3 +217,29 @@ def test_endpoints_leaked_errors_and_queue_peek(
 
     wait_for("the target queue's depth written", lambda: target_depth() == len(ready), 10, 0.2)
     assert "TargetQueue" in ok(ksb(settings, "queue", "depth"))
+
+
+def test_principal_add_by_a_non_admin_is_one_line_not_a_crash(
+    settings: Deployment, tmp_path: Path
+) -> None:
+    """`ksb principal add` as the operator aborted with ``munmap_chunk(): invalid pointer``
+    (exit 134): librdkafka frees a string it does not own when Kafka refuses a SCRAM describe.
+    Run as a real process, since a regression kills the process that runs it."""
+    if not settings.secured:
+        pytest.skip("a stack without ACLs refuses nobody")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KSB_")}
+    command = "from ksb.cli import main; main()"
+    args = ["principal", "add", "erin", "--store", str(tmp_path)]
+    result = subprocess.run(
+        [sys.executable, "-c", command, *args],
+        env={**env, **operator_env(settings)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2, f"exit {result.returncode}: {result.stderr}"
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: this Kafka login may not manage users"), line
+    assert "run it as admin" in line
+    assert list(tmp_path.iterdir()) == []  # no password was generated for a refused command

@@ -139,9 +139,36 @@ def apply_plan(
 
 
 # ----------------------------------------------------------------- users
+_USER_ADMIN = (AclOperation.DESCRIBE, AclOperation.ALTER)
+
+
+def _check_user_admin(client: AdminClient) -> None:
+    """Refuse a login that may not describe and alter SCRAM users before it asks Kafka to.
+
+    Not a courtesy: when a DescribeUserScramCredentials response carries a request-level error,
+    such as the CLUSTER_AUTHORIZATION_FAILED every login but ``admin`` gets, librdkafka (2.16,
+    and its current source) frees an error string it does not own, and the process aborts
+    (``munmap_chunk(): invalid pointer``, exit 134) just after the error reaches Python. So
+    the request is never sent by a login that would be refused. DescribeCluster needs no right
+    and lists the cluster operations this login has (all of them on a broker without an
+    authorizer); DESCRIBE and ALTER on the cluster are what the SCRAM requests are checked for.
+    """
+    cluster = client.describe_cluster(
+        include_authorized_operations=True, request_timeout=TIMEOUT_S
+    ).result(TIMEOUT_S)
+    granted = set(cluster.authorized_operations or ())
+    missing = [op.name for op in _USER_ADMIN if op not in granted]
+    if missing:
+        raise SecurityError(
+            f"this Kafka login may not manage users (it lacks {' and '.join(missing)} on the "
+            "cluster): run it as admin (KSB_KAFKA_USERNAME=admin, KSB_REDIS_USERNAME=admin)"
+        )
+
+
 def _existing_users(client: AdminClient, users: list[str]) -> set[str]:
     if not users:
         return set()
+    _check_user_admin(client)
     found: set[str] = set()
     futures = cast(dict[str, Any], client.describe_user_scram_credentials(users))
     for user, fut in futures.items():
