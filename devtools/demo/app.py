@@ -130,7 +130,7 @@ def demo(opts: DemoOptions) -> int:
             ok = outcome.ok and cross.ok and _settles(pool) and not dead
             say("demo OK" if ok else f"demo FAILED; the logs are in {logs}")
             if opts.keep_running:
-                print_env(stack, settings)
+                print_env(settings, settings_b)
                 if not wait_until_interrupted(services):
                     return EXIT_FAILED
         say(dispatchers_applied(pool))

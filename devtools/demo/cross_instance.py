@@ -361,9 +361,7 @@ def _check_cross(
     problems += [f"error record: {r.get('code')}: {r.get('reason')}" for r in facts.errors[:5]]
 
     links = ", ".join(f"{src} -> {dst} {state}" for (src, dst), state in facts.links.items())
-    say(
-        f"  connections: {links}; `ksb transmission` shows them (KSB_INSTANCE={INSTANCE}|{INSTANCE_B})"
-    )
+    say(f"  connections: {links}; `ksb transmission` shows them, as each instance's operator")
     received = sum(len(lines) for lines in stats.lines_received.values())
     summary = (
         f"cross-instance: {n} dialogs {INSTANCE} -> {INSTANCE_B}, {received} messages and "

@@ -25,7 +25,7 @@ from devtools.demo.cross_instance import (
 from devtools.demo.orders import CLIENT_SERVICE, CONTRACT, LINE_ACCEPTED, ORDER_LINE, ORDER_SERVICE
 from devtools.deployment import Deployment
 from devtools.dispatchers import DispatcherPool
-from devtools.localstack import LocalStack, LocalStackError
+from devtools.localstack import LocalStackError
 from devtools.runner import ServiceProcess, stop_all
 from ksb.catalog.model import Catalog
 from ksb.errors import KsbError
@@ -41,12 +41,14 @@ __all__ = [
     "apply_catalogs",
     "available_services",
     "check_catalogs",
+    "cli_hint",
     "defer_interrupts",
     "dispatcher_pool",
     "dispatchers_applied",
     "dispatchers_summary",
     "guard_workdir",
     "interrupt",
+    "operator_login",
     "print_env",
     "report_sla",
     "running_services",
@@ -260,24 +262,52 @@ def report_sla(out_dir: Path, wait_s: float = 40.0) -> None:
     say(f"spark audit job: {len(files)} Parquet file(s) of SLA/audit output under {out_dir}")
 
 
-def print_env(stack: LocalStack, settings: Deployment) -> None:
+# The CLI's login, in the order a reader pastes it; the CA only where there is one.
+_LOGIN_FIELDS = (
+    "kafka_security_protocol",
+    "kafka_username",
+    "kafka_password_file",
+    "redis_username",
+    "redis_password_file",
+    "kafka_ssl_ca",
+)
+
+
+def operator_login(settings: Deployment) -> dict[str, str]:
+    """The ``KSB_*`` variables of `settings`' instance's operator, the login the CLI uses (none on
+    a stack without security). Each instance has its own operator: another instance's may not
+    read this one's Redis keys, so a hint that changes only ``KSB_INSTANCE`` is refused."""
+    operator = settings.as_service(Role.OPERATOR)
+    if not operator.secured:
+        return {}
+    values = {f"KSB_{name.upper()}": str(getattr(operator, name)) for name in _LOGIN_FIELDS}
+    return {name: value for name, value in values.items() if value}
+
+
+def cli_hint(settings: Deployment, settings_b: Deployment) -> list[str]:
+    """What `print_env` prints: exports for the first instance, a command for the second."""
+    first = {
+        "KSB_INSTANCE": settings.instance,
+        "KSB_KAFKA_BOOTSTRAP": settings.kafka_bootstrap,
+        "KSB_REDIS_URL": settings.redis_url,
+        **operator_login(settings),
+    }
+    second = {"KSB_INSTANCE": settings_b.instance, **operator_login(settings_b)}
+    return [
+        "To use the ksb CLI against this instance, export:",
+        *(f"  export {name}={value}" for name, value in first.items()),
+        "then e.g. `ksb endpoints --leaked` or `ksb errors`.",
+        f"The second instance, {settings_b.instance}, has its own operator; e.g.:",
+        *(f"  {name}={value} \\" for name, value in second.items()),
+        "  ksb transmission",
+    ]
+
+
+def print_env(settings: Deployment, settings_b: Deployment) -> None:
     say("")
     say("The stack and services keep running; press Ctrl-C to stop them all.")
-    say("To use the ksb CLI against this instance, export:")
-    say(f"  export KSB_INSTANCE={settings.instance}")
-    say(f"  export KSB_KAFKA_BOOTSTRAP={stack.kafka_bootstrap}")
-    say(f"  export KSB_REDIS_URL={stack.redis_url}")
-    operator = settings.as_service(Role.OPERATOR)
-    if operator.secured:  # the CLI logs in as the instance's operator
-        say(f"  export KSB_KAFKA_SECURITY_PROTOCOL={operator.kafka_security_protocol}")
-        say(f"  export KSB_KAFKA_USERNAME={operator.kafka_username}")
-        say(f"  export KSB_KAFKA_PASSWORD_FILE={operator.kafka_password_file}")
-        say(f"  export KSB_REDIS_USERNAME={operator.redis_username}")
-        say(f"  export KSB_REDIS_PASSWORD_FILE={operator.redis_password_file}")
-        if operator.kafka_ssl_ca:
-            say(f"  export KSB_KAFKA_SSL_CA={operator.kafka_ssl_ca}")
-    say("then e.g. `ksb endpoints --leaked` or `ksb errors`;")
-    say(f"KSB_INSTANCE={INSTANCE_B} for the second instance, e.g. `ksb transmission`.")
+    for line in cli_hint(settings, settings_b):
+        say(line)
     sys.stdout.flush()
 
 
