@@ -1,7 +1,8 @@
 """Where RECEIVE gets message bodies from: a small cache of records, else Kafka by offset.
 
 The queue index keeps no bodies (`ksb.sdk.queue_index`), so RECEIVE reads the records it returns.
-Two sources, measured against each other on this machine (README, "Reader memory"):
+Two sources, measured against each other on this machine when this module was written (the
+later read-back runs: docs/benchmarks.md, "a reader behind its body cache"):
 
 * reading the records back from the queue topic by partition and offset (`ksb.sdk.fetch`): a
   fetch after a seek costs a broker round trip, ~5 ms here (p90 ~10 ms), where a record in
