@@ -15,7 +15,7 @@ STAMP_APT := $(CACHE)/.apt
 STAMP_FUZZ := $(VENV)/.fuzz-installed
 FUZZ_RUNS ?= 10000
 
-.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean
+.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean proto
 
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
 
@@ -117,3 +117,12 @@ report: setup $(STAMP_SPARK)
 
 clean:
 	rm -rf var $(CACHE) infra/kafka/assignor/target
+
+# The queue service's API (proto/) as Python: generated code and typed stubs, committed, so an
+# install needs no protoc; tests/unit/test_proto.py fails when they are not current.
+PROTO := proto/ksb/api/queue/v1/queue.proto
+proto: $(STAMP_PY)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=shared --grpc_python_out=shared \
+	    --mypy_out=shared --mypy_grpc_out=shared \
+	    --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
+	    --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc $(PROTO)

@@ -49,12 +49,14 @@ from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.principals import ADMIN
 from ksb.settings import ActivatedTaskSettings, ActivationSettings, KsbSettings, settings_env
 from ksb.wire.protocol import QueueMessage
-from services.activation.service import ActivationService, QueueWatch
+from services.activation.launcher import ActivationHooks
+from services.activation.service import ActivationService
+from services.activation.watch import QueueWatch
 
 __all__ = [
     "ActivationOptions",
     "ActivationResult",
-    "RecordingActivationService",
+    "RecordingHooks",
     "activation_catalog",
     "format_lines",
     "run_activation",
@@ -171,31 +173,25 @@ def work(tx: Transaction, messages: list[QueueMessage]) -> None:
 
 
 # --------------------------------------------------------------------------- the recording monitor
-class RecordingActivationService(ActivationService):
-    """The activation service, also recording in Redis when it starts a task (and why) and when
-    it reaps one."""
+class RecordingHooks(ActivationHooks):
+    """Records in Redis when the activation service starts a task (and why) and when it reaps
+    one: what the bench reads its figures from."""
+
+    def __init__(self, settings: ActivationSettings) -> None:
+        self._settings = settings
 
     @functools.cached_property
     def bench_redis(self) -> redis.Redis:
-        return _harness_redis(self.settings)
+        return _harness_redis(self._settings)
 
-    def _act(self, w: QueueWatch, d: Decision) -> bool:
-        before, at_ms = set(w.tasks), _now_ms()
-        started = super()._act(w, d)
-        keys = _Keys(self.settings.instance)
-        for task in set(w.tasks) - before:
-            row = {"ms": at_ms, "reason": d.reason, "running": len(w.tasks)}
-            self.bench_redis.hset(keys.activated, task, json.dumps(row))
-        return started
+    def started(self, w: QueueWatch, task_id: str, decision: Decision) -> None:
+        row = {"ms": _now_ms(), "reason": decision.reason, "running": len(w.tasks)}
+        keys = _Keys(self._settings.instance)
+        self.bench_redis.hset(keys.activated, task_id, json.dumps(row))
 
-    def _reap(self, w: QueueWatch) -> bool:
-        before = set(w.tasks)
-        exited = super()._reap(w)
-        gone = before - set(w.tasks)
-        if gone:
-            keys = _Keys(self.settings.instance)
-            self.bench_redis.hset(keys.exited, mapping=dict.fromkeys(gone, _now_ms()))
-        return exited
+    def exited(self, w: QueueWatch, task_ids: list[str]) -> None:
+        keys = _Keys(self._settings.instance)
+        self.bench_redis.hset(keys.exited, mapping=dict.fromkeys(task_ids, _now_ms()))
 
 
 def _serve() -> None:
@@ -206,7 +202,8 @@ def _serve() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    RecordingActivationService(ActivationSettings.from_env()).run(stop)
+    settings = ActivationSettings.from_env()
+    ActivationService(settings, hooks=RecordingHooks(settings)).run(stop)
 
 
 def _harness_env(settings: Deployment) -> dict[str, str]:
@@ -215,7 +212,7 @@ def _harness_env(settings: Deployment) -> dict[str, str]:
 
 
 def _start_recording_service(settings: Deployment, log_path: Path) -> ServiceProcess:
-    """`RecordingActivationService` as a child process, driven like any `ServiceProcess`."""
+    """The activation service with `RecordingHooks`, as a child process, driven like any `ServiceProcess`."""
     service = ServiceProcess("activation", settings, log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as out:

@@ -24,7 +24,6 @@ from bench.e2e import TARGET_QUEUE, receive_batch
 from bench.stats import parse_body, peak_rss_kb, rss_kb
 from ksb.errors import KsbError
 from ksb.sdk.client import KsbClient
-from ksb.sdk.reader import QueueReader
 from ksb.settings import ClientSettings
 
 __all__ = ["main"]
@@ -32,14 +31,6 @@ __all__ = ["main"]
 
 _PROGRESS_S = 30.0
 """How often the drain reports how far it got."""
-
-
-def _read_back(reader: QueueReader) -> dict[str, int]:
-    """How often the reader's fetchers seeked, and how many records they read back."""
-    return {
-        "seeks": sum(f.seeks for f in reader.fetchers),
-        "records_read_back": sum(f.records_read for f in reader.fetchers),
-    }
 
 
 def _emit(phase: str, **fields: Any) -> None:
@@ -128,11 +119,10 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
     with KsbClient(settings) as client:
         base = rss_kb()
         started = time.monotonic()
-        reader = client.reader(TARGET_QUEUE)
         deadline = started + a.timeout
-        while reader.index.ready_messages < expected:
+        while (ready := client.queue_state(TARGET_QUEUE).ready_messages) < expected:
             if time.monotonic() > deadline:
-                _emit("failed", reason=f"{reader.index.ready_messages} of {expected} indexed")
+                _emit("failed", reason=f"{ready} of {expected} indexed")
                 return 1
             time.sleep(0.05)
         _emit(
@@ -141,8 +131,7 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
             base_rss_kb=base,
             rss_kb=rss_kb(),
             peak_rss_kb=peak_rss_kb(),
-            ready=reader.index.ready_messages,
-            cache_bytes=reader.bodies.bytes,
+            ready=ready,
         )
         tally = _Drained(expected)
         started = time.monotonic()
@@ -164,7 +153,6 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
                 seconds=time.monotonic() - started,
                 delivered=tally.delivered,
                 receive_errors=tally.receive_errors,
-                **_read_back(reader),
             )
             if time.monotonic() >= drain_deadline:
                 break
@@ -201,7 +189,6 @@ def run(settings: ClientSettings, a: argparse.Namespace) -> int:
             last_receive_error=tally.last_error,
             problems=problems,
             peak_rss_kb=peak_rss_kb(),
-            **_read_back(reader),
         )
     return 0 if not problems else 1
 

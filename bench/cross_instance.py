@@ -210,7 +210,6 @@ def _drain(sa: Deployment, sb: Deployment, o: CrossOptions) -> dict[str, Any]:
     r = redis_client(sa)
     try:
         with KsbClient(sa) as sender, KsbClient(sb) as receiver:
-            receiver.reader(TARGET_QUEUE)
             apply_catalog(sa, cut)
             # The transport closes a connection whose route changed: from then on nothing moves.
             _wait_view(

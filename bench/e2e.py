@@ -347,7 +347,6 @@ def run_ksb(
         KsbClient(settings) as sender,
         KsbClient(receiver_settings or settings) as receiver,
     ):
-        receiver.reader(TARGET_QUEUE)  # build the index and its consumer before the clock starts
         warm_ns = now_ns()
         _probe(sender, receiver, _WARMUP, body_bytes)  # first transactions, connections, metadata
         threads = start_receivers(

@@ -292,11 +292,10 @@ def _fill(sender: KsbClient, handles: list[str], n: int, tag: str) -> None:
 
 def _wait_ready(receiver: KsbClient, n: int, timeout_s: float) -> None:
     """Until the reader's index holds at least ``n`` ready messages (the dispatcher wrote them)."""
-    index = receiver.reader(TARGET_QUEUE).index
     deadline = time.monotonic() + timeout_s
-    while index.ready_messages < n:
+    while (ready := receiver.queue_state(TARGET_QUEUE).ready_messages) < n:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {index.ready_messages} of {n} messages ready in time")
+            raise TimeoutError(f"only {ready} of {n} messages ready in time")
         time.sleep(0.02)
 
 
@@ -313,7 +312,6 @@ def _saturated(
     stop_feeding = threading.Event()
     feeder_error: list[BaseException] = []
     r = _Receiver(receiver, opts.window)
-    index = receiver.reader(TARGET_QUEUE).index
     reader_start_ms = time.time() * 1000
     r.start()
 
@@ -340,7 +338,7 @@ def _saturated(
         probes_start_ms = time.time() * 1000
         for i in range(opts.saturated_probes):
             _send(sender, highs[i % len(highs)], f"sat:{i}")
-            ready_samples.append(index.ready_messages)
+            ready_samples.append(receiver.queue_state(TARGET_QUEUE).ready_messages)
             time.sleep(opts.probe_gap_ms / 1000)
         r.wait_until(
             lambda: r.received.get(10, 0) >= opts.saturated_probes,
@@ -461,7 +459,6 @@ def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> di
         dispatcher.start().wait_ready("dispatcher ready")
         phase("dispatcher_start")
         with KsbClient(settings) as sender, KsbClient(settings) as receiver:
-            receiver.reader(TARGET_QUEUE)  # the index and its consumer, before any clock starts
             highs = [sender.begin_dialog(HIGH, TARGET, CONTRACT) for _ in range(_HIGH_DIALOGS)]
             sender.flush(30)
             idle = _idle(sender, receiver, highs, opts)

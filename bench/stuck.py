@@ -38,7 +38,7 @@ def stuck_report(receiver: KsbClient, queue: str, short: dict[int, tuple[int, st
     except Exception as exc:  # the report must not hide the timeout it explains
         held = behind = f"not known ({exc!r})"
     return (
-        f"{len(short)} dialogs short: {shown}; reader: {receiver.reader(queue).describe()}; "
+        f"{len(short)} dialogs short: {shown}; reader: {receiver.describe()}; "
         f"held back by an open transaction: {held}; not consumed by the dispatchers: {behind}"
     )
 

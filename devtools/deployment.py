@@ -35,6 +35,7 @@ from ksb.settings import (
     ExternalActivatorSettings,
     ForwarderSettings,
     KsbSettings,
+    QueueServiceSettings,
     SparkSettings,
     TransmitterSettings,
     TransportSettings,
@@ -56,6 +57,7 @@ __all__ = [
 
 class Deployment(
     DispatcherSettings,
+    QueueServiceSettings,
     TransmitterSettings,
     TransportSettings,
     ForwarderSettings,
@@ -102,13 +104,18 @@ class Deployment(
         dispatcher also learns the instance's owner (`owner_of`), whom it lets act for every
         service and queue as `secure_instance` let it in Kafka."""
         settings = self.as_principal(service_principal(self.instance, role))
-        if role is Role.DISPATCHER and self.secured and not self.owners:
-            settings = settings.model_copy(update={"owners": owner_of(self.instance)})
+        if role in (Role.DISPATCHER, Role.QUEUE) and self.secured:
+            store = CredentialStore(_path(self.credentials_dir))
+            update = {"lease_key_file": str(store.lease_key(self.instance))}
+            if not self.owners:
+                update["owners"] = owner_of(self.instance)
+            settings = settings.model_copy(update=update)
         return settings
 
 
 SERVICE_SETTINGS: dict[str, type[KsbSettings]] = {
     "services.dispatcher": DispatcherSettings,
+    "services.queue": QueueServiceSettings,
     "services.transmitter": TransmitterSettings,
     "services.transport": TransportSettings,
     "services.forwarder": ForwarderSettings,
@@ -122,6 +129,7 @@ SERVICE_SETTINGS: dict[str, type[KsbSettings]] = {
 
 MODULE_ROLES: dict[str, Role] = {
     "services.dispatcher": Role.DISPATCHER,
+    "services.queue": Role.QUEUE,
     "services.transmitter": Role.TRANSMITTER,
     "services.transport": Role.TRANSPORT,
     "services.forwarder": Role.FORWARDER,

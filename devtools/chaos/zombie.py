@@ -40,11 +40,7 @@ def zombie_commit(settings: Deployment, queue: str, partitions: int, timeout_s: 
         if not msgs or group is None:
             tx.rollback()
             return "skipped: nothing to receive"
-        raw = client.redis.hget(names.lock_key(queue, group), "token")
-        if raw is None:
-            tx.rollback()
-            return "skipped: lock gone at once"
-        token = int(raw)
+        token, lease = tx.token, tx.lease
         ids = tuple(m.message_id for m in msgs)
         # The client closes with the transaction open: nothing renews or releases the lease.
     partition = partition_for(group, partitions)
@@ -59,7 +55,7 @@ def zombie_commit(settings: Deployment, queue: str, partitions: int, timeout_s: 
             return "skipped: no newer holder committed in time"
         req = CommitRequest(
             reader="chaos-zombie",
-            receipt=Receipt(queue=queue, group=group, message_ids=ids, token=token),
+            receipt=Receipt(queue=queue, group=group, message_ids=ids, token=token, lease=lease),
         )
         producer = kafka.producer(settings)
         failed: list[str] = []

@@ -226,8 +226,6 @@ def run_cross_instance(
     interrupted = False
     elapsed = 0.0
     try:
-        client_a.reader(stock_queue)
-        client_b.reader(warehouse_queue)
         threads = [
             threading.Thread(
                 target=guarded,

@@ -234,9 +234,6 @@ def run_dialogs(
     interrupted = False
     elapsed = 0.0
     try:
-        # Readers first, so they follow their queue topics before the first message arrives.
-        initiator.reader(queues[CLIENT_SERVICE])
-        target.reader(queues[ORDER_SERVICE])
         threads = [
             threading.Thread(
                 target=guarded,

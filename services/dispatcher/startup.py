@@ -38,6 +38,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.metrics import BROKER_START_FAILURES, BROKER_STATUS, HEALTHY
 from ksb.runtime.task_handlers import TaskHandlers
+from ksb.security.leases import read_lease_key
 from ksb.settings import DispatcherSettings
 from ksb.wire.protocol import BrokerNotification
 from services.dispatcher.journal import TXN_PRODUCER, JournaledProducer
@@ -155,6 +156,7 @@ class Startup:
             ownership=Ownership(shards, owned=()),
         )
         engine.permissions = permissions_of(s, view)
+        engine.leases = read_lease_key(s.lease_key_file)
         engine.depth_every_ms = s.depth_every_ms
         held = coordinator_shards(
             lambda: kafka.admin(s), self.names.dispatcher_group, self.names.relay

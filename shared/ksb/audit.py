@@ -16,7 +16,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
 
-from ksb.dialog.outputs import Inflight, Outputs
+from ksb.dialog.outputs import Inflight, Outputs, Received
 from ksb.names import Names
 from ksb.wire.audit import BATCH_EVENTS, AuditEvent, AuditKind, encode_batch
 from ksb.wire.protocol import CommitOutcome, QueueMessage
@@ -150,12 +150,14 @@ class Audit:
 def dispatcher_events(out: Outputs, now_ms: int, instance: str) -> list[AuditEvent]:
     """The audit events of one request's outputs, derived after the fact so the engine stays pure.
 
-    enqueue per message written ready; commit per message received (with its time in queue and,
-    when the sender's time is known, end-to-end latency); refused per refused commit; purge per
-    ready message dropped with its closed endpoint; dead_letter per message moved aside; error per
-    error record.
+    enqueue per message written ready; receive per receipt applied under a lease (what its
+    RECEIVE saw, at its time: the queue service sealed it in the lease, so the event is written
+    once, in the transaction that applies the commit, and never for a RECEIVE rolled back);
+    commit per message received (with its time in queue and, when the sender's time is known,
+    end-to-end latency); refused per refused commit; purge per ready message dropped with its
+    closed endpoint; dead_letter per message moved aside; error per error record.
     """
-    events: list[AuditEvent] = []
+    events: list[AuditEvent] = [_receive_event(r, out.received, instance) for r in out.receipts]
     for w in out.queue:
         v = w.value
         if isinstance(v, QueueMessage):
@@ -217,6 +219,26 @@ def dispatcher_events(out: Outputs, now_ms: int, instance: str) -> list[AuditEve
             )
         )
     return events
+
+
+def _receive_event(r: Received, received: list[Inflight], instance: str) -> AuditEvent:
+    c = r.claims
+    first = next((i for i in received if i.message_id in r.message_ids), None)
+    return AuditEvent(
+        kind="receive",
+        event_ms=c.received_ms,
+        instance=instance,
+        queue=c.queue,
+        service=first.service or None if first else None,
+        conversation_handle=first.handle if first else None,
+        group=c.group,
+        priority=c.level,
+        ready_priority=c.ready_level,
+        targeted=c.targeted,
+        message_ids=r.message_ids,
+        count=len(r.message_ids),
+        reader=c.holder,
+    )
 
 
 def _message_event(

@@ -13,11 +13,13 @@ __all__ = [
     "ConversationError",
     "DdlError",
     "KsbError",
+    "LeaseInvalid",
     "LockLost",
     "LockStoreUnavailable",
     "NotAuthorized",
     "ProtocolError",
     "QueueDisabled",
+    "QueueServiceUnavailable",
     "SecurityError",
     "ValidationFailed",
 ]
@@ -123,3 +125,17 @@ class NotAuthorized(KsbError):
     SEND on, a receipt on a queue it was not granted RECEIVE on (`ksb.dialog.permissions`)."""
 
     code = "not_authorized"
+
+
+class LeaseInvalid(KsbError):
+    """A lock lease that the queue service did not issue, or not to this principal for this
+    group: forged, altered, or someone else's (`ksb.security.leases`)."""
+
+    code = "bad_lease"
+
+
+class QueueServiceUnavailable(KsbError):
+    """No replica of the queue service answered (RECEIVE, COMMIT's outcome, ROLLBACK): the
+    transaction holds nothing it did not hold before, and its lock expires by its lease."""
+
+    code = "queue_service_unavailable"

@@ -117,6 +117,10 @@ class Names:
     def queue(self, queue_name: str) -> str:
         return f"{self.prefix}.queue.{queue_name}"
 
+    def queue_of(self, topic: str) -> str:
+        """The queue whose topic `topic` is (the inverse of `queue`)."""
+        return topic.removeprefix(f"{self.prefix}.queue.")
+
     def dead_letters(self, queue_name: str) -> str:
         return f"{self.prefix}.dlq.{queue_name}"
 

@@ -32,6 +32,8 @@ __all__ = [
     "ExternalActivatorSettings",
     "ForwarderSettings",
     "KsbSettings",
+    "QueueClientSettings",
+    "QueueServiceSettings",
     "ServiceSettings",
     "SettingsError",
     "SparkSettings",
@@ -167,21 +169,29 @@ class KsbSettings(BaseModel):
             raise SettingsError(_reasons(exc)) from None
 
 
-class ClientSettings(KsbSettings):
-    """An application using the SDK (`ksb.sdk`): it RECEIVEs under group locks."""
+class QueueClientSettings(KsbSettings):
+    """What a client of the queue service needs: the SDK, activated tasks, the activation
+    service's monitors, the external activator's readers."""
 
-    lock_ttl_ms: int = Field(30_000, ge=100)
-    """A group lock's lease; the reader renews it while its transaction runs."""
-    reader_cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
-    """Records of waiting messages a reader keeps per queue so that RECEIVE need not read them back
-    from Kafka (`ksb.sdk.bodies`); the newest first. 0: every body is read back."""
+    queue_addresses: str = "127.0.0.1:7070"
+    """The queue service's replicas, ``host:port`` comma-separated: RECEIVE, COMMIT's outcome
+    and ROLLBACK go to the first that answers, and move to the next when it fails."""
+    queue_timeout_ms: int = Field(10_000, ge=100)
+    """How long a call to the queue service may take beyond its own wait (WAITFOR, a commit's
+    outcome) before the client tries another replica."""
+    lock_renew_ms: int = Field(5_000, ge=100)
+    """How often the client renews the locks its open transactions hold (keep it well under
+    the queue service's `lock_ttl_ms`)."""
+
+
+class ClientSettings(QueueClientSettings):
+    """An application using the SDK (`ksb.sdk`): it sends over Kafka and RECEIVEs through the
+    queue service."""
+
     stalled_commit_ms: int = Field(200, ge=0)
-    """A partition falls this far behind the others, its dispatcher may be gone: RECEIVE passes
-    over its groups while their priority level has other ready groups, once a commit there waits
-    since this long before one another partition has answered, or ten times as long with no
-    answer at all (`ksb.sdk.stalls`); and back-pressure counts its requests apart once another
-    partition's committed offset moved this long after its own last did (`ksb.sdk.inflight`).
-    0: never."""
+    """Back-pressure counts a partition's requests apart once another partition's committed
+    offset moved this long after its own last did: its dispatcher may be gone
+    (`ksb.sdk.inflight`). 0: never."""
     max_inflight_requests: int = Field(2_000, ge=0)
     """Back-pressure: requests this client sent that the dispatchers have not applied yet, at
     most; a request beyond it waits for them (`ksb.sdk.backpressure`). 0: no limit."""
@@ -206,11 +216,38 @@ class CliSettings(ClientSettings):
     """`ksb endpoints --leaked`: an endpoint idle this long counts as leaked."""
 
 
-class ActivatedTaskSettings(ClientSettings):
+class TaskHeartbeatSettings(KsbSettings):
+    """How an activated task tells the activation service it lives (both read these)."""
+
+    activated_heartbeat_ms: int = Field(1_000, ge=10)
+    """A running task writes its heartbeat into Redis this often."""
+    activated_heartbeat_ttl_ms: int = Field(5_000, ge=100)
+    """A heartbeat older than this counts the task as gone (the monitor's running count)."""
+
+
+class ActivatedTaskSettings(ClientSettings, TaskHeartbeatSettings):
     """A task started by internal activation (`python -m ksb.activation.activated`)."""
 
     activated_idle_ms: int = Field(2_000, ge=0)
     """The task returns once RECEIVE has found nothing for this long."""
+
+
+class AuthoritySettings(KsbSettings):
+    """What a service that grants or checks authority needs: the deployment's owners, and the
+    key that seals lock leases (the queue service seals them, the dispatcher opens them)."""
+
+    owners: str = ""
+    """Principals, comma-separated, that may act for every service and queue without grants
+    (the deployment's owners, as `ksb acl apply --owner` gave them Kafka's rights;
+    `ksb.dialog.permissions`)."""
+
+    lease_key_file: str = ""
+    """The instance's lease key (`ksb.security.leases`), shared by the queue service and the
+    dispatchers only; empty on a stack without security."""
+
+    @property
+    def owner_names(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.owners.split(",") if n.strip())
 
 
 class ServiceSettings(KsbSettings):
@@ -224,7 +261,37 @@ class ServiceSettings(KsbSettings):
     """Threads for asynchronous tasks; unset means 2 x CPUs."""
 
 
-class DispatcherSettings(ServiceSettings):
+class QueueServiceSettings(ServiceSettings, AuthoritySettings):
+    """The queue service (`services.queue`): it holds every queue's index and bodies and the
+    conversation-group locks, and serves RECEIVE to clients in any language."""
+
+    queue_host: str = "127.0.0.1"
+    queue_port: int = Field(7070, ge=0)
+    """Where clients reach this replica (0: a free port, logged at start)."""
+    queue_workers: int = Field(64, ge=2)
+    """Calls served at once; a RECEIVE that waits (WAITFOR) or a commit waiting for its outcome
+    holds one while it waits."""
+    lock_ttl_ms: int = Field(30_000, ge=100)
+    """A group lock lasts this long unless its client renews it: a client or replica that dies
+    holding one frees it within this."""
+    stalled_commit_ms: int = Field(200, ge=0)
+    """A partition whose commits fall this far behind the others' answers may have lost its
+    dispatcher: RECEIVE tries its groups last in their level (`ksb.queue.stalls`). 0: never."""
+    queue_store_dir: str = "var/queue-store"
+    """Where the store of ready records lives (`ksb.queue.bodies`): wiped at every start."""
+    queue_store_max_bytes: int = Field(64 * 1024**3, ge=1024**2)
+    """How large the store may grow (a sparse file: it takes what the backlog takes)."""
+    commit_wait_ms: int = Field(30_000, ge=100)
+    """How long a Commit call waits for its outcome when the client gives no time."""
+    outcome_memory: int = Field(100_000, ge=100)
+    """Commit outcomes remembered by request id for a Commit call that comes after its outcome
+    (a client that moved to this replica from one that failed)."""
+    login_cache_ms: int = Field(300_000, ge=0)
+    """A principal's password, once Kafka accepted it, is accepted again without asking Kafka
+    for this long (a refused one is refused again without asking for a tenth of it)."""
+
+
+class DispatcherSettings(ServiceSettings, AuthoritySettings):
     max_body_bytes: int = Field(1_048_576, ge=0)
     txn_timeout_ms: int = Field(4_000, ge=1000)
     """Kafka aborts a transaction open this long. Kept under the consumer group's session timeout
@@ -262,15 +329,6 @@ class DispatcherSettings(ServiceSettings):
     request's timeout is never checked), so past 45 s the call is taken to be stuck. It was 120 s:
     a broker restart in the chaos harness left three of four dispatchers stuck at once, and their
     shards stood still for those two minutes."""
-    owners: str = ""
-    """Principals, comma-separated, that may act for every service and queue without grants
-    (the deployment's owners, as `ksb acl apply --owner` gave them Kafka's rights;
-    `ksb.dialog.permissions`)."""
-
-    @property
-    def owner_names(self) -> tuple[str, ...]:
-        return tuple(n.strip() for n in self.owners.split(",") if n.strip())
-
     member: str | None = None
     """This dispatcher's name among the instance's dispatchers (its transactional id's suffix);
     unset means a fresh random one per process. A fixed name lets a restarted dispatcher fence
@@ -323,9 +381,7 @@ class ForwarderSettings(ServiceSettings):
     stale_check_every_ticks: int = Field(5, ge=1)
 
 
-class ActivationSettings(ServiceSettings):
-    lock_ttl_ms: int = Field(30_000, ge=100)
-    """The lock lease the monitors' readers and the started tasks use."""
+class ActivationSettings(ServiceSettings, QueueClientSettings, TaskHeartbeatSettings):
     activation_check_ms: int = Field(100, ge=10)
     """How often each queue monitor looks at its queue."""
     activation_empty_grace_ms: int = Field(5_000, ge=0)
@@ -344,15 +400,13 @@ class ActivationSettings(ServiceSettings):
     activation_retry_max_ms: int = Field(60_000, ge=1)
 
 
-class ExternalActivatorSettings(ServiceSettings):
+class ExternalActivatorSettings(ServiceSettings, QueueClientSettings):
     external_activator_config: str = ""
     """The YAML file of per-queue reader commands."""
     restart_initial_ms: int = Field(500, ge=1)
     """A command that failed is started again this much later, doubled with each failure in a
     row up to `restart_max_ms`; one that ends normally starts the curve over."""
     restart_max_ms: int = Field(30_000, ge=1)
-    lock_ttl_ms: int = Field(30_000, ge=100)
-    """Passed to the readers it starts."""
     faust_replication_factor: int = Field(1, ge=1)
     """Copies of faust's own internal topic (its assignor's leader topic, which holds no
     records). faust creates topics with a protocol version that cannot ask for the cluster's

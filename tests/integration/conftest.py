@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from devtools.deployment import Deployment, instance_plan, owner_of, secure_instance
+from devtools.queue_services import ThreadQueueService, with_queues
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, Grant, parse_catalog
 from ksb.runtime.catalog_store import apply_catalog, load_catalog
@@ -66,12 +67,19 @@ BASIC_CATALOG: dict[str, Any] = {
 
 
 @pytest.fixture
-def settings(stack: Stack, unique: str) -> Iterator[Deployment]:
-    """This test's instance, secured, as its owner sees it (its services log in as their own)."""
+def settings(stack: Stack, unique: str, tmp_path: Path) -> Iterator[Deployment]:
+    """This test's instance, secured, as its owner sees it (its services log in as their own),
+    with its queue service running (one replica, in a thread), which clients made from these
+    settings RECEIVE through."""
     base = stack.deployment(instance=f"t{unique}", lock_ttl_ms=15_000, max_body_bytes=64 * 1024)
-    yield secure_instance(base)
-    if base.secured:  # the instance's bindings go, so the cluster's list does not grow all session
-        remove_instance(instance_plan(base), stack.admin(), wait=False)
+    secured = secure_instance(base)
+    queues = ThreadQueueService(secured, tmp_path / "queue-store")
+    try:
+        yield with_queues(secured, [queues.address])
+    finally:
+        queues.stop()
+        if base.secured:  # its bindings go, so the cluster's list does not grow all session
+            remove_instance(instance_plan(base), stack.admin(), wait=False)
 
 
 def secure(settings: Deployment, catalog: Catalog | None = None) -> Deployment:

@@ -29,7 +29,6 @@ def main(argv: list[str]) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with KsbClient(ClientSettings.from_env()) as client, open(out_path, "a") as out:
-        client.reader(queue)  # follow the queue before saying ready
         print("reader ready", flush=True)
         while not stop.is_set():
             tx = client.transaction()

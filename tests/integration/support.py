@@ -247,12 +247,10 @@ class Flow:
             self.refused += 1
             return
         except TimeoutError:
-            reader = self._reader_client.reader(self.queue)
             raise AssertionError(
                 f"no outcome in 90 s for a commit of {len(msgs)} messages of group "
-                f"{msgs[0].conversation_group_id}; the reader's follower thread is "
-                f"{'alive' if reader._thread.is_alive() else 'DEAD'}, "
-                f"{len(reader._pending)} commits pending, index at {reader._eof}"
+                f"{msgs[0].conversation_group_id}; the client has "
+                f"{self._reader_client.describe()}"
             ) from None
         self.commits += 1
         self.received.extend(msgs)

@@ -36,10 +36,10 @@ from devtools.processes import signal_group, wait_gone
 from devtools.redis_node import SlotMove, move_slot
 from ksb.errors import LockStoreUnavailable, NotAuthorized, QueueDisabled
 from ksb.names import Names
+from ksb.queue.locks import GroupLocks
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_client import redis_client
-from ksb.sdk.locks import GroupLocks
 from ksb.security.principals import ADMIN
 from tests.integration.faulted_load import Load, assert_exactly_once_in_order, run_with_fault
 

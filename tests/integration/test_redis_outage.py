@@ -23,9 +23,11 @@ from devtools.processes import free_port, signal_group, wait_gone
 from devtools.redis_node import redis_ready, start_redis
 from ksb.activation.activated import run_task
 from ksb.errors import KsbError, LockLost, LockStoreUnavailable
+from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.apply import remove_instance
 from ksb.security.principals import Role
+from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
 from tests.conftest import Stack
 from tests.integration.conftest import ThreadDispatcher, secure
@@ -158,8 +160,13 @@ def test_an_activated_task_ends_cleanly_when_redis_dies_under_it(
             redis_node.kill()
 
     # As the activation service starts it: logged in as that service's principal.
-    with KsbClient(settings.as_service(Role.ACTIVATION)) as tasks_client:
-        processed = run_task(tasks_client, Q, procedure, "task-under-test", idle_ms=500)
+    task = settings.as_service(Role.ACTIVATION).narrow(ActivatedTaskSettings, activated_idle_ms=500)
+    heartbeats = redis_client(task)
+    try:
+        with KsbClient(task) as tasks_client:
+            processed = run_task(tasks_client, heartbeats, Q, procedure, "task-under-test", task)
+    finally:
+        heartbeats.close()
     assert batches == [PER_DIALOG] and processed == 0, (batches, processed)
     redis_node.start()
     secure(settings)

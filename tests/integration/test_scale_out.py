@@ -164,10 +164,9 @@ def test_receive_passes_over_a_paused_dispatchers_groups_while_others_wait(
 ) -> None:
     """A reader whose commit on one shard goes unanswered while another shard answers a later one
     takes that other shard's group next, though the first shard's group became ready before it
-    (`ksb.sdk.stalls`); the unanswered commit applies once its dispatcher is back."""
+    (`ksb.queue.stalls`); the unanswered commit applies once its dispatcher is back."""
     with DispatcherPool(scaled, tmp_path).start(2) as pool, KsbClient(scaled) as client:
         owned = pool.owned()
-        reader = client.reader(TARGET_QUEUE)
         paused = min(owned["d2"])  # a1 and a2 on one shard of d2, b1 and b2 on d1's
         on_d2: list[str] = []
         on_d1: list[str] = []
@@ -186,7 +185,7 @@ def test_receive_passes_over_a_paused_dispatchers_groups_while_others_wait(
             client.send(h, MESSAGE_TYPE, name.encode())
             client.flush()
             deadline = time.monotonic() + 30
-            while reader.index.ready_messages < n + 1:
+            while client.queue_state(TARGET_QUEUE).ready_messages < n + 1:
                 assert time.monotonic() < deadline, f"{name} not indexed"
                 time.sleep(0.02)
 

@@ -253,8 +253,7 @@ def test_dispatcher_events_produce_sla_rows(
         with client.transaction() as tx:
             received += len(tx.receive("TargetQueue", waitfor_ms=1000))
     assert received == n
-    client.reader("TargetQueue").wait_idle()
-    client.audit.flush()
+    client.wait_idle()
     _topics(settings)
 
     _job(spark, settings, tmp_path, CollectorRegistry()).run_available_now(120)

@@ -49,8 +49,11 @@ def test_the_report_names_a_dialog_short_and_what_its_reader_holds(
     handle = client.begin_dialog("//t/Initiator", "//t/Target", "//t/Contract")
     client.send(handle, "//t/Request", "{}")
     client.flush()
-    reader = client.reader("TargetQueue")
-    wait_for("the message indexed", lambda: reader.index.ready_messages == 1, 20)
+    wait_for(
+        "the message indexed",
+        lambda: client.queue_state("TargetQueue").ready_messages == 1,
+        20,
+    )
     report = stuck_report(client, "TargetQueue", {0: (0, handle)})
     assert report.startswith(f"1 dialogs short: 0 at 0 ({handle}); reader: 0 commits waiting")
     assert "0 groups held, 1 messages ready" in report

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ksb.dialog.outputs import Outputs
-from ksb.sdk.queue_index import QueueIndex
+from ksb.queue.index import QueueIndex
 from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import CommitOutcome, QueueMessage
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ksb.catalog.model import DIALOG_TIMER, ERROR
-from ksb.sdk.queue_index import QueueIndex, order_key
+from ksb.queue.index import QueueIndex, order_key
 from ksb.wire.protocol import QueueMessage
 
 _order = itertools.count(1)

@@ -136,17 +136,19 @@ def test_requests_relay_and_inbound_have_the_shard_count() -> None:
 
 
 # ----------------------------------------------------------------- applications
-def test_an_application_reads_exactly_the_queues_it_may_receive_from() -> None:
+def test_an_application_reads_no_queue_topic_it_receives_through_the_queue_service() -> None:
     plan = _plan()
-    assert _grants(plan, "alice", Operation.READ, N.queue("QA"))
-    assert not _grants(plan, "alice", Operation.READ, N.queue("QB"))
-    assert not any(_grants(plan, "bob", Operation.READ, N.queue(q)) for q in ("QA", "QB"))
+    for principal in ("alice", "bob"):
+        assert not any(_grants(plan, principal, Operation.READ, N.queue(q)) for q in ("QA", "QB"))
+    assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.queue("QA"))
+    assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.queue("QB"))
 
 
-def test_an_application_writes_nothing_but_its_requests_and_audit() -> None:
+def test_an_application_writes_nothing_but_its_requests() -> None:
+    """Not the audit topic either: what it did is recorded by the services that carried it out."""
     plan = _plan()
     writes = {a.name for a in _of(plan, "alice") if a.operation is Operation.WRITE}
-    assert writes == {N.requests_of("alice"), N.audit}
+    assert writes == {N.requests_of("alice")}
     assert not any(a.operation is Operation.CREATE for a in _of(plan, "alice"))
     assert not any(a.pattern is Pattern.PREFIXED for a in _of(plan, "alice"))
 
@@ -154,7 +156,7 @@ def test_an_application_writes_nothing_but_its_requests_and_audit() -> None:
 def test_a_revoked_grant_leaves_the_plan() -> None:
     cat = _catalog()
     revoked = cat.model_copy(update={"grants": cat.grants[:1]})  # alice keeps only SEND
-    assert not _grants(_plan(revoked), "alice", Operation.READ, N.queue("QA"))
+    assert _plan(revoked).accesses_of("alice").receives == frozenset()
     assert "bob" not in _plan(revoked).principals
 
 
@@ -217,11 +219,13 @@ def test_no_one_may_create_the_core_topics() -> None:
 
 
 def test_activated_readers_receive_as_the_service_that_starts_them() -> None:
+    """Through the queue service, which checks the grants: no queue topic of their own."""
     plan = _plan()
-    assert _grants(plan, svc(Role.ACTIVATION), Operation.READ, N.queue("QB"))
-    ext = svc(Role.EXTERNAL_ACTIVATOR)
-    assert _grants(plan, ext, Operation.READ, N.queue("QN"))
-    assert not _grants(plan, ext, Operation.READ, N.queue("QA"))
+    assert plan.accesses_of(svc(Role.ACTIVATION)).receives_all
+    ext = plan.accesses_of(svc(Role.EXTERNAL_ACTIVATOR))
+    assert ext.receives == frozenset({"QN"})
+    for role in (Role.ACTIVATION, Role.EXTERNAL_ACTIVATOR):
+        assert not _grants(plan, svc(role), Operation.READ, N.queue("QN"))
 
 
 def test_every_binding_is_in_the_instance_namespace_without_routes() -> None:
@@ -307,10 +311,13 @@ def _queue_keys(queue: str) -> list[str]:
     ]
 
 
-def test_an_application_touches_only_its_queues_keys() -> None:
-    rules = _plan().redis["alice"]
-    assert all(_allowed(rules.keys, k) for k in _queue_keys("QA"))
-    assert not any(_allowed(rules.keys | rules.read_keys, k) for k in _queue_keys("QB"))
+def test_applications_have_no_redis_user_the_queue_service_holds_the_locks() -> None:
+    """No call an application's grants allow can shorten, take over or forge a lock, or disable
+    a queue: it has no Redis user at all."""
+    plan = _plan()
+    assert "alice" not in plan.redis and "bob" not in plan.redis
+    rules = plan.redis[svc(Role.QUEUE)]
+    assert all(_allowed(rules.keys, k) for q in ("QA", "QB") for k in _queue_keys(q))
     assert f"ksb:{INST}:dlpolicy" in rules.read_keys
     assert {"evalsha", "script|load", "time"} <= rules.commands
     assert not {"flushall", "keys", "del", "sadd", "srem", "eval"} & rules.commands
@@ -339,9 +346,9 @@ def test_only_the_activation_service_uses_transactions() -> None:
 
 
 def test_the_acl_rules_replace_keys_and_commands_in_one_setuser() -> None:
-    acl = _plan().redis["alice"].acl()
+    acl = _plan().redis[svc(Role.QUEUE)].acl()
     assert acl[:3] == ["resetkeys", "resetchannels", "-@all"]
-    assert f"~{Names(INST).lock_key('QA', '*')}" in acl
+    assert f"~{Names(INST).lock_key('*', '*')}" in acl
     assert f"%R~ksb:{INST}:dlpolicy" in acl
     assert "+evalsha" in acl
 
@@ -350,4 +357,4 @@ def test_the_plan_prints() -> None:
     text = "\n".join(_plan(_routed(), owners=["own"]).lines())
     assert "User:alice WRITE topic:ksb.inst.requests.alice" in text
     assert "User:ksb-inst-dispatcher READ topic:ksb.inst.requests.*" in text
-    assert "alice: resetkeys" in text
+    assert f"{svc(Role.QUEUE)}: resetkeys" in text

@@ -79,10 +79,10 @@ def test_a_bad_value_fails_naming_the_variable(raw: str) -> None:
 
 
 def test_narrow_hands_a_process_the_variables_its_model_reads() -> None:
-    deployment = Deployment(instance="i1", lock_ttl_ms=1500, max_body_bytes=10, tick_ms=50)
+    deployment = Deployment(instance="i1", lock_renew_ms=1500, max_body_bytes=10, tick_ms=50)
     dispatcher = deployment.narrow(DispatcherSettings)
     assert (dispatcher.instance, dispatcher.max_body_bytes, dispatcher.tick_ms) == ("i1", 10, 50)
-    assert deployment.narrow(ClientSettings).lock_ttl_ms == 1500
+    assert deployment.narrow(ClientSettings).lock_renew_ms == 1500
     with pytest.raises(SettingsError, match="KSB_TICK_MS"):
         deployment.narrow(DispatcherSettings, tick_ms=0)
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ksb.sdk.queue_index import QueueIndex
-from ksb.sdk.stalls import CommitStalls
+from ksb.queue.index import QueueIndex
+from ksb.queue.stalls import CommitStalls
 from tests.unit.test_queue_index import msg
 
 LEVELS = {"a": 5, "b": 5, "c": 5, "d": 3, "e": 3}

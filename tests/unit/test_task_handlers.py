@@ -27,8 +27,8 @@ from ksb.runtime.task_handlers import (
 )
 from ksb.runtime.ticker import Ticker
 from ksb.settings import ActivationSettings
-from services.activation import ActivationService
-from services.activation import service as activation
+from services.activation import ActivationService, poisoning
+from services.activation.poisoning import Poisoning
 
 
 class HandlerKilled(BaseException):
@@ -298,6 +298,19 @@ class _Pipeline:
         self._owner.ran.append(self._calls)
 
 
+def _activation(settings: ActivationSettings, fake: _MirrorRedis) -> ActivationService:
+    """An activation service over `fake` Redis, made as `open` makes it (no Kafka, no queue
+    service: nothing it is given here calls them)."""
+    act = ActivationService(settings, clock=ManualClock(start_ms=0), redis_client=cast(Any, fake))
+    act._redis = cast(Any, fake)
+    producer = cast(Any, SimpleNamespace(produce=lambda *a, **k: None, flush=lambda t: 0))
+    act._producer = producer
+    act._poisoning = Poisoning(
+        settings, cast(Any, fake), producer, act.handlers, clock=act.clock, audit=act._audit
+    )
+    return act
+
+
 class _MirrorRedis:
     def __init__(self) -> None:
         self.failing = True
@@ -314,8 +327,7 @@ def test_a_redis_failure_mirroring_the_catalog_is_mended_on_the_next_monitor_tic
     Redis restarted empty kept no dead-letter policy until the next catalog."""
     settings = ActivationSettings(instance="unit", activation_check_ms=10)
     fake = _MirrorRedis()
-    act = ActivationService(settings, clock=ManualClock(start_ms=0), redis_client=cast(Any, fake))
-    act._redis = cast(Any, fake)
+    act = _activation(settings, fake)
     view = CatalogView(
         parse_catalog(
             {
@@ -357,9 +369,7 @@ def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
     settings = ActivationSettings(instance="unit", activation_check_ms=10)
     fake = _MirrorRedis()
     fake.failing = False
-    act = ActivationService(settings, clock=ManualClock(start_ms=0), redis_client=cast(Any, fake))
-    act._redis = cast(Any, fake)
-    act._producer = cast(Any, SimpleNamespace(produce=lambda *a, **k: None, flush=lambda t: 0))
+    act = _activation(settings, fake)
     on = parse_catalog({"version": 4, "queues": [{"name": "Q"}]})
     written: list[Catalog] = []
 
@@ -368,11 +378,11 @@ def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
         written.append(stored)
         return stored
 
-    monkeypatch.setattr(activation, "load_catalog", lambda _s: on)
-    monkeypatch.setattr(activation, "apply_catalog", apply)
+    monkeypatch.setattr(poisoning, "load_catalog", lambda _s: on)
+    monkeypatch.setattr(poisoning, "apply_catalog", apply)
     act._catalog = CatalogView(on)
-    act._disabling["Q"] = 0  # as `_poisoned` marks it
-    act._disable_in_catalog("Q", "5 rollbacks in a row")
+    act.poisoning._disabling["Q"] = 0  # as `poisoned` marks it
+    act.poisoning._disable_in_catalog("Q", "5 rollbacks in a row")
 
     def disabled_now() -> list[str]:
         """The queues the next tick's mirror writes as disabled."""
@@ -384,7 +394,7 @@ def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
     flag = act.names.disabled_key("Q")
     assert disabled_now() == [flag]  # written, not yet read back: still disabled
     act.on_catalog(CatalogView(written[0]))
-    assert act._disabling == {}
+    assert act.poisoning.disabling() == set()
     assert disabled_now() == [flag]  # the catalog says OFF itself
     act.on_catalog(CatalogView(on.model_copy(update={"version": 6})))
     assert disabled_now() == []  # enabled again by a later catalog

@@ -20,6 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import redis
+
 from ksb.errors import (
     CommitRefused,
     KsbError,
@@ -29,7 +31,7 @@ from ksb.errors import (
     QueueDisabled,
 )
 from ksb.names import Names
-from ksb.runtime.redis_client import best_effort
+from ksb.runtime.redis_client import best_effort, redis_client
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
@@ -38,8 +40,6 @@ __all__ = ["EXIT_NOT_AUTHORIZED", "Procedure", "resolve", "run_task"]
 
 log = logging.getLogger("ksb.activation.activated")
 Procedure = Callable[[Transaction, list[QueueMessage]], None]
-HEARTBEAT_S = 1.0
-HEARTBEAT_TTL_MS = 5_000
 EXIT_USAGE = 2
 EXIT_NOT_AUTHORIZED = 3
 """A task's exit status when its principal may not RECEIVE from its queue."""
@@ -60,21 +60,29 @@ def resolve(path: str) -> Procedure:
 
 
 def run_task(
-    client: KsbClient, queue: str, procedure: Procedure, task_id: str, idle_ms: int
+    client: KsbClient,
+    heartbeats: redis.Redis,
+    queue: str,
+    procedure: Procedure,
+    task_id: str,
+    settings: ActivatedTaskSettings,
 ) -> int:
-    """RECEIVE and process until the queue stays empty; returns the messages processed."""
-    names = Names(client.settings.instance)
+    """RECEIVE and process until the queue stays empty; returns the messages processed. The
+    task's heartbeat goes to Redis through `heartbeats` (the activation service counts it)."""
+    names = Names(settings.instance)
+    idle_ms = settings.activated_idle_ms
     tasks_key = names.tasks_key(queue)
     stop = threading.Event()
 
     def beat() -> None:
         with best_effort(log, "task heartbeat not written; the monitor's count misses it"):
-            client.redis.zadd(tasks_key, {task_id: int(time.time() * 1000) + HEARTBEAT_TTL_MS})
+            until = int(time.time() * 1000) + settings.activated_heartbeat_ttl_ms
+            heartbeats.zadd(tasks_key, {task_id: until})
 
     def heartbeat() -> None:
         while not stop.is_set():
             beat()
-            stop.wait(HEARTBEAT_S)
+            stop.wait(settings.activated_heartbeat_ms / 1000)
 
     beat()
     beating = threading.Thread(target=heartbeat, daemon=True)
@@ -113,7 +121,7 @@ def run_task(
         stop.set()
         beating.join(2)
         with best_effort(log, f"task {task_id} not unregistered; its heartbeat lapses"):
-            client.redis.zrem(tasks_key, task_id)
+            heartbeats.zrem(tasks_key, task_id)
     return processed
 
 
@@ -135,12 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task %s: %s", task_id, exc.reason)
         return EXIT_USAGE
     settings = ActivatedTaskSettings.from_env()
-    with KsbClient(settings) as client:
-        try:
-            n = run_task(client, queue, procedure, task_id, settings.activated_idle_ms)
-        except NotAuthorized as exc:
-            log.error("task %s ends: it may not RECEIVE from %s: %s", task_id, queue, exc.reason)
-            return EXIT_NOT_AUTHORIZED
+    heartbeats = redis_client(settings)
+    try:
+        with KsbClient(settings) as client:
+            n = run_task(client, heartbeats, queue, procedure, task_id, settings)
+    except NotAuthorized as exc:
+        log.error("task %s ends: it may not RECEIVE from %s: %s", task_id, queue, exc.reason)
+        return EXIT_NOT_AUTHORIZED
+    finally:
+        heartbeats.close()
     log.info("task %s done: %d message(s)", task_id, n)
     return 0
 

@@ -18,13 +18,11 @@ from confluent_kafka import Message
 from ksb.catalog.model import CatalogView
 from ksb.errors import ProtocolError
 from ksb.names import Names
+from ksb.queue.index import QueueIndex, pack_position
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import load_catalog
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
-from ksb.sdk.bodies import messages_from
-from ksb.sdk.fetch import RecordFetcher
-from ksb.sdk.queue_index import QueueIndex, pack_position
 from ksb.settings import KsbSettings
 from ksb.wire.depth import QueueDepth, parse_depth
 from ksb.wire.endpoint import Endpoint, decode_endpoint
@@ -105,6 +103,7 @@ def ready_messages(settings: KsbSettings, queue: str) -> list[QueueMessage]:
     """A queue's ready messages in the order RECEIVE would return them, group by group."""
     CatalogView(load_catalog(settings)).queue(queue)  # an unknown queue is an error, not "empty"
     index = QueueIndex(queue)
+    ready: dict[int, QueueMessage] = {}
 
     def fold(m: Message) -> None:
         key = (m.key() or b"").decode()
@@ -116,18 +115,15 @@ def ready_messages(settings: KsbSettings, queue: str) -> list[QueueMessage]:
             return
         if isinstance(value, CommitOutcome):
             return
-        index.apply(key, value, m.partition() or 0, m.offset() or 0)
+        part, off = m.partition() or 0, m.offset() or 0
+        gone = index.apply(key, value, part, off)
+        if gone is not None:
+            ready.pop(gone.position, None)
+        elif value is not None and value.status == 1:
+            ready[pack_position(part, off)] = value
 
-    topic = Names(settings.instance).queue(queue)
-    read_topic(settings, topic, fold)
-    refs = [r for group in index.candidates() for r in index.take(group)]
-    fetcher = RecordFetcher(settings, topic, max_gap=1 << 62)  # one pass: read, never seek
-    try:
-        found = fetcher.fetch([(r.partition, r.offset) for r in refs], timeout_s=60)
-    finally:
-        fetcher.close()
-    records = {pack_position(p, off): m.value() or b"" for (p, off), m in found.items()}
-    return messages_from(refs, records)
+    read_topic(settings, Names(settings.instance).queue(queue), fold)
+    return [ready[r.position] for r in index.peek(len(ready) or 1) if r.position in ready]
 
 
 def read_monitors(settings: KsbSettings) -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ from ksb.dialog.shards import Ownership
 from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, set_timer
 from ksb.errors import KsbError, ProtocolError
+from ksb.security.leases import LeaseSeal
 from ksb.wire.depth import QueueDepth
 from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.partitioning import partition_for
@@ -75,6 +76,8 @@ class Engine:
         self.ownership = ownership or Ownership(1)
         self.permissions: Permissions = OPEN
         """Who may act for which service and queue; the dispatcher sets the catalog's."""
+        self.leases = LeaseSeal(None)
+        """Opens the leases of receipts; the dispatcher sets the instance's key."""
         self.endpoints: dict[str, Endpoint] = {}
         self.waiting = Membership(self.endpoints, self._partitions, self.ownership.shard)
         """Every message waiting in a queue, by id: what a receipt needs (`ksb.dialog.membership`)."""
@@ -144,12 +147,14 @@ class Engine:
     def rebuilding(self, shards: Iterable[int]) -> Engine:
         """An empty engine like this one that owns only `shards`: a rebuild on another thread
         folds their records into it (`services.dispatcher.rebuild`), then this one `adopt`s it."""
-        return Engine(
+        rebuilt = Engine(
             self.catalog,
             instance=self.instance,
             max_body_bytes=self.max_body_bytes,
             ownership=Ownership(self.ownership.shards, owned=shards),
         )
+        rebuilt.permissions, rebuilt.leases = self.permissions, self.leases
+        return rebuilt
 
     def adopt(self, rebuilt: Engine) -> None:
         """Take over the state `rebuilt` holds of its shards (loaded and finished, from an engine

@@ -1,6 +1,6 @@
 """The fencing-token rule: a commit under an older lock than one already applied is refused.
 
-A reader RECEIVEs under a conversation-group lock (`ksb.sdk.locks`), and every acquisition draws a
+A reader RECEIVEs under a conversation-group lock (`ksb.queue.locks`), and every acquisition draws a
 token from a per-group counter in Redis that only grows. The token travels with the reader's commit.
 A lock can expire while its holder is paused (a GC pause, SIGSTOP); the next holder then gets a
 higher token and may commit first. When the paused holder wakes up and commits, its token is older

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from ksb.security.leases import LeaseClaims
 from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import (
     AckRecord,
@@ -20,7 +21,7 @@ from ksb.wire.protocol import (
 )
 from ksb.wire.relay import RelayRecord
 
-__all__ = ["Inflight", "Outputs", "QueueWrite"]
+__all__ = ["Inflight", "Outputs", "QueueWrite", "Received"]
 
 
 class QueueWrite(NamedTuple):
@@ -54,6 +55,13 @@ class Inflight(NamedTuple):
     """For the audit events (ksb.audit): which message, which service, and when it was sent."""
 
 
+class Received(NamedTuple):
+    """A receipt applied under a lease: what the RECEIVE saw, for its audit event."""
+
+    claims: LeaseClaims
+    message_ids: tuple[str, ...]
+
+
 @dataclass(slots=True)
 class Outputs:
     queue: list[QueueWrite] = field(default_factory=list)
@@ -70,6 +78,8 @@ class Outputs:
     """Acknowledgements of inbound messages: written to ``ksb.<to_instance>.acks``."""
     relays: list[RelayRecord] = field(default_factory=list)
     """Work for the owners of other shards: written to the relay topic, keyed by group."""
+    receipts: list[Received] = field(default_factory=list)
+    """Receipts applied under a lease (the receive events the dispatcher writes for them)."""
     principal: str | None = None
     """Who sent the request: its `errors` go to that principal's errors topic."""
 
@@ -83,3 +93,4 @@ class Outputs:
         self.transmissions.extend(other.transmissions)
         self.acks.extend(other.acks)
         self.relays.extend(other.relays)
+        self.receipts.extend(other.receipts)

@@ -16,7 +16,8 @@ Trusted without grants: a request with no principal (the shared ``requests`` top
 without security, writable by no one but the admin on a secured one), the deployment's owners
 (``ksb acl apply --owner``, like SQL Server's db_owner), and the service principals that send for
 others: the activation service and the external activator (activated tasks run as them; their
-``EXECUTE AS`` is not mapped to principals) and the operator. A revoke takes effect with the
+``EXECUTE AS`` is not mapped to principals), the queue service (its dead letters) and the
+operator. A revoke takes effect with the
 catalog version that carries it, on every dispatcher, without a restart.
 """
 
@@ -31,7 +32,7 @@ from ksb.security.principals import Role, service_principal
 
 __all__ = ["OPEN", "Permissions"]
 
-_TRUSTED_ROLES = (Role.ACTIVATION, Role.EXTERNAL_ACTIVATOR, Role.OPERATOR)
+_TRUSTED_ROLES = (Role.ACTIVATION, Role.EXTERNAL_ACTIVATOR, Role.OPERATOR, Role.QUEUE)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from __future__ import annotations
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.dialog import endpoint as ep_rules
 from ksb.dialog.fences import check_token
-from ksb.dialog.outputs import Outputs, QueueWrite
+from ksb.dialog.leases import leased
+from ksb.dialog.outputs import Outputs, QueueWrite, Received
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError, KsbError
@@ -34,11 +35,17 @@ __all__ = ["applied", "local_actions", "outcome_key", "receive", "refused_outcom
 
 
 def receive(state: DialogState, stage: Stage, req: CommitRequest, now: int) -> None:
-    """A commit's first step: its receipt, if it has one (the engine then applies the actions
-    `local_actions` leaves it, and ends with `applied`)."""
-    if req.receipt is not None:
-        state.permissions.check_receive(stage.principal, req.receipt.queue, "commit a receipt")
-        apply_receipt(state, stage, req.receipt, now)
+    """A commit's first step: its receipt, if it has one, under its lease (the engine then
+    applies the actions `local_actions` leaves it, and ends with `applied`)."""
+    r = req.receipt
+    if r is None:
+        return
+    state.permissions.check_receive(stage.principal, r.queue, "commit a receipt")
+    token, claims = leased(state.leases, state.instance, stage.principal, r)
+    stage.receipt = replace(r, token=token)
+    if claims is not None:
+        stage.out.receipts.append(Received(claims, r.message_ids))
+    apply_receipt(state, stage, stage.receipt, now)
 
 
 def local_actions(state: DialogState, stage: Stage, req: CommitRequest) -> list[Action]:
@@ -67,9 +74,9 @@ def local_actions(state: DialogState, stage: Stage, req: CommitRequest) -> list[
 def applied(state: DialogState, stage: Stage, req: CommitRequest) -> None:
     """The whole commit applied: its token fences older holders out, and its outcome tells the
     committing reader."""
-    if req.receipt is None:
+    r = stage.receipt
+    if r is None:
         return
-    r = req.receipt
     stage.apply_fence(r.queue, r.group, r.token)
     fence = stage.fence(r.queue, r.group)
     stage.out.queue.append(_outcome(state, req, r, fence, applied=True, reason=""))

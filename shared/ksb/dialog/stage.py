@@ -15,7 +15,7 @@ from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.state import DialogState
 from ksb.errors import ConversationError
 from ksb.wire.endpoint import Endpoint, State
-from ksb.wire.protocol import InboundMessage
+from ksb.wire.protocol import InboundMessage, Receipt
 
 __all__ = ["Stage"]
 
@@ -39,6 +39,8 @@ class Stage:
         """Receive windows this request moved (copies of the engine's), by endpoint handle."""
         self.order = 0
         """The newest enqueue order this request handed out (0: none)."""
+        self.receipt: Receipt | None = None
+        """A commit's receipt as its lease grants it (`ksb.dialog.leases`)."""
         self.out = Outputs()
         self.persist: set[str] = set()
         """Endpoints whose record is written even if only their counters changed."""

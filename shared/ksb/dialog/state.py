@@ -19,6 +19,7 @@ from ksb.dialog.outputs import Inflight
 from ksb.dialog.permissions import Permissions
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.shards import Ownership
+from ksb.security.leases import LeaseSeal
 from ksb.wire.endpoint import Endpoint
 from ksb.wire.protocol import InboundMessage
 
@@ -61,6 +62,11 @@ class DialogState(Protocol):
     @property
     def permissions(self) -> Permissions:
         """Who may act for which service and queue (`ksb.dialog.permissions`)."""
+        ...
+
+    @property
+    def leases(self) -> LeaseSeal:
+        """Opens the lock leases receipts carry (`ksb.dialog.leases`)."""
         ...
 
     @property

@@ -225,6 +225,14 @@ class CredentialStore:
         write_private(self.path(principal), password + "\n")
         return self.path(principal)
 
+    def lease_key(self, instance: str) -> Path:
+        """The instance's lease key (`ksb.security.leases`): for its queue service and its
+        dispatchers only. Generated here the first time it is asked for."""
+        path = self.root / f"{instance}.lease-key"
+        if not path.exists():
+            write_private(path, generate_password() + "\n")
+        return path
+
     def ensure(self, principal: str) -> tuple[str, bool]:
         """The principal's stored password, generated and stored now if it has none; and
         whether it was generated now."""

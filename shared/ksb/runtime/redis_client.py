@@ -7,7 +7,7 @@ which the secured stack turns off: only a development stack started without secu
 With ``redis_cluster`` the client is redis-py's `RedisCluster`, typed as `redis.Redis` (`redis_url`
 may then list several nodes, comma-separated, any of which it can start from): it answers
 every command KSB uses alike (keys one slot per call, `ksb.names`; EVALSHA outside pipelines,
-`ksb.sdk.locks`), which tests/integration/test_kafka_cluster.py runs against a real cluster.
+`ksb.queue.locks`), which tests/integration/test_kafka_cluster.py runs against a real cluster.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """The Python SDK: BEGIN DIALOG, SEND, END CONVERSATION, timers, RECEIVE and transactions.
 
-Every call is a request record on the instance's requests topic (docs/protocol.md), so a program in any
-language can do the same with a plain Kafka producer. A `Transaction` buffers its actions and sends them,
-with what it received, as ONE commit record: the dispatcher applies it all or not at all.
+Every action is a request record on the principal's requests topic (docs/protocol.md), so a
+program in any language can do the same with a plain Kafka producer. RECEIVE is the queue
+service's (`ksb.sdk.queue_service`): it locks a group and hands back a lease. A `Transaction`
+buffers its actions and sends them, with the lease and what it received, as ONE commit record:
+the dispatcher applies it all or not at all, then the queue service answers with the outcome.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -14,27 +17,22 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import redis
 from confluent_kafka import KafkaError, Message
 
-from ksb.audit import Audit, BatchedAudit, KafkaAudit
-from ksb.errors import KsbError, LockLost, LockStoreUnavailable, NotAuthorized
+from ksb.api.messages import from_api
+from ksb.api.queue.v1 import queue_pb2 as pb
+from ksb.errors import CommitRefused, KsbError, LockLost
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.redis_client import redis_client
 from ksb.sdk.backpressure import Backpressure, CommittedOffsets
 from ksb.sdk.depth import DepthWatch
 from ksb.sdk.groups import GroupDirectory
-from ksb.sdk.locks import Lease
-from ksb.sdk.reader import QueueReader
+from ksb.sdk.queue_service import QueueServiceClient
 from ksb.settings import ClientSettings
-from ksb.wire.audit import AuditEvent
 from ksb.wire.protocol import (
     Action,
     BeginRequest,
-    CommitOutcome,
     CommitRequest,
-    DeadLetterRequest,
     EndRequest,
     QueueMessage,
     Receipt,
@@ -47,9 +45,11 @@ from ksb.wire.protocol import (
 
 __all__ = ["KsbClient", "Transaction"]
 
+log = logging.getLogger("ksb.sdk")
 
-_AUDIT_EVERY_S = 0.05
-"""How often the client writes the audit events it has gathered (`ksb.audit.BatchedAudit`)."""
+
+_POLL_S = 0.05
+"""How long the producer's thread waits for delivery reports in one turn."""
 
 
 def _as_bytes(body: bytes | str) -> bytes:
@@ -57,7 +57,7 @@ def _as_bytes(body: bytes | str) -> bytes:
 
 
 class KsbClient:
-    """A connection to one broker instance: a request producer, Redis, and per-queue readers."""
+    """A connection to one broker instance: a request producer, and the queue service."""
 
     def __init__(self, settings: ClientSettings | None = None) -> None:
         self.settings = settings or ClientSettings.from_env()
@@ -67,10 +67,11 @@ class KsbClient:
         self._offsets = CommittedOffsets(self.settings)
         self.backpressure = Backpressure(self.settings, self._offsets)
         self.depths = DepthWatch(self.settings)
-        self._audit_buffer = BatchedAudit(KafkaAudit(self._producer, self.names))
-        self.audit = Audit(self._audit_buffer)
-        self._redis: redis.Redis | None = None
-        self._readers: dict[str, QueueReader] = {}
+        self.queues = QueueServiceClient(self.settings)
+        self.holder = f"client-{uuid.uuid4().hex[:12]}"
+        """This client, as the commit records it sends name their reader."""
+        self._pending: set[Future[Any]] = set()
+        """Commits sent whose outcome has not come back yet."""
         self.groups = GroupDirectory()
         """The groups of the handles this client began or received on: a request's key."""
         self._lock = threading.Lock()
@@ -80,27 +81,48 @@ class KsbClient:
         self._poller.start()
 
     def _serve_reports(self) -> None:
-        drain_at = 0.0
         while not self._closing.is_set():
-            self._producer.poll(0.05)
-            now = time.monotonic()
-            if now >= drain_at:  # the audit events of many RECEIVEs, one record per queue
-                self._audit_buffer.drain()
-                drain_at = now + _AUDIT_EVERY_S
+            self._producer.poll(_POLL_S)
 
     # ----------------------------------------------------------------- plumbing
-    @property
-    def redis(self) -> redis.Redis:
-        if self._redis is None:
-            self._redis = redis_client(self.settings)
-        return self._redis
-
-    def reader(self, queue: str) -> QueueReader:
+    def pending(self, fut: Future[Any]) -> None:
+        """A commit's outcome to wait for in `wait_idle`."""
         with self._lock:
-            r = self._readers.get(queue)
-            if r is None:
-                r = self._readers[queue] = QueueReader(self.settings, queue, self.redis)
-            return r
+            self._pending.add(fut)
+        fut.add_done_callback(self._answered)
+
+    def _answered(self, fut: Future[Any]) -> None:
+        with self._lock:
+            self._pending.discard(fut)
+
+    def wait_idle(self, timeout_s: float = 30.0) -> None:
+        """Block until every commit this client sent has its outcome."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                left = list(self._pending)
+            if not left:
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{len(left)} commits without an outcome")
+            try:
+                left[0].result(remaining)
+            except Exception:  # a refused commit is still an answer
+                continue
+
+    def queue_state(self, queue: str) -> pb.QueueStateReply:
+        """How much is ready in `queue` now, and how much of it nobody holds (the queue
+        service's look at it; needs RECEIVE on the queue)."""
+        reply: pb.QueueStateReply = self.queues.call(
+            "QueueState", pb.QueueStateRequest(queue=queue)
+        )
+        return reply
+
+    def describe(self) -> str:
+        """What this client waits for, for a report on a run that stopped short."""
+        with self._lock:
+            return f"{len(self._pending)} commits waiting"
 
     def _produce(self, request: Any, key: str) -> Future[None]:
         """Hand one request to the producer, first waiting while too many are not applied yet
@@ -133,22 +155,16 @@ class KsbClient:
         return fut.result(timeout_s)
 
     def flush(self, timeout_s: float = 30) -> None:
-        self._audit_buffer.drain()
         if self._producer.flush(timeout_s) != 0:
             raise KsbError("requests not acknowledged by Kafka in time")
 
     def close(self) -> None:
-        for r in self._readers.values():
-            r.close()
-        self._readers.clear()
-        self._audit_buffer.drain()
         self._producer.flush(10)
         self._closing.set()
         self._poller.join(2)
+        self.queues.close()
         self._offsets.close()
         self.depths.close()
-        if self._redis is not None:
-            self._redis.close()
 
     def __enter__(self) -> KsbClient:
         return self
@@ -272,32 +288,27 @@ class Transaction:
     def __init__(self, client: KsbClient) -> None:
         self._client = client
         self._actions: list[Action] = []
-        self._reader: QueueReader | None = None
-        self._lease: Lease | None = None
+        self._queue: str | None = None
+        self._lease = ""
+        self._group: str | None = None
+        self._token = 0
         self._received: dict[str, QueueMessage] = {}
         self.done = False
 
     @property
     def group(self) -> str | None:
-        return self._lease.group if self._lease else None
+        return self._group
 
-    def _lock(
-        self, queue: str, waitfor_ms: int, group: str | None, handle: str | None
-    ) -> QueueReader | None:
-        if self._lease is not None:
-            assert self._reader is not None
-            if self._reader.queue != queue:
-                raise KsbError("a transaction receives from one queue")
-            return self._reader
-        reader = self._client.reader(queue)
-        try:
-            lease = reader.lock_group(waitfor_ms=waitfor_ms, group=group, handle=handle)
-        except redis.RedisError as exc:
-            raise _lock_failure(f"RECEIVE on {queue} locked no group", exc) from exc
-        if lease is None:
-            return None
-        self._reader, self._lease = reader, lease
-        return reader
+    @property
+    def lease(self) -> str:
+        """The lock's lease from the queue service ("" before a RECEIVE locked a group): what
+        the commit record's receipt carries."""
+        return self._lease
+
+    @property
+    def token(self) -> int:
+        """The lock's fencing token (inside the lease; 0 before a RECEIVE locked a group)."""
+        return self._token
 
     def receive(
         self,
@@ -309,45 +320,54 @@ class Transaction:
         conversation_handle: str | None = None,
     ) -> list[QueueMessage]:
         """Messages of exactly one conversation group, locked to this transaction until it ends."""
-        reader = self._lock(queue, waitfor_ms, conversation_group_id, conversation_handle)
-        if reader is None or self._lease is None:
-            return []
-        fresh = reader.messages(self._lease, top, conversation_handle, skip=self._received)
+        reply = self._receive(
+            queue, top, waitfor_ms, conversation_group_id, conversation_handle, lock_only=False
+        )
+        fresh = [from_api(m) for m in reply.messages] if reply is not None else []
         for m in fresh:
             self._received[m.message_id] = m
         self._client.groups.learn_received(fresh)
-        if fresh and self._client.audit.enabled:
-            targeted = conversation_group_id is not None or conversation_handle is not None
-            self._audit_receive(reader, self._lease.group, fresh, targeted)
         return fresh
 
-    def _audit_receive(
-        self, reader: QueueReader, group: str, got: list[QueueMessage], targeted: bool
-    ) -> None:
-        level, ready = reader.levels(group)
-        first = got[0]
-        event = AuditEvent(
-            kind="receive",
-            event_ms=int(time.time() * 1000),
-            instance=self._client.settings.instance,
-            queue=reader.queue,
-            service=first.service_name,
-            conversation_id=first.conversation_id,
-            conversation_handle=first.conversation_handle,
-            group=group,
-            priority=level,
-            ready_priority=ready,
-            targeted=targeted,
-            message_ids=tuple(m.message_id for m in got),
-            count=len(got),
-            reader=reader.holder,
-        )
-        self._client.audit.emit([event])
-
     def get_conversation_group(self, queue: str, *, waitfor_ms: int = 0) -> str | None:
-        """Lock the highest-priority unlocked group with messages and return its id."""
-        self._lock(queue, waitfor_ms, None, None)
+        """GET CONVERSATION GROUP: lock the highest-priority unlocked group with messages and
+        return its id (None when none was ready in time); a later RECEIVE in this transaction
+        returns that group's messages."""
+        self._receive(queue, None, waitfor_ms, None, None, lock_only=True)
         return self.group
+
+    def _receive(
+        self,
+        queue: str,
+        top: int | None,
+        waitfor_ms: int,
+        group: str | None,
+        handle: str | None,
+        *,
+        lock_only: bool,
+    ) -> pb.ReceiveReply | None:
+        if self._queue is not None and self._queue != queue:
+            raise KsbError("a transaction receives from one queue")
+        request = pb.ReceiveRequest(
+            queue=queue,
+            top=top or 0,
+            waitfor_ms=waitfor_ms,
+            conversation_group_id=group or "",
+            conversation_handle=handle or "",
+            lease=self._lease,
+            received=list(self._received),
+            lock_only=lock_only,
+        )
+        reply: pb.ReceiveReply = self._client.queues.call(
+            "Receive", request, wait_s=waitfor_ms / 1000
+        )
+        if not reply.lease:
+            return None
+        if not self._lease:
+            self._queue, self._lease = queue, reply.lease
+            self._group, self._token = reply.conversation_group_id, reply.token
+            self._client.queues.hold(self._lease)
+        return reply
 
     def begin_dialog(
         self,
@@ -399,114 +419,105 @@ class Transaction:
         hint = self._client.groups.hint(handle)
         self._actions.append(TimerRequest(handle=handle, timeout_s=timeout_s, group=hint))
 
-    def commit_async(self) -> Future[Any]:
-        """Send the commit record; the future resolves with the dispatcher's outcome."""
+    def commit_async(self, timeout_s: float = 30) -> Future[Any]:
+        """Send the commit record; the future resolves with the dispatcher's outcome (it raises
+        `CommitRefused` when the dispatcher refused the commit)."""
         self._finish()
         receipt = None
-        if self._lease is not None and self._reader is not None:
-            self._confirm_lease(self._reader, self._lease)
+        if self._lease and self._queue is not None and self._group is not None:
+            self._confirm_lock()
             receipt = Receipt(
-                queue=self._reader.queue,
-                group=self._lease.group,
-                token=self._lease.token,
+                queue=self._queue,
+                group=self._group,
+                token=self._token,
                 message_ids=tuple(self._received),
+                lease=self._lease,
             )
         if receipt is None and not self._actions:
             done: Future[Any] = Future()
             done.set_result(None)
             return done
         req = CommitRequest(
-            reader=self._reader.holder if self._reader else "",
-            receipt=receipt,
-            actions=tuple(self._actions),
+            reader=self._client.holder, receipt=receipt, actions=tuple(self._actions)
         )
         key = receipt.group if receipt else self._client.groups.of(_action_key(self._actions[0]))
-        if receipt is None or self._reader is None or self._lease is None:
+        if receipt is None:
             return self._client._produce(req, key)
-        reader, lease, rid = self._reader, self._lease, req.request_id
-        outcome: Future[CommitOutcome] = reader.expect_outcome(rid, lease)
+        lease, queues = self._lease, self._client.queues
+        outcome: Future[Any] = Future()
+        self._client.pending(outcome)
 
-        def give_up() -> None:
-            # Not stored, so no outcome will come: the commit stops waiting and the group is
-            # let go. Left waiting, its lock was renewed for as long as the reader lived and
-            # its messages never came back.
-            reader.forget(rid)
-            reader.release(lease, None)
+        def answered(reply: Future[pb.CommitReply]) -> None:
+            queues.let_go(lease)
+            try:
+                r = reply.result()
+            except BaseException as exc:
+                outcome.set_exception(exc)
+                return
+            if r.applied:
+                outcome.set_result(r)
+            else:
+                outcome.set_exception(CommitRefused(r.reason))
+
+        def stored(f: Future[None]) -> None:
+            if f.exception() is not None:
+                # Not stored, so no outcome will come: the group is let go at once.
+                self._give_up()
+                outcome.set_exception(f.exception() or KsbError("commit not stored"))
+                return
+            queues.commit_outcome(lease, req.request_id, timeout_s).add_done_callback(answered)
 
         try:
             delivered = self._client._produce(req, key)
         except BaseException:  # back-pressure timed out, the producer's queue is full
-            give_up()
+            self._give_up()
+            outcome.set_exception(KsbError("commit not sent"))
             raise
-
-        def on_delivery(f: Future[None]) -> None:
-            if f.exception() is not None:
-                give_up()
-                outcome.set_exception(f.exception() or KsbError("commit not stored"))
-
-        delivered.add_done_callback(on_delivery)
+        delivered.add_done_callback(stored)
         return outcome
 
-    @staticmethod
-    def _confirm_lease(reader: QueueReader, lease: Lease) -> None:
-        """Renew the lease before committing under it, or give the group up and raise
-        `LockLost`: a commit whose lock cannot be confirmed (lost, or Redis failing) must not go
-        ahead, and its messages come back to the queue when the lock expires."""
+    def _give_up(self) -> None:
+        """A commit that will have no outcome: release the lock now, counting no rollback (its
+        messages were not handled wrongly, the commit just never left). Left held, the group
+        waited out its lease with nobody working on it."""
+        queues, lease = self._client.queues, self._lease
+        queues.let_go(lease)
         try:
-            held = reader.locks.extend(lease)
+            queues.call("Rollback", pb.RollbackRequest(lease=lease))
+        except KsbError as exc:
+            log.warning("group %s not let go (%s); its lock lapses", self._group, exc.reason)
+
+    def _confirm_lock(self) -> None:
+        """Renew the lock before committing under it, or give it up and raise `LockLost`: a
+        commit whose lock cannot be confirmed must not go ahead, and its messages come back once
+        the lock expires."""
+        queues = self._client.queues
+        try:
+            held = queues.still_held(self._lease) and queues.renew(self._lease)
             why = "lost the lock"
-        except redis.RedisError as exc:
+        except KsbError as exc:
             held = False
-            why = f"could not confirm the lock (Redis: {type(exc).__name__}: {exc})"
+            why = f"could not confirm the lock ({exc.reason})"
         if not held:
-            reader.release(lease, None)
-            raise LockLost(f"{why} on group {lease.group} before commit")
+            queues.let_go(self._lease)
+            raise LockLost(f"{why} on group {self._group} before commit")
 
     def commit(self, timeout_s: float = 30) -> None:
         """Commit and wait for the outcome; raises CommitRefused or LockLost when it did not apply."""
-        self._client.wait(self.commit_async(), timeout_s)
+        self._client.wait(self.commit_async(timeout_s), timeout_s + 5)
 
     def rollback(self) -> None:
-        """Nothing was written: release the lock and the messages are there again, untouched."""
+        """Nothing was written: the lock is released and the messages are there again,
+        untouched (a dead-letter policy may move a message rolled back too often aside)."""
         self._finish()
-        if self._lease is None or self._reader is None:
+        if not self._lease:
             return
-        if self._received:
-            if self._client.audit.enabled:
-                self._audit_rollback(self._reader, self._lease.group)
-            limit_reached = self._reader.note_rollback(list(self._received))
-            if limit_reached:
-                self._dead_letter(limit_reached)
-        self._reader.release(self._lease, None)
-
-    def _audit_rollback(self, reader: QueueReader, group: str) -> None:
-        got = list(self._received.values())
-        event = AuditEvent(
-            kind="rollback",
-            event_ms=int(time.time() * 1000),
-            instance=self._client.settings.instance,
-            queue=reader.queue,
-            service=got[0].service_name,
-            group=group,
-            priority=max(m.priority for m in got),
-            message_ids=tuple(self._received),
-            count=len(got),
-            reader=reader.holder,
-        )
-        self._client.audit.emit([event])
-
-    def _dead_letter(self, message_ids: list[str]) -> None:
-        """Still holding the lock: move messages past their rollback limit aside before anyone
-        can receive them again."""
-        assert self._reader is not None
-        for mid in message_ids:
-            req = DeadLetterRequest(
-                message=self._received[mid],
-                reason=f"rolled back {self._reader.queue} message the maximum number of times",
+        try:
+            self._client.queues.call(
+                "Rollback", pb.RollbackRequest(lease=self._lease, message_ids=list(self._received))
             )
-            self._client._produce(req, self._received[mid].conversation_group_id)
-        self._client.flush()
-        self._reader.wait_gone(message_ids)
+        finally:
+            self._client.queues.let_go(self._lease)
 
     def _finish(self) -> None:
         if self.done:
@@ -523,15 +534,6 @@ class Transaction:
             self.commit()
         else:
             self.rollback()
-
-
-def _lock_failure(what: str, exc: redis.RedisError) -> KsbError:
-    """A Redis failure under a RECEIVE as the SDK's error: `NotAuthorized` when Redis refused this
-    principal (a grant revoked, a password rotated), else `LockStoreUnavailable`."""
-    why = f"{what}: Redis {type(exc).__name__}: {exc}"
-    if isinstance(exc, redis.exceptions.NoPermissionError | redis.exceptions.AuthenticationError):
-        return NotAuthorized(why)
-    return LockStoreUnavailable(why)
 
 
 def _action_key(action: Action) -> str:

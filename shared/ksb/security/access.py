@@ -14,6 +14,9 @@ Choices the issue left open, made here:
 * SEND needs nothing at the ACL level beyond the principal's own requests topic: the dispatcher
   checks SEND against the grants, knowing the sender from the topic. Any grant makes a
   principal an application with a requests topic and an errors topic.
+* RECEIVE needs nothing at the ACL level either: an application RECEIVEs through the queue
+  service, which checks the grant; it reads no queue topic and has no Redis user, so no lock
+  key or queue flag is within reach of anything it may call.
 * Activated tasks run as the activation service that starts them, and the external activator's
   readers as the external activator (their ``EXECUTE AS`` is not mapped to other principals):
   the activation principal may RECEIVE from any queue, the external activator from the queues
@@ -49,7 +52,8 @@ class Access:
     sends: bool = False
     """Writes requests (its own requests topic) and reads its own error records."""
     receives: frozenset[str] = field(default_factory=frozenset)
-    """Queues it may RECEIVE from (`ALL_QUEUES` for all): their topics and their lock keys."""
+    """Queues it may RECEIVE from (`ALL_QUEUES` for all), through the queue service: the
+    service checks the grant, and only the queue service reads queue topics and lock keys."""
     owner: bool = False
 
     @property
@@ -90,11 +94,11 @@ def access_of(instance: str, catalog: Catalog, owners: Iterable[str] = ()) -> li
     found: dict[str, Access] = {}
     for role, name in service_principals(instance).items():
         receives: frozenset[str] = frozenset()
-        if role is Role.ACTIVATION:
+        if role in (Role.ACTIVATION, Role.QUEUE):
             receives = frozenset({ALL_QUEUES})
         elif role is Role.EXTERNAL_ACTIVATOR:
             receives = notified
-        sends = role in (Role.ACTIVATION, Role.EXTERNAL_ACTIVATOR, Role.OPERATOR)
+        sends = role in (Role.ACTIVATION, Role.EXTERNAL_ACTIVATOR, Role.OPERATOR, Role.QUEUE)
         found[name] = Access(name, role, sends=sends, receives=receives)
     for name in owners:
         found[check_principal(name)] = Access(

@@ -125,6 +125,7 @@ def apply_plan(
     client = kafka.admin(admin)
     added, removed = _change_acls(client, plan, report)
     _ensure_users(client, store, plan.principals, report)
+    store.lease_key(plan.instance)
     kafka.ensure_topics(client, plan.topics, timeout_s=TIMEOUT_S)
     if redis_acls:
         r = redis_client(admin)

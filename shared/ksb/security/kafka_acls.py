@@ -9,11 +9,16 @@ transactional ids it uses, read off the services (`ksb.names` has every name):
 | transmitter | transmission, acks, links, catalog | outbound, audit | — |
 | transport | outbound, catalog | links, audit, acks (relayed), inbound (own, next hops') | group ``ksb.<i>.transport`` |
 | forwarder | inbound, catalog | next hops' inbound, peers' acks (relayed) | — |
-| activation | catalog, queues | catalog (poison), activation, audit, requests | — |
-| external activator | activation, notified queues | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
+| queue service | queues, catalog | requests (dead letters), audit | — |
+| activation | catalog | catalog (poison), activation, audit, requests | — |
+| external activator | activation | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
 | spark | audit, catalog | sla | group ``ksb.<i>.spark*`` |
 | operator | everything of the instance | catalog, requests; creates queue and dead-letter topics | — |
-| application | its RECEIVE queues, its errors topic | its requests topic, audit | DESCRIBE group ``ksb.<i>.dispatcher`` (back-pressure reads its offsets) |
+| application | its errors topic, depth | its requests topic | DESCRIBE group ``ksb.<i>.dispatcher`` (back-pressure reads its offsets) |
+
+Applications read no queue topic: they RECEIVE through the queue service (`services.queue`),
+which checks their grants. They write no audit record either: what they do is recorded by the
+services that carry it out.
 
 Every principal of the instance may DESCRIBE the group ``ksb.<i>.unused`` (librdkafka looks up
 the coordinator of a consumer that only assigns partitions); services and the operator may
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from ksb.names import Names
-from ksb.security.access import ALL_QUEUES, Access, Peer
+from ksb.security.access import Access, Peer
 from ksb.security.principals import Role, service_principal
 
 __all__ = ["KafkaAcl", "Operation", "Pattern", "Resource", "instance_acls"]
@@ -117,14 +122,8 @@ def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
         # Back-pressure (`ksb.sdk.backpressure`) reads how far the dispatchers have committed.
         yield _acl(p, D, names.dispatcher_group, kind=Resource.GROUP)
         yield _acl(p, R, names.errors_of(p))
-        yield _acl(p, W, names.audit)
         # Queue-depth back-pressure (`ksb.sdk.depth`) reads how deep its targets' queues are.
         yield _acl(p, R, names.depth)
-    if a.receives_all:
-        yield _acl(p, R, f"{names.prefix}.queue.", prefixed=True)
-    else:
-        for q in sorted(a.receives - {ALL_QUEUES}):
-            yield _acl(p, R, names.queue(q))
     if a.owner:
         yield from _role_acls(names, p, Role.OPERATOR)
     if a.role is not None:
@@ -160,11 +159,14 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         # for IDEMPOTENT_WRITE (WRITE on any topic would do instead): the right to obtain a
         # producer id, no right to write anything.
         yield _acl(p, Operation.IDEMPOTENT_WRITE, CLUSTER_NAME, kind=Resource.CLUSTER)
+    elif role is Role.QUEUE:
+        yield from (_acl(p, R, f"{n.prefix}.queue.", prefixed=True), _acl(p, R, n.catalog))
+        yield _acl(p, W, n.audit)
     elif role is Role.ACTIVATION:
-        yield from (_acl(p, W, t) for t in (n.catalog, n.activation))
+        yield from (_acl(p, W, t) for t in (n.catalog, n.activation, n.audit))
         yield _acl(p, R, n.catalog)
     elif role is Role.EXTERNAL_ACTIVATOR:
-        yield _acl(p, R, n.activation)
+        yield from (_acl(p, R, n.activation), _acl(p, W, n.audit))
         app = n.external_activator_app
         for op in (R, W, C):  # faust's own topic (`<app>-__assignor-__leader`) and group
             yield _acl(p, op, app, prefixed=True)

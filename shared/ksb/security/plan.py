@@ -48,6 +48,10 @@ class SecurityPlan:
     def names(self) -> Names:
         return Names(self.instance)
 
+    def accesses_of(self, principal: str) -> Access:
+        """`principal`'s reach in this plan."""
+        return next(a for a in self.accesses if a.principal == principal)
+
     def owns(self, acl: KafkaAcl) -> bool:
         """Whether `acl` is this plan's to keep or remove (see the module's docstring)."""
         return acl.name.startswith(f"{self.names.prefix}.") or acl.principal in set(

@@ -47,6 +47,7 @@ class Role(str, Enum):
     """A service process (or the operator) of one instance; the value is the name's suffix."""
 
     DISPATCHER = "dispatcher"
+    QUEUE = "queue"
     TRANSMITTER = "transmitter"
     TRANSPORT = "transport"
     FORWARDER = "forwarder"

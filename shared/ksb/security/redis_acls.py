@@ -1,8 +1,12 @@
 """The Redis ACL rules of one instance: each principal's keys and commands, from the code's use.
 
-A principal that RECEIVEs touches its queues' lock, fence, waiting, activity, rollback and
-message-rollback keys (`ksb.sdk.locks`, `ksb.sdk.reader`) and reads its queues' disabled flags and the
-dead-letter policies. Three Redis facts shape the rules (measured on Redis 7.0):
+The queue service holds the group locks: it touches every queue's lock, fence, waiting,
+activity, rollback and message-rollback keys (`ksb.queue.locks`, `services.queue`) and reads the
+queues' disabled flags and the dead-letter policies. Applications have no Redis user at all: they
+RECEIVE through the queue service, so no call their grants allow can shorten, take over or forge
+a lock, or disable a queue. The activation service reads the readers' traces and writes the task
+heartbeats, the disabled flags and the monitor rows. Three Redis facts shape the rules (measured
+on Redis 7.0):
 
 * keys passed to EVAL/EVALSHA are checked as read-write, so a queue's disabled flag, which the
   lock script only tests, needs ``~`` (not ``%R~``): a receiver could write it with the
@@ -39,9 +43,10 @@ RECEIVER = (
     "evalsha", "script|load", "script|exists", "exists", "time", "hget", "hset", "hdel", "incr", "incrby", "set",
     "pexpire", "zadd", "zrem", "hincrby",
 )  # fmt: skip
+QUEUE = (*RECEIVER, "zcount", "hgetall", "get")
 ACTIVATION = (
-    *RECEIVER, "multi", "exec", "discard", "del", "zcount", "zremrangebyscore", "zcard",
-    "hgetall", "get",
+    "set", "del", "zadd", "zrem", "multi", "exec", "discard", "zcount", "zremrangebyscore",
+    "zcard", "hgetall", "hset", "get",
 )  # fmt: skip
 VIEW = ("set", "del")
 TRANSPORT = (*VIEW, "zadd", "zrange")
@@ -102,7 +107,7 @@ def _receiver(names: Names, queue: str) -> RedisRules:
     return RedisRules(
         frozenset(keys),
         frozenset({names.dead_letter_policy_key}),
-        frozenset((*CONNECT, *RECEIVER)),
+        frozenset((*CONNECT, *QUEUE)),
     )
 
 
@@ -111,14 +116,14 @@ def rules_of(instance: str, a: Access) -> RedisRules:
     prefix = f"ksb:{instance}:"
     names = Names(instance)
     rules = RedisRules()
-    for q in sorted(a.receives):
-        rules |= _receiver(names, q)
-    if a.role is Role.ACTIVATION:
-        keys = {f"{prefix}{k}" for k in ("tasks:*", "disabled:*", "monitors", "dlpolicy")}
-        rules |= RedisRules(frozenset(keys), commands=frozenset((*CONNECT, *ACTIVATION)))
-    elif a.role is Role.EXTERNAL_ACTIVATOR:  # its readers are activated tasks: heartbeats
-        keys = {names.tasks_key(_tagged(q)) for q in a.receives}
-        rules |= RedisRules(frozenset(keys), commands=frozenset(CONNECT))
+    if a.role is Role.QUEUE:
+        rules |= _receiver(names, ALL_QUEUES)
+    elif a.role is Role.ACTIVATION:
+        keys = {
+            f"{prefix}{k}" for k in ("tasks:*", "disabled:*", "monitors", "dlpolicy", "rollbacks:*")
+        }
+        traces = {names.activity_key("*"), names.waiting_key("*")}
+        rules |= RedisRules(frozenset(keys), frozenset(traces), frozenset((*CONNECT, *ACTIVATION)))
     elif a.role is Role.TRANSMITTER:
         rules |= _view(prefix, ["transmission"], VIEW)
     elif a.role is Role.TRANSPORT:

@@ -175,6 +175,10 @@ class Receipt(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     group: str
     message_ids: tuple[str, ...]
     token: int = 0
+    lease: str | None = None
+    """The lock's lease, as the queue service issued it (`ksb.security.leases`): on a secured
+    stack the dispatcher applies the receipt only under a lease sealed for this principal, this
+    queue and this group, and fences with the token inside it."""
     v: Literal[1] = 1
 
 

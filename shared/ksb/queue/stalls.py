@@ -21,7 +21,7 @@ no partition looks stalled for that alone, and a reader whose commits come back 
 stops taking a dead owner's groups after a few of them.
 
 Pure: `ksb.sdk.reader` reports the commits and outcomes and asks which partitions are stalled;
-`ksb.sdk.queue_index` puts their groups last in their levels.
+`ksb.queue.index` puts their groups last in their levels.
 """
 
 from __future__ import annotations

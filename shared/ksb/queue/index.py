@@ -1,7 +1,7 @@
 """What is ready to RECEIVE in one queue, ordered the way Service Broker orders it, in a few bytes
 a message.
 
-A reader (and the activation service) folds the queue topic into this index: message records add,
+The queue service folds each queue topic into this index: message records add,
 receipts (tombstones) remove. The index answers RECEIVE's two questions without I/O: which groups
 to try, highest priority first, and which messages of a group to return, in order.
 
@@ -11,8 +11,8 @@ one, queuing order, partition and offset packed in one, and the message's number
 message whatever its body. The message id is not stored: the dispatcher names the ``n``-th message
 an endpoint's queue gets ``<conversation handle>:<n>`` (`ksb.dialog.membership.message_id`), so
 the row keeps ``n`` and the id is rebuilt. An id of another form (a record written before ids had
-this form, or by another producer) is kept as a string beside the rows. The bodies stay in Kafka:
-RECEIVE reads the chosen rows' records by partition and offset (`ksb.sdk.bodies`).
+this form, or by another producer) is kept as a string beside the rows. The bodies are in the
+queue service's store on disk, by partition and offset (`ksb.queue.bodies`).
 """
 
 from __future__ import annotations
@@ -348,7 +348,7 @@ class QueueIndex:
     ) -> Iterator[str]:
         """Groups with ready messages, highest priority first. Within a level the queue's
         partitions take turns (`_take_turns`), each partition's groups oldest first; the groups
-        `later` names come after the level's others (`ksb.sdk.stalls`), taking turns alike.
+        `later` names come after the level's others (`ksb.queue.stalls`), taking turns alike.
 
         Turns, not one first-in first-out order over the whole queue, because a partition is a
         shard with an owner of its own: when a shard's owner fails, its messages wait for the
@@ -428,6 +428,16 @@ class QueueIndex:
             self._served[g.partition] = self._serial
         return out
 
+    def peek(self, top: int) -> list[Ready]:
+        """The first `top` ready messages in RECEIVE order, locks aside; nothing is served."""
+        out: list[Ready] = []
+        for group_id in self.candidates():
+            for ready in self._in_order(self._groups[group_id], None, ()):
+                out.append(ready)
+                if len(out) >= top:
+                    return out
+        return out
+
     def _in_order(self, g: _Group, handle: str | None, skip: Container[str]) -> Iterator[Ready]:
         convs = sorted(g.conversations.values(), key=lambda c: (-c.priority, c.first_order))
         for c in convs:
@@ -472,3 +482,9 @@ class QueueIndex:
     @property
     def ready_groups(self) -> int:
         return len(self._groups)
+
+    def oldest_ready_ms(self) -> int | None:
+        """When the oldest ready message was enqueued (None: nothing ready): the age of a queue
+        that stays true while its readers are stalled. Each lane's first group is its oldest."""
+        firsts = [lane[0][0] for lanes in self._lanes.values() for lane in lanes.values() if lane]
+        return min(firsts) >> 24 if firsts else None

@@ -1,0 +1,1 @@
+"""Generated from proto/ (make proto): the queue service's API, version 1."""

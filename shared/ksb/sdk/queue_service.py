@@ -1,0 +1,208 @@
+"""The SDK's connection to the queue service: one replica at a time, the next when one fails.
+
+RECEIVE, a commit's outcome and ROLLBACK are the queue service's (`services.queue`); the client
+sends them over gRPC to the first replica of `ClientSettings.queue_addresses` that answers, with
+its principal's login in every call's metadata. A replica that does not answer (UNAVAILABLE, or
+no answer within the call's time) is left for the next one: every call carries all it needs (the
+lease, what the transaction received), so a transaction goes on on another replica. Locks its
+open transactions hold are renewed from a thread of its own every `lock_renew_ms`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Any
+
+import grpc
+
+from ksb.api.queue.v1 import queue_pb2 as pb
+from ksb.api.queue.v1 import queue_pb2_grpc as pb_grpc
+from ksb.errors import (
+    KsbError,
+    LeaseInvalid,
+    LockLost,
+    LockStoreUnavailable,
+    NotAuthorized,
+    ProtocolError,
+    QueueDisabled,
+    QueueServiceUnavailable,
+)
+from ksb.runtime.credentials import kafka_login
+from ksb.settings import QueueClientSettings
+
+__all__ = ["QueueServiceClient", "error_of"]
+
+log = logging.getLogger("ksb.sdk")
+
+_MOVE_ON = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+"""A replica that answers so (or not at all) is left for the next one."""
+_RETRY_BUDGET = 2
+"""Rounds over every replica a call makes before it gives up."""
+
+
+def error_of(exc: grpc.RpcError) -> KsbError:
+    """The SDK's error for a call the queue service refused (its details: ``<code>: <reason>``)."""
+    code = exc.code()
+    details = str(exc.details() or "")
+    kind, _, reason = details.partition(": ")
+    text = reason or details
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return LeaseInvalid(text) if kind == "bad_lease" else NotAuthorized(text)
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return NotAuthorized(f"the queue service refused this login: {text}")
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return QueueDisabled(text) if kind == "queue_disabled" else LockLost(text)
+    if code is grpc.StatusCode.UNAVAILABLE and kind == "lock_store_unavailable":
+        return LockStoreUnavailable(text)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+        return ProtocolError(text)
+    return QueueServiceUnavailable(f"queue service: {code.name}: {details}")
+
+
+class QueueServiceClient:
+    """Calls to the queue service's replicas, and the renewal of the locks held."""
+
+    def __init__(self, settings: QueueClientSettings) -> None:
+        self.settings = settings
+        self._addresses = [a.strip() for a in settings.queue_addresses.split(",") if a.strip()]
+        if not self._addresses:
+            raise ProtocolError("KSB_QUEUE_ADDRESSES names no queue service replica")
+        self._current = 0
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.QueueServiceStub | None = None
+        self._lock = threading.Lock()
+        self._leases: dict[str, bool] = {}
+        """The leases of open transactions -> still held (as the last renewal said)."""
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew_loop, name="ksb-renew", daemon=True)
+        self._renewer.start()
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The login every call carries (re-read, so a rotated password file is taken)."""
+        s = self.settings
+        if s.kafka_security_protocol == "PLAINTEXT":
+            return (("ksb-principal", s.acting_principal),) if s.acting_principal else ()
+        login = kafka_login(s, s.kafka_bootstrap)
+        return (("ksb-principal", login.username), ("ksb-password", login.password))
+
+    # ----------------------------------------------------------------- calls
+    def call(self, method: str, request: Any, *, wait_s: float = 0.0) -> Any:
+        """`method` on a replica, moving on past those that fail; the SDK's error if refused."""
+        timeout = wait_s + self.settings.queue_timeout_ms / 1000
+        last: grpc.RpcError | None = None
+        for _attempt in range(_RETRY_BUDGET * len(self._addresses)):
+            stub, at = self._stub_now()
+            try:
+                return getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() not in _MOVE_ON:
+                    raise error_of(exc) from None
+                last = exc
+                self._move_on(at, exc)
+        assert last is not None
+        raise QueueServiceUnavailable(
+            f"no queue service replica answered {method} ({', '.join(self._addresses)}): "
+            f"{error_of(last).reason}"
+        )
+
+    def commit_outcome(self, lease: str, request_id: str, wait_s: float) -> Future[pb.CommitReply]:
+        """The outcome of a commit record already produced, as a future; its lock is released
+        by the service when the outcome is read. A replica that fails meanwhile is left for the
+        next (the outcome is remembered by request id on every replica)."""
+        done: Future[pb.CommitReply] = Future()
+        request = pb.CommitRequest(
+            lease=lease, request_id=request_id, timeout_ms=int(wait_s * 1000)
+        )
+        timeout = wait_s + self.settings.queue_timeout_ms / 1000
+        tries = [_RETRY_BUDGET * len(self._addresses)]
+
+        def attempt() -> None:
+            stub, at = self._stub_now()
+            fut = stub.Commit.future(request, timeout=timeout, metadata=self.metadata)
+
+            def answered(f: grpc.Future[pb.CommitReply]) -> None:
+                try:
+                    done.set_result(f.result())
+                except grpc.RpcError as exc:
+                    tries[0] -= 1
+                    if exc.code() in _MOVE_ON and tries[0] > 0:
+                        self._move_on(at, exc)
+                        attempt()
+                    else:
+                        done.set_exception(error_of(exc))
+
+            fut.add_done_callback(answered)
+
+        attempt()
+        return done
+
+    def _stub_now(self) -> tuple[pb_grpc.QueueServiceStub, int]:
+        with self._lock:
+            if self._stub is None:
+                address = self._addresses[self._current]
+                self._channel = grpc.insecure_channel(address)
+                self._stub = pb_grpc.QueueServiceStub(self._channel)
+            return self._stub, self._current
+
+    def _move_on(self, at: int, exc: grpc.RpcError) -> None:
+        """Leave replica `at` for the next (once, however many calls saw it fail)."""
+        with self._lock:
+            if self._current != at:
+                return
+            log.warning(
+                "queue service %s: %s; trying %s",
+                self._addresses[at],
+                exc.code().name,
+                self._addresses[(at + 1) % len(self._addresses)],
+            )
+            self._current = (at + 1) % len(self._addresses)
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self._stub = None, None
+
+    # ----------------------------------------------------------------- held locks
+    def hold(self, lease: str) -> None:
+        """Renew `lease` from now until `let_go`."""
+        with self._lock:
+            self._leases[lease] = True
+
+    def let_go(self, lease: str) -> None:
+        with self._lock:
+            self._leases.pop(lease, None)
+
+    def still_held(self, lease: str) -> bool:
+        """What the last renewal said of `lease` (True until one said otherwise)."""
+        with self._lock:
+            return self._leases.get(lease, False)
+
+    def renew(self, lease: str) -> bool:
+        """Renew one lease now: False when its lock is no longer held."""
+        reply = self.call("RenewLocks", pb.RenewLocksRequest(leases=[lease]))
+        return bool(reply.held and reply.held[0])
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.settings.lock_renew_ms / 1000):
+            with self._lock:
+                leases = list(self._leases)
+            if not leases:
+                continue
+            try:
+                reply = self.call("RenewLocks", pb.RenewLocksRequest(leases=leases))
+            except KsbError as exc:
+                log.warning("%d locks not renewed this time: %s", len(leases), exc.reason)
+                continue
+            with self._lock:
+                for lease, held in zip(leases, reply.held, strict=True):
+                    if lease in self._leases:
+                        self._leases[lease] = held
+
+    def close(self) -> None:
+        self._stop.set()
+        self._renewer.join(2)
+        with self._lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel, self._stub = None, None
