@@ -39,6 +39,7 @@ from devtools.demo.processes import (
     guard_workdir,
     interrupt,
     print_env,
+    queue_replicas,
     report_sla,
     running_services,
     service_processes,
@@ -53,6 +54,8 @@ from ksb.errors import KsbError
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_START_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 130
+QUEUE_REPLICAS = 2
+"""The first instance's queue service replicas: a client moves on to the other when one fails."""
 
 
 def demo(opts: DemoOptions) -> int:
@@ -95,10 +98,14 @@ def demo(opts: DemoOptions) -> int:
             say(
                 f"  security: {stack.security.protocol}, principals and ACLs of both instances made"
             )
+        # The queue service first: every other process of an instance is its client. The first
+        # instance runs two replicas (its clients move on when one fails), the second one.
+        settings, queues_a = queue_replicas(settings, QUEUE_REPLICAS, logs)
+        settings_b, queues_b = queue_replicas(settings_b, 1, logs, SUFFIX_B)
         # The first instance's dispatchers share its shards; every other service runs once.
         pool = dispatcher_pool(settings, opts.dispatchers, logs)
-        others = [n for n in available_services() if n != "dispatcher"]
-        procs = list(pool.members.values())
+        others = [n for n in available_services() if n not in ("dispatcher", "queue")]
+        procs = [*queues_a, *queues_b, *pool.members.values()]
         procs += service_processes(settings, others + ([SPARK_JOB] if opts.spark else []), logs)
         procs += service_processes(settings_b, available_services(SERVICE_NAMES_B), logs, SUFFIX_B)
         say(f"starting services: {', '.join(p.name for p in procs)}")
@@ -109,8 +116,8 @@ def demo(opts: DemoOptions) -> int:
             readers_b = [s for s in services if s.name == f"dispatcher{SUFFIX_B}"]
             apply_catalogs(
                 [
-                    (settings, catalog, opts.catalog, list(pool.members.values())),
-                    (settings_b, catalog_b, opts.catalog_b, readers_b),
+                    (settings, catalog, opts.catalog, [*pool.members.values(), *queues_a]),
+                    (settings_b, catalog_b, opts.catalog_b, [*readers_b, *queues_b]),
                 ]
             )
             # A dispatcher joins its consumer group once its broker has started on the catalog.

@@ -26,6 +26,7 @@ from devtools.demo.orders import CLIENT_SERVICE, CONTRACT, LINE_ACCEPTED, ORDER_
 from devtools.deployment import Deployment
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStackError
+from devtools.processes import free_port
 from devtools.runner import ServiceProcess, stop_all
 from ksb.catalog.model import Catalog
 from ksb.errors import KsbError
@@ -50,6 +51,7 @@ __all__ = [
     "interrupt",
     "operator_login",
     "print_env",
+    "queue_replicas",
     "report_sla",
     "running_services",
     "service_processes",
@@ -82,6 +84,29 @@ def service_processes(
             ServiceProcess(f"{name}{suffix}", settings, logs / f"{name}{suffix}.log", module=module)
         )
     return procs
+
+
+def queue_replicas(
+    settings: Deployment, count: int, logs: Path, suffix: str = ""
+) -> tuple[Deployment, list[ServiceProcess]]:
+    """The instance's queue service, `count` replicas (not yet started), each on a port and a
+    store of its own; and the instance's settings with every replica as its clients'
+    ``KSB_QUEUE_ADDRESSES``, which every other process of the instance is started with."""
+    ports = [free_port() for _ in range(count)]
+    addresses = ",".join(f"127.0.0.1:{port}" for port in ports)
+    with_queues = settings.model_copy(update={"queue_addresses": addresses})
+    procs = []
+    for n, port in enumerate(ports, start=1):
+        name = f"queue{suffix}/q{n}"
+        replica = with_queues.model_copy(
+            update={
+                "queue_port": port,
+                "queue_store_dir": str(logs.parent / f"queue-store{suffix}-q{n}"),
+            }
+        )
+        log = logs / f"queue{suffix}-q{n}.log"
+        procs.append(ServiceProcess(name, replica, log, module="services.queue"))
+    return with_queues, procs
 
 
 def dispatcher_pool(settings: Deployment, count: int, logs: Path) -> DispatcherPool:

@@ -33,7 +33,7 @@ from ksb.errors import (
 from ksb.queue.outcomes import Outcomes
 from ksb.wire.partitioning import partition_for
 from services.queue.logins import Logins, Unauthenticated
-from services.queue.receiving import Receiving
+from services.queue.receiving import NEW_QUEUE_WAIT_S, Receiving
 from services.queue.rollbacks import Rollbacks
 
 __all__ = ["QueueApi"]
@@ -97,6 +97,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
         def call() -> pb.ReceiveReply:
             principal = self._caller(context)
             queue = _name(request.queue, "queue")
+            self._receiving.queues.get(queue, wait_s=NEW_QUEUE_WAIT_S)  # its catalog first
             self._permissions().check_receive(principal, queue, "RECEIVE")
             granted = self._receiving.receive(
                 principal,

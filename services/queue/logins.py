@@ -21,6 +21,7 @@ from ksb.clock import Clock
 from ksb.errors import SecurityError
 from ksb.queue.logins import LoginMemory
 from ksb.runtime.credentials import KafkaLogin
+from ksb.runtime.kafka_logs import client_log
 from ksb.security.principals import PRINCIPAL_PATTERN
 from ksb.settings import QueueServiceSettings
 
@@ -92,13 +93,21 @@ class Logins:
             ssl_ca=s.kafka_ssl_ca,
         )
         refused: list[KafkaError] = []
+        logs = client_log("login")
+        log_error = logs["error_cb"]
 
         def on_error(err: KafkaError) -> None:
             if err.code() == KafkaError._AUTHENTICATION:
                 refused.append(err)
+            log_error(err)
 
         probe = Producer(
-            {"bootstrap.servers": s.kafka_bootstrap, "error_cb": on_error, **login.librdkafka()}
+            {
+                "bootstrap.servers": s.kafka_bootstrap,
+                **logs,
+                "error_cb": on_error,
+                **login.librdkafka(),
+            }
         )
         deadline = time.monotonic() + LOGIN_TIMEOUT_S
         try:

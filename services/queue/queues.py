@@ -36,11 +36,18 @@ class Queues:
                 return None
             fold = self._folds[name] = QueueFold(name, self._next_id, partitions)
             self._next_id += 1
+            self.cond.notify_all()
             return fold
 
-    def get(self, name: str) -> QueueFold:
-        """The fold of a queue this replica serves; `CatalogError` (unknown_queue) otherwise."""
+    def get(self, name: str, *, wait_s: float = 0.0) -> QueueFold:
+        """The fold of a queue this replica serves; `CatalogError` (unknown_queue) otherwise.
+        With `wait_s`, a queue not known yet is waited for that long: a catalog that adds a
+        queue reaches this replica a poll after it reaches the client that asks for it."""
         fold = self._folds.get(name)
+        if fold is None and wait_s > 0:
+            with self.cond:
+                self.cond.wait_for(lambda: name in self._folds, wait_s)
+            fold = self._folds.get(name)
         if fold is None:
             raise CatalogError(f"unknown queue {name!r}", code="unknown_queue")
         return fold

@@ -30,6 +30,7 @@ from ksb.clock import Clock
 from ksb.errors import LeaseInvalid, LockLost
 from ksb.names import Names
 from ksb.queue.fold import Outcome, QueueFold
+from ksb.queue.held import HeldLocks
 from ksb.queue.locks import GroupLocks, Lease
 from ksb.queue.stalls import CommitStalls
 from ksb.runtime.redis_client import best_effort
@@ -43,6 +44,8 @@ __all__ = ["Granted", "QueueLook", "Receiving"]
 
 log = logging.getLogger("ksb.queue")
 
+NEW_QUEUE_WAIT_S = 2.0
+"""How long a RECEIVE on a queue this replica does not know yet waits for the catalog that adds it."""
 CANDIDATES_PER_TRY = 32
 """Groups one lock call tries at most (best first)."""
 CATCH_UP_S = 10.0
@@ -103,9 +106,9 @@ class Receiving:
         self._clock = clock
         self._locks: dict[str, GroupLocks] = {}
         self._stalls: dict[str, CommitStalls] = {}
-        self.held: dict[tuple[str, str], int] = {}
-        """(queue, group) -> token of the locks this replica took and has not let go (under
-        `queues.cond`): the follower releases them when their commit outcome is read."""
+        self.held = HeldLocks(settings.lock_ttl_ms)
+        """The locks this replica took and has not let go (under `queues.cond`): the follower
+        releases them when their commit outcome is read."""
         self._probe = probe()
         self._probe_lock = threading.Lock()
 
@@ -177,7 +180,7 @@ class Receiving:
         """(whether any group was ready to try, the lock taken)."""
         queue = fold.queue
         with self.queues.cond:
-            held = {g for (q, g) in self.held if q == queue}
+            held = self.held.groups(queue, self._clock.now_ms())
             stalled = self.stalls(queue).stalled(self._clock.now_ms())
             later = (lambda g: partition_for(g, fold.partitions) in stalled) if stalled else None
             cands = fold.index.lock_candidates(held, CANDIDATES_PER_TRY, group, handle, later)
@@ -187,7 +190,7 @@ class Receiving:
         if taken is None:
             return True, None
         with self.queues.cond:
-            self.held[(queue, taken.group)] = taken.token
+            self.held.took(queue, taken.group, taken.token, self._clock.now_ms())
         self._catch_up(fold, taken)
         with self.queues.cond:
             if fold.index.has_group(taken.group):
@@ -301,6 +304,11 @@ class Receiving:
             answers = self.locks(queue).extend_all([self._lease_of(claims[i]) for i in idx])
             for i, ok in zip(idx, answers, strict=True):
                 held[i] = ok
+        now = self._clock.now_ms()
+        with self.queues.cond:
+            for c, ok in zip(claims, held, strict=True):
+                if ok:
+                    self.held.renewed(c.queue, c.group, c.token, now)
         return held
 
     def release(
@@ -316,9 +324,7 @@ class Receiving:
         mine: list[tuple[str, Lease, tuple[int, int], bool]] = []
         with self.queues.cond:
             for o in outcomes:
-                key = (o.queue, o.record.group)
-                if self.held.get(key) == o.record.token:
-                    del self.held[key]
+                if self.held.let_go(o.queue, o.record.group, o.record.token):
                     lease = Lease(o.record.group, o.record.token, None)
                     mine.append((o.queue, lease, (o.partition, o.offset), o.record.applied))
         by_queue: dict[str, list[tuple[Lease, tuple[int, int] | None, bool]]] = {}
@@ -339,8 +345,7 @@ class Receiving:
                 self.locks(queue).release_all([(lease, after, committed)])
         finally:
             with self.queues.cond:
-                if self.held.get((queue, lease.group)) == lease.token:
-                    del self.held[(queue, lease.group)]
+                self.held.let_go(queue, lease.group, lease.token)
                 self.queues.cond.notify_all()
 
     @staticmethod

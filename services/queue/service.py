@@ -135,7 +135,7 @@ class QueueService(Service):
                 added += [TopicPartition(topic, p, -2) for p in range(q.partitions)]
         if added:
             self._consumer.incremental_assign(added)
-            log.info("reading %d new queue partitions", len(added))
+        log.info("catalog v%d applied (%d new queue partitions to read)", view.version, len(added))
 
     def step(self) -> None:
         """Fold one batch of queue records; wait up to ~50 ms for one."""

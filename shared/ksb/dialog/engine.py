@@ -286,7 +286,7 @@ class Engine:
             )
         )
         if isinstance(request, CommitRequest):
-            receipts.refused_outcome(self, request, exc, out)
+            receipts.refused_outcome(self, request, exc, principal, out)
         return out
 
     def merge(self, stage: Stage) -> None:

@@ -162,12 +162,25 @@ def _far_received_end(state: DialogState, stage: Stage, receiver: Endpoint, now:
         peer.updated_ms = now
 
 
-def refused_outcome(state: DialogState, req: CommitRequest, exc: KsbError, out: Outputs) -> None:
-    """A refused commit still gets its outcome record, so its reader learns and lets go."""
-    if req.receipt is not None:
-        reason = f"{exc.code}: {exc.reason}"
-        fence = state.fence(req.receipt.queue, req.receipt.group)
-        out.queue.append(_outcome(state, req, req.receipt, fence, applied=False, reason=reason))
+def refused_outcome(
+    state: DialogState, req: CommitRequest, exc: KsbError, principal: str | None, out: Outputs
+) -> None:
+    """A refused commit still gets its outcome record, so its reader learns and lets go. Its
+    token is the one its lease grants, or 0 when the lease grants nothing: the queue service
+    frees a lock on an outcome under the lock's own token, and a refused commit must not free
+    a lock it never held by naming that lock's token (tokens are not secrets)."""
+    r = req.receipt
+    if r is None:
+        return
+    try:
+        token, _claims = leased(state.leases, state.instance, principal, r)
+    except KsbError:
+        token = 0
+    reason = f"{exc.code}: {exc.reason}"
+    fence = state.fence(r.queue, r.group)
+    out.queue.append(
+        _outcome(state, req, replace(r, token=token), fence, applied=False, reason=reason)
+    )
 
 
 def outcome_key(group: str) -> str:

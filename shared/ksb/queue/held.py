@@ -1,0 +1,50 @@
+"""The group locks one queue service replica took and has not let go.
+
+A replica passes over its own locked groups when it picks candidates for a RECEIVE (the lock
+script would skip them anyway, but a busy queue's first candidates are mostly the groups its own
+readers work on, and a RECEIVE tries a bounded number), and it releases a lock when it reads the
+outcome of the commit made under it. A lock it took can also end without either: its client dies
+and the lease runs out, or another replica releases it for a client that moved there. So each
+entry lasts only as long as the lease would without renewal through this replica; after that the
+group is a candidate again, and the lock script decides.
+"""
+
+from __future__ import annotations
+
+__all__ = ["HeldLocks"]
+
+
+class HeldLocks:
+    """(queue, group) -> (token, until when this replica counts it held)."""
+
+    def __init__(self, ttl_ms: int) -> None:
+        self._ttl_ms = ttl_ms
+        self._held: dict[tuple[str, str], tuple[int, int]] = {}
+
+    def took(self, queue: str, group: str, token: int, now_ms: int) -> None:
+        self._held[(queue, group)] = (token, now_ms + self._ttl_ms)
+
+    def renewed(self, queue: str, group: str, token: int, now_ms: int) -> None:
+        """A renewal through this replica: counted held for another lease."""
+        if self.token(queue, group) == token:
+            self.took(queue, group, token, now_ms)
+
+    def token(self, queue: str, group: str) -> int | None:
+        entry = self._held.get((queue, group))
+        return None if entry is None else entry[0]
+
+    def groups(self, queue: str, now_ms: int) -> set[str]:
+        """The groups of `queue` this replica counts held now (the lapsed ones are forgotten)."""
+        for key in [k for k, (_t, until) in self._held.items() if until <= now_ms]:
+            del self._held[key]
+        return {g for (q, g) in self._held if q == queue}
+
+    def let_go(self, queue: str, group: str, token: int) -> bool:
+        """Forget the lock if it is the one under `token`; whether it was."""
+        if token and self.token(queue, group) == token:
+            del self._held[(queue, group)]
+            return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self._held)
