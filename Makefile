@@ -15,7 +15,7 @@ STAMP_APT := $(CACHE)/.apt
 STAMP_FUZZ := $(VENV)/.fuzz-installed
 FUZZ_RUNS ?= 10000
 
-.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean proto
+.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean proto go
 
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
 
@@ -118,11 +118,40 @@ report: setup $(STAMP_SPARK)
 clean:
 	rm -rf var $(CACHE) infra/kafka/assignor/target
 
-# The queue service's API (proto/) as Python: generated code and typed stubs, committed, so an
-# install needs no protoc; tests/unit/test_proto.py fails when they are not current.
+# The queue service's API (proto/) as Python (generated code and typed stubs) and as Go (the
+# client in clients/go), committed, so an install or a `go build` needs no protoc;
+# tests/unit/test_proto.py fails when they are not current. The Go plugins, pinned, are installed
+# into .cache/go/bin the first time (about 40 s); without a Go toolchain only Python is made.
 PROTO := proto/ksb/api/queue/v1/queue.proto
+GO ?= go
+GO_BIN := $(abspath $(CACHE))/go/bin
+PROTOC_GEN_GO_VERSION := v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION := v1.6.2
+STAMP_GO_PLUGINS := $(GO_BIN)/.plugins-$(PROTOC_GEN_GO_VERSION)-$(PROTOC_GEN_GO_GRPC_VERSION)
+GO_PACKAGE := Mksb/api/queue/v1/queue.proto=ksb/clients/go/api/queue/v1;queuev1
 proto: $(STAMP_PY)
 	$(PY) -m grpc_tools.protoc -I proto --python_out=shared --grpc_python_out=shared \
 	    --mypy_out=shared --mypy_grpc_out=shared \
 	    --plugin=protoc-gen-mypy=$(VENV)/bin/protoc-gen-mypy \
 	    --plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc $(PROTO)
+	@if command -v $(GO) >/dev/null; then $(MAKE) --no-print-directory proto-go; \
+	else echo "no Go toolchain: clients/go/api not regenerated (tests/unit/test_proto.py will say so)"; fi
+
+.PHONY: proto-go
+proto-go: $(STAMP_PY) $(STAMP_GO_PLUGINS)
+	$(PY) -m grpc_tools.protoc -I proto \
+	    --plugin=protoc-gen-go=$(GO_BIN)/protoc-gen-go \
+	    --plugin=protoc-gen-go-grpc=$(GO_BIN)/protoc-gen-go-grpc \
+	    --go_out=clients/go --go_opt='module=ksb/clients/go,$(GO_PACKAGE)' \
+	    --go-grpc_out=clients/go --go-grpc_opt='module=ksb/clients/go,$(GO_PACKAGE)' $(PROTO)
+
+$(STAMP_GO_PLUGINS):
+	mkdir -p $(GO_BIN)
+	GOBIN=$(GO_BIN) $(GO) install google.golang.org/protobuf/cmd/protoc-gen-go@$(PROTOC_GEN_GO_VERSION)
+	GOBIN=$(GO_BIN) $(GO) install google.golang.org/grpc/cmd/protoc-gen-go-grpc@$(PROTOC_GEN_GO_GRPC_VERSION)
+	touch $@
+
+# The Go client (clients/go, docs/protocol.md "RECEIVE through the queue service"): vet, its
+# tests, and the `ksbgo` command in build/. Its modules come from the Go proxy on first use.
+go:
+	cd clients/go && $(GO) vet ./... && $(GO) test ./... && $(GO) build -o ../../build/ksbgo ./cmd/ksbgo
