@@ -22,6 +22,7 @@ from ksb.audit import Audit
 from ksb.clock import Clock
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
+from ksb.dialog.sources import Source
 from ksb.errors import ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
@@ -184,8 +185,10 @@ class Pipeline:
             out.principal = self.router.principal_of(m.topic() or "")
             return out
         self._requests[request.kind].inc()
+        permissions = self.engine.permissions
+        source = Source.PEER if incoming.peer else permissions.source_of(incoming.principal)
         out = self.engine.handle(
-            request, now, sent_ms=incoming.sent_ms, principal=incoming.principal
+            request, now, sent_ms=incoming.sent_ms, principal=incoming.principal, source=source
         )
         for e in out.errors:
             self._errors[e.code].inc()

@@ -41,6 +41,9 @@ class Incoming:
     elsewhere: RelayRequest | None = None
     principal: str | None = None
     sent_ms: int | None = None
+    peer: bool = False
+    """Read from ``inbound`` (directly or relayed): written by another instance's transport or
+    forwarder, whatever its kind says (`ksb.dialog.sources`)."""
 
 
 class Router:
@@ -66,7 +69,7 @@ class Router:
             inbound = parse_inbound(raw)
             if isinstance(inbound, InboundMessage) and self._elsewhere(inbound.key, partition):
                 return Incoming(elsewhere=self.to_owner(inbound.key, raw, "inbound", None, sent))
-            return Incoming(request=inbound, sent_ms=sent)
+            return Incoming(request=inbound, sent_ms=sent, peer=True)
         principal = self.principal_of(topic)
         key = m.key()
         if (
@@ -99,7 +102,7 @@ class Router:
         if not isinstance(record, RelayRequest):
             return Incoming(relayed=record)
         if record.source == "inbound":
-            return Incoming(request=parse_inbound(record.raw), sent_ms=record.sent_ms)
+            return Incoming(request=parse_inbound(record.raw), sent_ms=record.sent_ms, peer=True)
         return Incoming(
             request=parse_request(record.raw), principal=record.principal, sent_ms=record.sent_ms
         )

@@ -32,6 +32,7 @@ from ksb.errors import (
 )
 from ksb.queue.outcomes import Outcomes
 from ksb.wire.partitioning import partition_for
+from services.queue.fencing import Fencing
 from services.queue.logins import Logins, Unauthenticated
 from services.queue.receiving import NEW_QUEUE_WAIT_S, Receiving
 from services.queue.rollbacks import Rollbacks
@@ -80,6 +81,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
         logins: Logins,
         receiving: Receiving,
         rollbacks: Rollbacks,
+        fencing: Fencing,
         outcomes: Outcomes,
         permissions: Callable[[], Permissions],
         *,
@@ -88,6 +90,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
         self._logins = logins
         self._receiving = receiving
         self._rollbacks = rollbacks
+        self._fencing = fencing
         self._outcomes = outcomes
         self._permissions = permissions
         self._commit_wait_ms = commit_wait_ms
@@ -98,7 +101,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
             principal = self._caller(context)
             queue = _name(request.queue, "queue")
             self._receiving.queues.get(queue, wait_s=NEW_QUEUE_WAIT_S)  # its catalog first
-            self._permissions().check_receive(principal, queue, "RECEIVE")
+            self._permissions().check_receive(principal or None, queue, "RECEIVE")
             granted = self._receiving.receive(
                 principal,
                 queue,
@@ -119,7 +122,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
                 token=granted.claims.token,
             )
 
-        return self._serve(context, call)
+        return self._serve(context, call, f"RECEIVE on {request.queue} locked no group")
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         def call() -> pb.CommitReply:
@@ -151,7 +154,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
             r = outcome.record
             return pb.CommitReply(applied=r.applied, reason=r.reason, fence=r.fence)
 
-        return self._serve(context, call)
+        return self._serve(context, call, "the commit's lock")
 
     def Rollback(
         self, request: pb.RollbackRequest, context: grpc.ServicerContext
@@ -161,11 +164,13 @@ class QueueApi(pb_grpc.QueueServiceServicer):
             claims = self._receiving.opened(principal, _given(request.lease, "lease"))
             try:
                 dead = self._rollbacks.rolled_back(claims, _ids(request.message_ids))
+                # Its lease commits nothing once the group can be someone else's.
+                self._fencing.fence(claims.queue, claims.group, claims.token + 1, wait=True)
             finally:
                 self._receiving.release(claims, claims.after, committed=False)
             return pb.RollbackReply(dead_lettered=dead)
 
-        return self._serve(context, call)
+        return self._serve(context, call, "ROLLBACK")
 
     def RenewLocks(
         self, request: pb.RenewLocksRequest, context: grpc.ServicerContext
@@ -174,17 +179,17 @@ class QueueApi(pb_grpc.QueueServiceServicer):
             principal = self._caller(context)
             return pb.RenewLocksReply(held=self._receiving.renew(principal, _ids(request.leases)))
 
-        return self._serve(context, call)
+        return self._serve(context, call, "lock renewal")
 
     def Peek(self, request: pb.PeekRequest, context: grpc.ServicerContext) -> pb.PeekReply:
         def call() -> pb.PeekReply:
             principal = self._caller(context)
             queue = _name(request.queue, "queue")
-            self._permissions().check_receive(principal, queue, "peek at")
+            self._permissions().check_receive(principal or None, queue, "peek at")
             top = _bounded(request.top, MAX_TOP, "top") or MAX_TOP
             return pb.PeekReply(messages=[to_api(m) for m in self._receiving.peek(queue, top)])
 
-        return self._serve(context, call)
+        return self._serve(context, call, f"peek at {request.queue}")
 
     def QueueState(
         self, request: pb.QueueStateRequest, context: grpc.ServicerContext
@@ -192,7 +197,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
         def call() -> pb.QueueStateReply:
             principal = self._caller(context)
             queue = _name(request.queue, "queue")
-            self._permissions().check_receive(principal, queue, "look at")
+            self._permissions().check_receive(principal or None, queue, "look at")
             s = self._receiving.state(queue)
             return pb.QueueStateReply(
                 ready_messages=s.ready_messages,
@@ -203,13 +208,15 @@ class QueueApi(pb_grpc.QueueServiceServicer):
                 caught_up=s.caught_up,
             )
 
-        return self._serve(context, call)
+        return self._serve(context, call, f"the state of {request.queue}")
 
     # ----------------------------------------------------------------- plumbing
     def _caller(self, context: grpc.ServicerContext) -> str:
         return self._logins.principal(list(context.invocation_metadata()))
 
-    def _serve(self, context: grpc.ServicerContext, call: Callable[[], R]) -> R:
+    def _serve(self, context: grpc.ServicerContext, call: Callable[[], R], what: str) -> R:
+        """Run `call` (`what` the caller asked, for the reasons of refusals) and turn what it
+        raises into the call's status."""
         try:
             return call()
         except CatalogError as exc:
@@ -227,7 +234,7 @@ class QueueApi(pb_grpc.QueueServiceServicer):
                     _abort(context, code, exc)
             _abort(context, grpc.StatusCode.INTERNAL, exc)
         except redis.RedisError as exc:
-            err = LockStoreUnavailable(f"Redis: {type(exc).__name__}: {exc}")
+            err = LockStoreUnavailable(f"{what}: Redis {type(exc).__name__}: {exc}")
             _abort(context, grpc.StatusCode.UNAVAILABLE, err)
 
 

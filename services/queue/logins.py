@@ -4,8 +4,8 @@ Every call to the queue service carries its principal and that principal's Kafka
 metadata (`ksb-principal`, `ksb-password`). The service keeps no copy of anyone's password: it
 logs in to Kafka with the caller's, and Kafka's SCRAM exchange says yes or no. The answer is
 remembered (`ksb.queue.logins`), so only the first call of a client (or of a new password) pays
-for the login. On a stack without security there are no passwords: `ksb-principal` alone names
-the caller, as the requests topic's name does.
+for the login. On a stack without security nobody's identity is checked, by the queue service as
+by the dispatcher (whose shared requests topic names nobody): every caller is "".
 """
 
 from __future__ import annotations
@@ -53,16 +53,14 @@ class Logins:
 
     def principal(self, metadata: Sequence[tuple[str, str | bytes]]) -> str:
         """The caller's principal, once its login is good; `Unauthenticated` otherwise."""
+        if not self._secured:
+            return ""  # as the dispatcher takes a request on the shared topic: nobody's
         found: Mapping[str, str | bytes] = dict(metadata)
         principal = _text(found.get(PRINCIPAL_KEY))
         if not principal:
-            if self._secured:
-                raise Unauthenticated(f"no {PRINCIPAL_KEY} in the call's metadata")
-            return ""
+            raise Unauthenticated(f"no {PRINCIPAL_KEY} in the call's metadata")
         if not PRINCIPAL_PATTERN.match(principal):
             raise Unauthenticated(f"{principal!r} is not a principal's name")
-        if not self._secured:
-            return principal
         password = _text(found.get(PASSWORD_KEY))
         if not password:
             raise Unauthenticated(f"no {PASSWORD_KEY} for principal {principal!r}")

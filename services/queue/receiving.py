@@ -38,6 +38,7 @@ from ksb.security.leases import LeaseClaims, LeaseSeal
 from ksb.settings import QueueServiceSettings
 from ksb.wire.partitioning import partition_for
 from ksb.wire.protocol import QueueMessage
+from services.queue.fencing import Fencing
 from services.queue.queues import Queues
 
 __all__ = ["Granted", "QueueLook", "Receiving"]
@@ -48,6 +49,8 @@ NEW_QUEUE_WAIT_S = 2.0
 """How long a RECEIVE on a queue this replica does not know yet waits for the catalog that adds it."""
 CANDIDATES_PER_TRY = 32
 """Groups one lock call tries at most (best first)."""
+HELD_RETRIED = 8
+"""Groups this replica counts held that one lock call tries too, after the others."""
 CATCH_UP_S = 10.0
 """How long a RECEIVE waits for this replica to read as far as the group's last commit."""
 IDLE_WAIT_S = 0.1
@@ -92,6 +95,7 @@ class Receiving:
         queues: Queues,
         redis_client: redis.Redis,
         seal: LeaseSeal,
+        fencing: Fencing,
         *,
         probe: Callable[[], Consumer],
         clock: Clock,
@@ -100,6 +104,7 @@ class Receiving:
         self.names = Names(settings.instance)
         self.queues = queues
         self.seal = seal
+        self._fencing = fencing
         self.replica = f"queue-{uuid.uuid4().hex[:10]}"
         """This replica's name: the holder of the locks it takes."""
         self._redis = redis_client
@@ -183,7 +188,14 @@ class Receiving:
             held = self.held.groups(queue, self._clock.now_ms())
             stalled = self.stalls(queue).stalled(self._clock.now_ms())
             later = (lambda g: partition_for(g, fold.partitions) in stalled) if stalled else None
-            cands = fold.index.lock_candidates(held, CANDIDATES_PER_TRY, group, handle, later)
+            targeted = group is not None or handle is not None
+            skip = set() if targeted else held  # WHERE names one group: the script decides
+            cands = fold.index.lock_candidates(skip, CANDIDATES_PER_TRY, group, handle, later)
+            if not targeted:
+                # Last, a few groups this replica counts held: a lock can vanish without this
+                # replica hearing of it (Redis flushed, a lease run out elsewhere), and the
+                # lock script skips those still held for the price of a lookup.
+                cands += [g for g in sorted(held) if fold.index.has_group(g)][:HELD_RETRIED]
         if not cands:
             return False, None
         taken = self.locks(queue).acquire_first(cands)
@@ -191,6 +203,10 @@ class Receiving:
             return True, None
         with self.queues.cond:
             self.held.took(queue, taken.group, taken.token, self._clock.now_ms())
+        if not taken.first and taken.after is None:
+            # The last holder neither committed nor released (its lease ran out, or Redis lost
+            # the lock): its commits are stale from here on (`services.queue.fencing`).
+            self._fencing.fence(queue, taken.group, taken.token, wait=False)
         self._catch_up(fold, taken)
         with self.queues.cond:
             if fold.index.has_group(taken.group):

@@ -38,8 +38,9 @@ from ksb.runtime.metrics import HEALTHY
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.service import Service
 from ksb.security.leases import read_lease_key
-from ksb.settings import QueueServiceSettings
+from ksb.settings import MIN_QUEUE_TIMEOUT_MS, QueueServiceSettings
 from services.queue.api import QueueApi
+from services.queue.fencing import Fencing
 from services.queue.logins import Logins
 from services.queue.queues import Queues
 from services.queue.receiving import Receiving
@@ -97,14 +98,22 @@ class QueueService(Service):
         self._producer = kafka.producer(s)
         prefetch: dict[str, Any] = {"queued.max.messages.kbytes": FOLLOW_PREFETCH_KB}
         self._consumer = kafka.consumer(s, **prefetch)
+        fencing = Fencing(s, self._producer, self.outcomes)
         self._receiving = Receiving(
-            s, self.queues, self._redis, seal, probe=lambda: kafka.consumer(s), clock=self.clock
+            s,
+            self.queues,
+            self._redis,
+            seal,
+            fencing,
+            probe=lambda: kafka.consumer(s),
+            clock=self.clock,
         )
         self.on_catalog(self.shell.read_catalog())
         api = QueueApi(
             Logins(s, self.clock),
             self._receiving,
             Rollbacks(s, self.queues, self._redis, self._producer),
+            fencing,
             self.outcomes,
             lambda: self._permissions,
             commit_wait_ms=s.commit_wait_ms,
@@ -112,6 +121,10 @@ class QueueService(Service):
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=s.queue_workers, thread_name_prefix="ksb-queue-call"),
             maximum_concurrent_rpcs=s.queue_workers * 4,
+            options=[  # clients ping while a call waits (`ksb.sdk.queue_service`)
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_QUEUE_TIMEOUT_MS),
+                ("grpc.http2.max_ping_strikes", 0),
+            ],
         )
         pb_grpc.add_QueueServiceServicer_to_server(api, self._server)
         self.port = self._server.add_insecure_port(f"{s.queue_host}:{s.queue_port}")

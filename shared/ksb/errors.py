@@ -122,9 +122,15 @@ class SecurityError(KsbError):
 
 class NotAuthorized(KsbError):
     """A request its principal may not make: a BEGIN or SEND for a service it was not granted
-    SEND on, a receipt on a queue it was not granted RECEIVE on (`ksb.dialog.permissions`)."""
+    SEND on, a receipt on a queue it was not granted RECEIVE on (`ksb.dialog.permissions`), a
+    record of a kind its source may not write (`ksb.dialog.sources`)."""
 
     code = "not_authorized"
+
+    def __init__(self, reason: str, *, code: str | None = None) -> None:
+        super().__init__(reason)
+        if code is not None:
+            self.code = code
 
 
 class LeaseInvalid(KsbError):

@@ -169,6 +169,10 @@ class KsbSettings(BaseModel):
             raise SettingsError(_reasons(exc)) from None
 
 
+MIN_QUEUE_TIMEOUT_MS = 100
+"""The shortest `QueueClientSettings.queue_timeout_ms`: the queue service takes pings that often."""
+
+
 class QueueClientSettings(KsbSettings):
     """What a client of the queue service needs: the SDK, activated tasks, the activation
     service's monitors, the external activator's readers."""
@@ -176,9 +180,11 @@ class QueueClientSettings(KsbSettings):
     queue_addresses: str = "127.0.0.1:7070"
     """The queue service's replicas, ``host:port`` comma-separated: RECEIVE, COMMIT's outcome
     and ROLLBACK go to the first that answers, and move to the next when it fails."""
-    queue_timeout_ms: int = Field(10_000, ge=100)
+    queue_timeout_ms: int = Field(10_000, ge=MIN_QUEUE_TIMEOUT_MS)
     """How long a call to the queue service may take beyond its own wait (WAITFOR, a commit's
-    outcome) before the client tries another replica."""
+    outcome) before the client tries another replica; also how often a client pings a replica
+    while a call waits, and how long it waits for the answer (a stopped replica is left within
+    twice this, even by a call that waits longer)."""
     lock_renew_ms: int = Field(5_000, ge=100)
     """How often the client renews the locks its open transactions hold (keep it well under
     the queue service's `lock_ttl_ms`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -67,19 +68,34 @@ BASIC_CATALOG: dict[str, Any] = {
 
 
 @pytest.fixture
-def settings(stack: Stack, unique: str, tmp_path: Path) -> Iterator[Deployment]:
+def settings(
+    stack: Stack, unique: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
     """This test's instance, secured, as its owner sees it (its services log in as their own),
     with its queue service running (one replica, in a thread), which clients made from these
     settings RECEIVE through."""
     base = stack.deployment(instance=f"t{unique}", lock_ttl_ms=15_000, max_body_bytes=64 * 1024)
     secured = secure_instance(base)
-    queues = ThreadQueueService(secured, tmp_path / "queue-store")
+    queues = ThreadQueueService(secured, tmp_path_factory.mktemp("queue-store"))
     try:
         yield with_queues(secured, [queues.address])
     finally:
         queues.stop()
         if base.secured:  # its bindings go, so the cluster's list does not grow all session
             remove_instance(instance_plan(base), stack.admin(), wait=False)
+
+
+@contextmanager
+def serving(settings: Deployment, store: Path, **overrides: Any) -> Iterator[Deployment]:
+    """A queue service of its own for `settings`' instance (one replica in a thread, with
+    `overrides` such as a short ``lock_ttl_ms``): yields the settings its clients and services
+    use, every field of `overrides` included (so a client renews as often as the TTL needs)."""
+    tuned = settings.model_copy(update=overrides)
+    queues = ThreadQueueService(tuned, store)
+    try:
+        yield with_queues(tuned, [queues.address])
+    finally:
+        queues.stop()
 
 
 def secure(settings: Deployment, catalog: Catalog | None = None) -> Deployment:

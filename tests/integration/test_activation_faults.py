@@ -35,7 +35,7 @@ from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.principals import ADMIN, Role
 from ksb.settings import ActivatedTaskSettings, CliSettings, settings_env
 from ksb.wire.protocol import QueueMessage
-from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher, serving
 from tests.integration.support import (
     check_exactly_once_in_order,
     queue_receipts,
@@ -312,9 +312,13 @@ def test_sigkilled_activation_service_counts_surviving_tasks_after_restart(
 
 
 def test_a_crashed_task_is_counted_out_and_its_group_is_processed_later(
-    fast_settings: Deployment, stop_all: list[Any], r: redis.Redis
+    fast_settings: Deployment, stop_all: list[Any], r: redis.Redis, tmp_path: Path
 ) -> None:
-    settings = fast_settings.model_copy(update={"lock_ttl_ms": 2000})
+    with serving(fast_settings, tmp_path / "q", lock_ttl_ms=2000, lock_renew_ms=500) as settings:
+        _crashed_task_is_counted_out(settings, stop_all, r)
+
+
+def _crashed_task_is_counted_out(settings: Deployment, stop_all: list[Any], r: redis.Redis) -> None:
     dialogs, per = 6, 3
     apply_catalog(settings, parse_catalog(activation("crash_once", 2)))
     stop_all.append(ThreadDispatcher(settings))

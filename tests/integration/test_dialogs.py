@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from devtools.deployment import Deployment
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.sdk.client import KsbClient
-from tests.integration.conftest import ThreadDispatcher
+from tests.integration.conftest import ThreadDispatcher, serving
 from tests.integration.support import errors, receive_all, wait_endpoint
 
 pytestmark = pytest.mark.integration
@@ -113,10 +114,13 @@ def test_unknown_service_goes_to_error_topic(
 
 
 def test_a_lock_outlives_its_ttl_while_the_transaction_runs(
-    settings: Deployment, dispatcher: ThreadDispatcher
+    settings: Deployment, dispatcher: ThreadDispatcher, tmp_path: Path
 ) -> None:
-    short = settings.model_copy(update={"lock_ttl_ms": 600})
-    with KsbClient(short) as client, KsbClient(short) as other:
+    with (
+        serving(settings, tmp_path / "q", lock_ttl_ms=600, lock_renew_ms=150) as short,
+        KsbClient(short) as client,
+        KsbClient(short) as other,
+    ):
         client.send(client.begin_dialog(I, T, C), "//t/Request", "{}")
         client.flush()
         tx = client.transaction()

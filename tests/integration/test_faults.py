@@ -17,7 +17,7 @@ from devtools.deployment import Deployment
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.sdk.client import KsbClient
 from ksb.settings import ClientSettings, settings_env
-from tests.integration.conftest import ThreadDispatcher
+from tests.integration.conftest import ThreadDispatcher, serving
 from tests.integration.support import Flow, check_exactly_once_in_order, queue_receipts
 
 pytestmark = pytest.mark.integration
@@ -141,30 +141,34 @@ def test_reader_sigkill_redelivers_uncommitted_after_lock_expiry(
     reader_procs: list[subprocess.Popen[bytes]],
 ) -> None:
     """Readers are child processes; two are SIGKILLed mid-stream and the next one picks up."""
-    fast = settings.model_copy(update={"lock_ttl_ms": 2000})
-    flow = Flow(settings, client, dialogs=20, per_dialog=50, round_pause_s=0.05, read=False).start()
-    outs = [tmp_path / f"reader-{n}.jsonl" for n in range(3)]
-    try:
-        for n, at in enumerate((200, 500)):
-            proc = _start_reader(fast, outs[n], tmp_path / f"reader-{n}.log", reader_procs, top=10)
-            _wait_committed(outs, at, proc, timeout_s=60)
-            proc.kill()
-            proc.wait(10)
-        last = _start_reader(fast, outs[2], tmp_path / "reader-2.log", reader_procs, top=10)
-        flow.wait_sent(30)
-        # The killed readers' last batches may have been applied without their "C" line.
-        _wait_committed(outs, flow.total - 2 * 10, last, timeout_s=60)
-        receipts: dict[str, tuple[int, int]] = {}
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            receipts = queue_receipts(settings, "TargetQueue")
-            if len(receipts) == flow.total and all(r == (1, 1) for r in receipts.values()):
-                break
-            time.sleep(0.2)
-        last.terminate()
-        last.wait(10)
-    finally:
-        flow.close()
+    with serving(settings, tmp_path / "q", lock_ttl_ms=2000, lock_renew_ms=500) as fast:
+        flow = Flow(
+            settings, client, dialogs=20, per_dialog=50, round_pause_s=0.05, read=False
+        ).start()
+        outs = [tmp_path / f"reader-{n}.jsonl" for n in range(3)]
+        try:
+            for n, at in enumerate((200, 500)):
+                proc = _start_reader(
+                    fast, outs[n], tmp_path / f"reader-{n}.log", reader_procs, top=10
+                )
+                _wait_committed(outs, at, proc, timeout_s=60)
+                proc.kill()
+                proc.wait(10)
+            last = _start_reader(fast, outs[2], tmp_path / "reader-2.log", reader_procs, top=10)
+            flow.wait_sent(30)
+            # The killed readers' last batches may have been applied without their "C" line.
+            _wait_committed(outs, flow.total - 2 * 10, last, timeout_s=60)
+            receipts: dict[str, tuple[int, int]] = {}
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                receipts = queue_receipts(settings, "TargetQueue")
+                if len(receipts) == flow.total and all(r == (1, 1) for r in receipts.values()):
+                    break
+                time.sleep(0.2)
+            last.terminate()
+            last.wait(10)
+        finally:
+            flow.close()
     # The broker received every message exactly once ...
     assert len(receipts) == flow.total
     assert set(receipts.values()) == {(1, 1)}, "a message was received twice or never"

@@ -324,13 +324,6 @@ def _one_dialog(client: KsbClient, messages: int) -> None:
     client.flush()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="services/queue releases a group's lock on ANY commit outcome of the group that "
-    "carries the lock's token, including the refused outcome of another principal's commit "
-    "record, whose token the dispatcher copies from the record as written (receipts."
-    "refused_outcome): anyone who can write a requests topic frees any lock whose token it knows",
-)
 def test_a_refused_commit_record_leaves_anothers_lock_held(
     secured: None,
     ksbgo: Path,
@@ -370,13 +363,6 @@ def test_a_refused_commit_record_leaves_anothers_lock_held(
     victim.commit()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the dispatcher applies a receipt under any sound lease whose token is not older "
-    "than the group's newest APPLIED one (ksb.dialog.leases, ksb.dialog.fences): a lease rolled "
-    "back (or expired) still commits while the group's next holder has not committed yet, so "
-    "a client that skips RenewLocks takes the messages from under the lock's holder",
-)
 def test_a_rolled_back_lease_no_longer_commits(
     secured: None,
     ksbgo: Path,

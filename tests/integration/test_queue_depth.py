@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
 from ksb.wire.depth import parse_depth
 from ksb.wire.partitioning import shard_of
-from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher, serving
 from tests.integration.support import read_topic, receive_all, wait_for
 
 pytestmark = pytest.mark.integration
@@ -30,12 +31,14 @@ SHARDS = 2
 
 
 @pytest.fixture
-def sharded(settings: Deployment) -> Deployment:
-    """An instance of two shards (its topics are made with the count when it is secured)."""
+def sharded(settings: Deployment, tmp_path: Path) -> Iterator[Deployment]:
+    """An instance of two shards (its topics are made with the count when it is secured), with
+    its queue service."""
     update = {"instance": f"{settings.instance}q", "request_partitions": SHARDS}
     s = secure_instance(settings.model_copy(update=update))
     apply_catalog(s, parse_catalog(BASIC_CATALOG))
-    return s
+    with serving(s, tmp_path / "queue-store") as served:
+        yield served
 
 
 @pytest.fixture

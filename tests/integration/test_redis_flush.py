@@ -132,8 +132,9 @@ def test_commit_after_lock_expired_and_taken_is_refused_and_redelivered(
         tx_a = a.transaction()
         first = _receive(tx_a, 3)
         # A live reader renews its leases, so the stall is simulated by letting the lock key's TTL
-        # run out now in Redis: exactly what happens when the holder stops renewing.
-        r = redis_client(settings)
+        # run out now in Redis: exactly what happens when the holder stops renewing. (Only the
+        # queue service may touch a lock; the test does it as the admin.)
+        r = redis_client(settings.as_principal(ADMIN))
         try:
             key = Names(settings.instance).lock_key(Q, first[0].conversation_group_id)
             assert r.pexpire(key, 1)
@@ -197,13 +198,15 @@ def test_commit_after_flush_with_no_new_holder_is_refused_and_messages_come_back
     assert receive_all(client, Q, 1, timeout_s=0.5) == []
 
 
-def _superseded(client: KsbClient, settings: Deployment) -> tuple[QueueMessage, int]:
+def _superseded(client: KsbClient, settings: Deployment) -> tuple[QueueMessage, int, str]:
     """Lock the first message's group and roll back, then let a newer holder receive it and
-    commit: the first holder's token is now stale. Returns that message and the stale token."""
+    commit: the first holder's token is now stale. Returns that message, the stale token and
+    the stale lease (a real one, sealed for this principal and group: only its age is wrong)."""
     old = client.transaction()
     [m1] = old.receive(Q, top=1, waitfor_ms=10_000)
     group = m1.conversation_group_id
-    stale_token = _token(settings, group)
+    stale_token, stale_lease = old.token, old.lease
+    assert stale_token == _token(settings, group)
     old.rollback()
     newer = client.transaction()
     assert [
@@ -211,22 +214,21 @@ def _superseded(client: KsbClient, settings: Deployment) -> tuple[QueueMessage, 
     ] == [m1.message_id]
     assert _token(settings, group) > stale_token
     newer.commit()
-    return m1, stale_token
+    return m1, stale_token, stale_lease
 
 
 def _send_commit(
     settings: Deployment,
     group: str,
     token: int,
+    lease: str,
     message_id: str,
     actions: tuple[SendRequest, ...] = (),
 ) -> CommitRequest:
-    """Produce, as any Kafka client could, a commit under `token` that receives `message_id`."""
-    commit = CommitRequest(
-        reader="stale-holder",
-        receipt=Receipt(queue=Q, group=group, token=token, message_ids=(message_id,)),
-        actions=actions,
-    )
+    """Produce, as any Kafka client could, a commit under `lease` (and its `token`) that
+    receives `message_id`."""
+    receipt = Receipt(queue=Q, group=group, token=token, message_ids=(message_id,), lease=lease)
+    commit = CommitRequest(reader="stale-holder", receipt=receipt, actions=actions)
     p = kafka.producer(settings)
     p.produce(
         Names(settings.instance).requests_for(settings.sender),
@@ -242,12 +244,12 @@ def test_stale_fencing_token_is_refused_by_the_dispatcher(
 ) -> None:
     """A commit carrying an older token than one already applied for the group is refused whole."""
     h = _dialog_with(client, settings, 2)
-    m1, stale_token = _superseded(client, settings)
+    m1, stale_token, stale_lease = _superseded(client, settings)
     group = m1.conversation_group_id
     # m2 is still waiting; the old holder's commit names it and carries a SEND.
     [m2_id] = _waiting(settings)
     send = SendRequest(handles=(h,), message_type="//t/Request", body='{"stale":1}')
-    stale = _send_commit(settings, group, stale_token, m2_id, (send,))
+    stale = _send_commit(settings, group, stale_token, stale_lease, m2_id, (send,))
     err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
     assert err["code"] == "stale_token"
     assert str(stale_token) in err["reason"]
@@ -300,7 +302,7 @@ def test_a_stale_token_is_refused_after_compaction_and_a_restart(
     were tombstoned at once, so after compaction and a restart a stale token was accepted)."""
     topic = Names(settings.instance).queue(Q)
     h = _dialog_with(client, settings, 2)
-    m1, stale_token = _superseded(client, settings)
+    m1, stale_token, stale_lease = _superseded(client, settings)
     group = m1.conversation_group_id
     _compact_soon(settings, topic)
     time.sleep(0.3)  # past segment.ms: the next record of the partition rolls a new segment
@@ -319,7 +321,7 @@ def test_a_stale_token_is_refused_after_compaction_and_a_restart(
     restarted = ThreadDispatcher(settings)
     try:
         restarted.wait_owning_every_shard()
-        stale = _send_commit(settings, group, stale_token, _waiting(settings)[0])
+        stale = _send_commit(settings, group, stale_token, stale_lease, _waiting(settings)[0])
         err = wait_error(settings, lambda r: r.get("request_id") == stale.request_id)
         assert err["code"] == "stale_token"
         got = receive_all(client, Q, 2, timeout_s=15)

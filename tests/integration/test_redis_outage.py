@@ -30,7 +30,7 @@ from ksb.security.principals import Role
 from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
 from tests.conftest import Stack
-from tests.integration.conftest import ThreadDispatcher, secure
+from tests.integration.conftest import ThreadDispatcher, secure, serving
 from tests.integration.support import check_exactly_once_in_order, queue_receipts, receive_all
 
 pytestmark = pytest.mark.integration
@@ -75,12 +75,16 @@ def redis_node(stack: Stack, tmp_path: Path) -> Iterator[RedisNode]:
 
 
 @pytest.fixture
-def settings(stack: Stack, unique: str, redis_node: RedisNode) -> Iterator[Deployment]:
-    """This test's instance on its own Redis; a short Redis timeout, so a stall fails fast."""
+def settings(
+    stack: Stack, unique: str, redis_node: RedisNode, tmp_path: Path
+) -> Iterator[Deployment]:
+    """This test's instance on its own Redis (its queue service's: where the locks are); a short
+    Redis timeout, so a stall fails fast."""
     base = stack.deployment(
         instance=f"t{unique}", redis_url=redis_node.url, lock_ttl_ms=15_000, redis_timeout_ms=500
     )
-    yield secure_instance(base)
+    with serving(secure_instance(base), tmp_path / "queue-store") as secured:
+        yield secured
     if base.secured:
         remove_instance(instance_plan(base), stack.admin(redis_url=redis_node.url), wait=False)
 

@@ -29,6 +29,7 @@ from bench.e2e import (
 )
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import DispatcherPool
+from devtools.queue_services import QueueReplicas
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
 from ksb.wire.partitioning import shard_of
@@ -44,15 +45,21 @@ FAULT_AT = 0.3
 
 
 @pytest.fixture
-def scaled(settings: Deployment) -> Deployment:
-    # An instance of its own: its topics are made with the shard count when it is secured.
+def scaled(settings: Deployment, tmp_path: Path) -> Iterator[Deployment]:
+    # An instance of its own: its topics are made with the shard count when it is secured. Its
+    # queue service runs as processes of their own, as the dispatchers do: the test's own
+    # process is busy sending and receiving.
     s = secure_instance(
         settings.model_copy(
             update={"instance": f"{settings.instance}s", "request_partitions": SHARDS}
         )
     )
     apply_catalog(s, bench_catalog(SHARDS))
-    return s
+    replicas = QueueReplicas(s, tmp_path / "queue").start(2)
+    try:
+        yield replicas.client_settings(s)
+    finally:
+        replicas.stop()
 
 
 @pytest.fixture

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka import Producer
 
 from devtools.deployment import Deployment, secure_instance
+from devtools.queue_services import ThreadQueueService, with_queues
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
@@ -105,8 +109,14 @@ class ThreadTransmitter:
 
 
 class Instance:
+    """One broker instance of a test: its queue service, dispatcher and transmitter (threads of
+    the test process), and a client as its owner."""
+
     def __init__(self, settings: Deployment, catalog: dict[str, Any]) -> None:
-        settings = self.settings = secure_instance(settings, parse_catalog(catalog))
+        settings = secure_instance(settings, parse_catalog(catalog))
+        self._store = Path(tempfile.mkdtemp(prefix="ksb-queue-"))
+        self.queues = ThreadQueueService(settings, self._store)
+        settings = self.settings = with_queues(settings, [self.queues.address])
         self.catalog: Catalog = apply_catalog(settings, parse_catalog(catalog))
         self.dispatcher = ThreadDispatcher(settings)
         self.transmitter = ThreadTransmitter(settings)
@@ -116,6 +126,8 @@ class Instance:
         self.client.close()
         self.transmitter.stop()
         self.dispatcher.stop()
+        self.queues.stop()
+        shutil.rmtree(self._store, ignore_errors=True)
 
 
 @contextmanager

@@ -32,6 +32,7 @@ from ksb.dialog.remote import RemoteWindows, inbound
 from ksb.dialog.send import send
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.shards import Ownership
+from ksb.dialog.sources import Source, check_kind
 from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, set_timer
 from ksb.errors import KsbError, ProtocolError
@@ -46,6 +47,7 @@ from ksb.wire.protocol import (
     DeadLetterRequest,
     EndRequest,
     ErrorRecord,
+    FenceRequest,
     InboundMessage,
     QueueMessage,
     ReplayRequest,
@@ -196,14 +198,19 @@ class Engine:
         *,
         sent_ms: int | None = None,
         principal: str | None = None,
+        source: Source = Source.SHARED,
     ) -> Outputs:
-        """Apply one request of `principal` (None: a client without one). ``sent_ms``, the request
-        record's timestamp, is stamped on the messages it enqueues so that end-to-end latency can
-        be measured when they are received."""
+        """Apply one request of `principal` (None: a client without one), which came from
+        `source` (`ksb.dialog.sources`: what kinds it may send). ``sent_ms``, the request
+        record's timestamp, is stamped on the messages it enqueues so that end-to-end latency
+        can be measured when they are received."""
         stage = Stage(self, sent_ms, principal)
         try:
+            check_kind(source, request.kind)
             if isinstance(request, CommitRequest):
                 self._commit(stage, request, now_ms)
+            elif isinstance(request, FenceRequest):
+                receipts.fence(self, stage, request)
             elif isinstance(request, DeadLetterRequest):
                 dead_letter(self, stage, request, now_ms)
             elif isinstance(request, ReplayRequest):
@@ -356,6 +363,9 @@ class Engine:
         queue = self.catalog.queues.get(name)
         return queue is not None and queue.disabled
 
+    def group_open(self, queue: str, group: str) -> bool:
+        return (queue, group) in self._group_sizes
+
     def last_order(self) -> int:
         return self._order
 
@@ -427,7 +437,7 @@ class Engine:
 def _request_handle(request: AnyRequest) -> str | None:
     if isinstance(request, DeadLetterRequest | ReplayRequest):
         return request.message.conversation_handle
-    if isinstance(request, InboundMessage):
+    if isinstance(request, InboundMessage | FenceRequest):
         return None
     if isinstance(request, SendRequest):
         return request.handles[0]

@@ -27,12 +27,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ksb.catalog.model import Catalog
+from ksb.dialog.sources import Source
 from ksb.errors import NotAuthorized
-from ksb.security.principals import Role, service_principal
+from ksb.security.principals import Role, role_of, service_principal
 
 __all__ = ["OPEN", "Permissions"]
 
 _TRUSTED_ROLES = (Role.ACTIVATION, Role.EXTERNAL_ACTIVATOR, Role.OPERATOR, Role.QUEUE)
+_ROLE_SOURCES = {
+    Role.ACTIVATION: Source.SERVICE,
+    Role.EXTERNAL_ACTIVATOR: Source.SERVICE,
+    Role.OPERATOR: Source.OPERATOR,
+    Role.QUEUE: Source.QUEUE_SERVICE,
+}
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,8 @@ class Permissions:
     """(principal, queue) pairs granted RECEIVE."""
     trusted: frozenset[str] = frozenset()
     enforced: bool = True
+    instance: str = ""
+    owners: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, catalog: Catalog, instance: str, owners: Iterable[str] = ()) -> Permissions:
@@ -52,7 +61,24 @@ class Permissions:
         for g in catalog.grants:
             by_kind[g.permission].add((g.principal, g.target))
         trusted = {service_principal(instance, role) for role in _TRUSTED_ROLES} | set(owners)
-        return cls(frozenset(by_kind["SEND"]), frozenset(by_kind["RECEIVE"]), frozenset(trusted))
+        return cls(
+            frozenset(by_kind["SEND"]),
+            frozenset(by_kind["RECEIVE"]),
+            frozenset(trusted),
+            instance=instance,
+            owners=frozenset(owners),
+        )
+
+    def source_of(self, principal: str | None) -> Source:
+        """What a requests topic's principal may write (`ksb.dialog.sources`)."""
+        if principal is None:
+            return Source.SHARED
+        if principal in self.owners:
+            return Source.OPERATOR
+        role = role_of(self.instance, principal) if self.instance else None
+        if role is None:
+            return Source.APPLICATION
+        return _ROLE_SOURCES.get(role, Source.NONE)
 
     def check_send(self, principal: str | None, service: str, what: str) -> None:
         """Refuse `what` (a BEGIN, a SEND, ...) for `service` unless `principal` may act for it."""

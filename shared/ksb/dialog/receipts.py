@@ -25,13 +25,21 @@ from ksb.wire.protocol import (
     BeginRequest,
     CommitOutcome,
     CommitRequest,
+    FenceRequest,
     Receipt,
     SendRequest,
     replace,
 )
 from ksb.wire.relay import RelayAction
 
-__all__ = ["applied", "local_actions", "outcome_key", "receive", "refused_outcome"]
+__all__ = [
+    "applied",
+    "fence",
+    "local_actions",
+    "outcome_key",
+    "receive",
+    "refused_outcome",
+]
 
 
 def receive(state: DialogState, stage: Stage, req: CommitRequest, now: int) -> None:
@@ -160,6 +168,31 @@ def _far_received_end(state: DialogState, stage: Stage, receiver: Endpoint, now:
     if peer is not None:
         peer.state = ep_rules.after_peer_received_end(peer)
         peer.updated_ms = now
+
+
+def fence(state: DialogState, stage: Stage, req: FenceRequest) -> None:
+    """The queue service let a group's lock go without a commit: a commit under an older token
+    is stale from now on, the rolled-back lease's own included (else a client could roll back,
+    let the next holder take the group, and still commit under its old lease). The outcome
+    record answers the queue service, which waits for it before it frees the lock, and keeps
+    the fence through compaction and restarts; a group with nothing open here has nothing left
+    to fence, and its outcome goes at once."""
+    partitions = state.catalog.queue(req.queue).partitions
+    at, key = partition_for(req.group, partitions), outcome_key(req.group)
+    open_ = state.group_open(req.queue, req.group)
+    if open_:
+        stage.apply_fence(req.queue, req.group, req.below)
+    record = CommitOutcome(
+        request_id=req.request_id,
+        group=req.group,
+        token=0,
+        applied=True,
+        reason="fenced",
+        fence=stage.fence(req.queue, req.group),
+    )
+    stage.out.queue.append(QueueWrite(req.queue, at, key, record))
+    if not open_:
+        stage.out.queue.append(QueueWrite(req.queue, at, key, None))
 
 
 def refused_outcome(

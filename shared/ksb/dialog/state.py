@@ -98,6 +98,10 @@ class DialogState(Protocol):
 
     def queue_disabled(self, name: str) -> bool: ...
 
+    def group_open(self, queue: str, group: str) -> bool:
+        """Whether the group has an open endpoint on `queue` here (its fence still matters)."""
+        ...
+
     def last_order(self) -> int:
         """The newest enqueue order handed out (the stage counts on from it)."""
         ...

@@ -42,6 +42,13 @@ _RETRY_BUDGET = 2
 """Rounds over every replica a call makes before it gives up."""
 
 
+def _move_on(exc: grpc.RpcError) -> bool:
+    """Whether another replica may answer what this one could not: not when the replica
+    answered that Redis, which every replica shares, is failing."""
+    details = str(exc.details() or "")
+    return exc.code() in _MOVE_ON and not details.startswith("lock_store_unavailable")
+
+
 def error_of(exc: grpc.RpcError) -> KsbError:
     """The SDK's error for a call the queue service refused (its details: ``<code>: <reason>``)."""
     code = exc.code()
@@ -70,8 +77,19 @@ class QueueServiceClient:
         if not self._addresses:
             raise ProtocolError("KSB_QUEUE_ADDRESSES names no queue service replica")
         self._current = 0
-        self._channel: grpc.Channel | None = None
-        self._stub: pb_grpc.QueueServiceStub | None = None
+        self._channels: dict[int, tuple[grpc.Channel, pb_grpc.QueueServiceStub]] = {}
+        """One channel per replica, opened at first use and kept until `close`: gRPC reconnects
+        a channel by itself, and closing one at failover cancelled the calls still on it."""
+        ping_ms = settings.queue_timeout_ms
+        self._options = [
+            ("grpc.keepalive_time_ms", ping_ms),
+            ("grpc.keepalive_timeout_ms", ping_ms),
+            ("grpc.http2.ping_timeout_ms", ping_ms),  # gRPC 1.85 waits this, not the above
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+        """Pings while a call waits: a replica stopped (not dead: its connection stays open)
+        fails the calls on it within twice `queue_timeout_ms`, a Commit waiting for its outcome
+        too, instead of at their deadlines."""
         self._lock = threading.Lock()
         self._leases: dict[str, bool] = {}
         """The leases of open transactions -> still held (as the last renewal said)."""
@@ -98,7 +116,7 @@ class QueueServiceClient:
             try:
                 return getattr(stub, method)(request, timeout=timeout, metadata=self.metadata)
             except grpc.RpcError as exc:
-                if exc.code() not in _MOVE_ON:
+                if not _move_on(exc):
                     raise error_of(exc) from None
                 last = exc
                 self._move_on(at, exc)
@@ -128,7 +146,7 @@ class QueueServiceClient:
                     done.set_result(f.result())
                 except grpc.RpcError as exc:
                     tries[0] -= 1
-                    if exc.code() in _MOVE_ON and tries[0] > 0:
+                    if _move_on(exc) and tries[0] > 0:
                         self._move_on(at, exc)
                         attempt()
                     else:
@@ -141,11 +159,11 @@ class QueueServiceClient:
 
     def _stub_now(self) -> tuple[pb_grpc.QueueServiceStub, int]:
         with self._lock:
-            if self._stub is None:
-                address = self._addresses[self._current]
-                self._channel = grpc.insecure_channel(address)
-                self._stub = pb_grpc.QueueServiceStub(self._channel)
-            return self._stub, self._current
+            at = self._current
+            if at not in self._channels:
+                channel = grpc.insecure_channel(self._addresses[at], options=self._options)
+                self._channels[at] = (channel, pb_grpc.QueueServiceStub(channel))
+            return self._channels[at][1], at
 
     def _move_on(self, at: int, exc: grpc.RpcError) -> None:
         """Leave replica `at` for the next (once, however many calls saw it fail)."""
@@ -159,9 +177,6 @@ class QueueServiceClient:
                 self._addresses[(at + 1) % len(self._addresses)],
             )
             self._current = (at + 1) % len(self._addresses)
-            if self._channel is not None:
-                self._channel.close()
-            self._channel, self._stub = None, None
 
     # ----------------------------------------------------------------- held locks
     def hold(self, lease: str) -> None:
@@ -203,6 +218,6 @@ class QueueServiceClient:
         self._stop.set()
         self._renewer.join(2)
         with self._lock:
-            if self._channel is not None:
-                self._channel.close()
-            self._channel, self._stub = None, None
+            channels, self._channels = list(self._channels.values()), {}
+        for channel, _stub in channels:
+            channel.close()

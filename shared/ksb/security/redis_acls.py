@@ -48,6 +48,7 @@ ACTIVATION = (
     "set", "del", "zadd", "zrem", "multi", "exec", "discard", "zcount", "zremrangebyscore",
     "zcard", "hgetall", "hset", "get",
 )  # fmt: skip
+HEARTBEAT = ("zadd", "zrem")
 VIEW = ("set", "del")
 TRANSPORT = (*VIEW, "zadd", "zrange")
 READER = (
@@ -124,6 +125,9 @@ def rules_of(instance: str, a: Access) -> RedisRules:
         }
         traces = {names.activity_key("*"), names.waiting_key("*")}
         rules |= RedisRules(frozenset(keys), frozenset(traces), frozenset((*CONNECT, *ACTIVATION)))
+    elif a.role is Role.EXTERNAL_ACTIVATOR:  # its readers heartbeat as activated tasks do
+        keys = {names.tasks_key(_tagged(q)) for q in a.receives}
+        rules |= RedisRules(frozenset(keys), commands=frozenset((*CONNECT, *HEARTBEAT)))
     elif a.role is Role.TRANSMITTER:
         rules |= _view(prefix, ["transmission"], VIEW)
     elif a.role is Role.TRANSPORT:

@@ -37,6 +37,7 @@ __all__ = [
     "DeadLetterRequest",
     "EndRequest",
     "ErrorRecord",
+    "FenceRequest",
     "FragmentRecord",
     "InboundMessage",
     "QueueMessage",
@@ -255,6 +256,16 @@ class DeadLetterRequest(Wire, tag="dead_letter"):
     request_id: str = msgspec.field(default_factory=new_id)
 
 
+class FenceRequest(Wire, tag="fence"):
+    """The queue service let a lock go without a commit (a rollback, or a lease that ran out):
+    from now on a commit under a token below `below` is stale (`ksb.dialog.fences`)."""
+
+    queue: Name
+    group: Name
+    below: NonNegative
+    request_id: str = msgspec.field(default_factory=new_id)
+
+
 class ReplayRequest(Wire, tag="replay"):
     """Put a dead letter back into its queue, ready to RECEIVE again."""
 
@@ -400,6 +411,7 @@ AnyRequest = (
     | TimerRequest
     | CommitRequest
     | DeadLetterRequest
+    | FenceRequest
     | ReplayRequest
     | InboundMessage
 )
