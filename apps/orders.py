@@ -9,7 +9,7 @@ Two halves of infra/compose/catalog.yaml's order conversation:
   order lines, takes the replies from its own queue and, once a dialog has all its replies, ends
   it. It checks what KSB promises a conversation: every line replied to exactly once, in the order
   sent. Only what a committed transaction received counts (a transaction that did not commit
-  gives its messages back, and they come again). It logs one line per round and serves its
+  gives its messages back, and they come again); a failed RECEIVE or commit is tried again. It logs one line per round and serves its
   running totals as JSON on /stats, and /healthz, on ``--port``.
 """
 
@@ -20,10 +20,11 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from ksb.catalog.model import END_DIALOG, ERROR
-from ksb.errors import CommitRefused, KsbError, LockLost
+from ksb.errors import KsbError
 from ksb.runtime.metrics import serve_metrics
 from ksb.runtime.service import configure_logging, stop_on_signals
 from ksb.sdk.client import KsbClient, Transaction
@@ -79,63 +80,75 @@ class Totals:
 
     rounds: int = 0
     rounds_complete: int = 0
+    """Rounds whose every dialog had all its replies within the round's time, with no problem."""
     dialogs_opened: int = 0
     dialogs_complete: int = 0
     lines_sent: int = 0
     replies: int = 0
     duplicates: int = 0
     out_of_order: int = 0
+    strays: int = 0
+    """Replies on a dialog this client did not open."""
     missing: int = 0
+    """Replies still awaited on the dialogs of rounds that have ended."""
     errors: int = 0
+    retries: int = 0
+    """RECEIVEs or commits that failed and were tried again (Redis restarting, a dispatcher
+    gone): the messages of a transaction that did not commit come again."""
+    unknown_outcomes: int = 0
+    """Commits whose outcome did not come back in time: applied or not, the client cannot say."""
     problems: list[str] = field(default_factory=list)
     last_round_s: float = 0.0
 
 
 class Ledger:
-    """Replies per dialog of one round: each line must come back once, in the order sent.
-
-    Pure bookkeeping: `record` takes the replies of a committed transaction, `complete` says
-    which dialogs have all their lines.
+    """Every dialog the client opened and the replies it took: each line must come back once,
+    in the order sent. Pure bookkeeping, fed only with what committed transactions received.
     """
 
-    def __init__(self, lines: int) -> None:
-        self.lines = lines
+    def __init__(self) -> None:
+        self.expected: dict[str, int] = {}
         self.got: dict[str, list[int]] = {}
-        self.duplicates = 0
-        self.out_of_order = 0
+        self.duplicates = self.out_of_order = self.strays = 0
         self.problems: list[str] = []
 
-    def open(self, handle: str) -> None:
+    def open(self, handle: str, lines: int) -> None:
+        self.expected[handle] = lines
         self.got[handle] = []
 
     def record(self, handle: str, line: int) -> None:
         seen = self.got.get(handle)
         if seen is None:
-            self.problems.append(f"a reply on a dialog this round did not open: {handle}")
-            return
-        if line in seen:
+            self.strays += 1
+            self.problems.append(f"a reply on a dialog this client did not open: {handle}")
+        elif line in seen:
             self.duplicates += 1
             self.problems.append(f"line {line} of {handle} replied to twice")
-        elif seen and line < seen[-1]:
-            self.out_of_order += 1
-            self.problems.append(f"line {line} of {handle} came after line {seen[-1]}")
-        seen.append(line)
+        else:
+            if seen and line < seen[-1]:
+                self.out_of_order += 1
+                self.problems.append(f"line {line} of {handle} came after line {seen[-1]}")
+            seen.append(line)
 
     def complete(self, handle: str) -> bool:
-        return len(set(self.got.get(handle, ()))) >= self.lines
+        return len(self.got.get(handle, ())) >= self.expected.get(handle, 1)
 
-    def missing(self) -> int:
-        return sum(self.lines - len(set(seen)) for seen in self.got.values())
+    def missing(self, handles: Iterable[str]) -> int:
+        return sum(self.expected[h] - len(self.got[h]) for h in handles)
 
 
 class OrderClient:
-    """Opens a round of dialogs, then receives until each is complete or the round times out."""
+    """Opens a round of dialogs, then receives until each is complete or the round times out.
+    A RECEIVE or commit that fails is tried again within the round; a dialog the round leaves
+    incomplete still completes when its replies come."""
 
     def __init__(self, client: KsbClient, dialogs: int, lines: int, round_timeout_s: float) -> None:
         self.client = client
         self.dialogs, self.lines, self.round_timeout_s = dialogs, lines, round_timeout_s
+        self.ledger = Ledger()
         self.totals = Totals()
         self.lock = threading.Lock()
+        self.ended: set[str] = set()
 
     def stats(self) -> dict[str, object]:
         with self.lock:
@@ -144,81 +157,87 @@ class OrderClient:
     def run_round(self, stop: threading.Event) -> None:
         started = time.monotonic()
         n = self.totals.rounds
-        ledger = Ledger(self.lines)
-        open_handles: set[str] = set()
+        handles = []
         for d in range(self.dialogs):
             handle = self.client.begin_dialog(CLIENT_SERVICE, ORDER_SERVICE, CONTRACT)
-            ledger.open(handle)
-            open_handles.add(handle)
+            with self.lock:
+                self.ledger.open(handle, self.lines)
+            handles.append(handle)
             for line in range(self.lines):
                 self.client.send(handle, ORDER_LINE, line_body(f"round-{n}-order-{d}", line))
         self.client.flush()
-        errors = 0
         deadline = started + self.round_timeout_s
-        while open_handles and time.monotonic() < deadline and not stop.is_set():
-            errors += self._receive_once(ledger, open_handles)
-        self._close_round(ledger, errors, time.monotonic() - started)
+        while not all(h in self.ended for h in handles):
+            if time.monotonic() > deadline or stop.is_set():
+                break
+            try:
+                self._receive_once()
+            except (KsbError, TimeoutError) as exc:
+                unknown = isinstance(exc, TimeoutError)
+                with self.lock:
+                    self.totals.retries += 1
+                    self.totals.unknown_outcomes += unknown
+                log.info(
+                    "%s (%s): trying again", "commit outcome unknown" if unknown else "failed", exc
+                )
+                stop.wait(0.5)
+        self._close_round(handles, time.monotonic() - started)
 
-    def _receive_once(self, ledger: Ledger, open_handles: set[str]) -> int:
-        """One transaction: RECEIVE, END the dialogs that are complete, commit; returns the
-        errors seen. The replies count only once the commit has applied."""
+    def _receive_once(self) -> None:
+        """One transaction: RECEIVE, END the dialogs it completes, commit. Its replies count
+        once the commit has applied (a commit not applied gives them back)."""
         tx = self.client.transaction()
         msgs = tx.receive(CLIENT_QUEUE, waitfor_ms=RECEIVE_WAIT_MS)
         if not msgs:
             tx.rollback()
-            return 0
+            return
         replies: list[tuple[str, int]] = []
-        errors, ended = 0, []
+        ending: set[str] = set()
+        errors = 0
         for m in msgs:
             if m.message_type_name == LINE_ACCEPTED:
                 replies.append((m.conversation_handle, int(json.loads(m.message_body)["line"])))
-            elif m.message_type_name == ERROR:
-                errors += 1
-                log.warning("an Error on %s: %s", m.conversation_handle, m.message_body)
-                tx.end_conversation(m.conversation_handle)
-                ended.append(m.conversation_handle)
-            elif m.message_type_name == END_DIALOG:
-                tx.end_conversation(m.conversation_handle)
-                ended.append(m.conversation_handle)
-        ledger_after = {h: list(v) for h, v in ledger.got.items()}
-        for handle, line in replies:
-            ledger_after.setdefault(handle, []).append(line)
-        for handle in {h for h, _ in replies}:
-            if handle in open_handles and len(set(ledger_after[handle])) >= ledger.lines:
-                tx.end_conversation(handle)
-                ended.append(handle)
-        try:
-            tx.commit()
-        except (CommitRefused, LockLost) as exc:
-            log.info("commit not applied (%s): the messages come again", exc)
-            return 0
-        for handle, line in replies:
-            ledger.record(handle, line)
-        open_handles.difference_update(ended)
-        return errors
-
-    def _close_round(self, ledger: Ledger, errors: int, seconds: float) -> None:
-        complete = sum(1 for h in ledger.got if ledger.complete(h))
-        missing = ledger.missing()
+            elif m.message_type_name in (END_DIALOG, ERROR):
+                if m.message_type_name == ERROR:
+                    errors += 1
+                    log.warning("an Error on %s: %s", m.conversation_handle, m.message_body)
+                ending.add(m.conversation_handle)
         with self.lock:
-            t = self.totals
+            for handle in {h for h, _ in replies} - self.ended:
+                have = {*self.ledger.got.get(handle, ()), *(ln for h, ln in replies if h == handle)}
+                if len(have) >= self.ledger.expected.get(handle, self.lines):
+                    ending.add(handle)
+        for handle in sorted(ending - self.ended):
+            tx.end_conversation(handle)
+        tx.commit()
+        with self.lock:
+            for handle, line in replies:
+                self.ledger.record(handle, line)
+            self.ended |= ending
+            self.totals.errors += errors
+
+    def _close_round(self, handles: list[str], seconds: float) -> None:
+        with self.lock:
+            t, ledger = self.totals, self.ledger
+            complete = sum(1 for h in handles if ledger.complete(h))
             t.rounds += 1
-            t.dialogs_opened += self.dialogs
-            t.dialogs_complete += complete
-            t.lines_sent += self.dialogs * self.lines
-            t.replies += sum(len(v) for v in ledger.got.values())
-            t.duplicates += ledger.duplicates
-            t.out_of_order += ledger.out_of_order
-            t.missing += missing
-            t.errors += errors
-            t.problems = (t.problems + ledger.problems)[-20:]
-            t.rounds_complete += complete == self.dialogs and not ledger.problems
+            t.dialogs_opened += len(handles)
+            t.lines_sent += len(handles) * self.lines
+            t.dialogs_complete = sum(1 for h in ledger.expected if ledger.complete(h))
+            t.replies = sum(len(v) for v in ledger.got.values())
+            t.duplicates, t.out_of_order, t.strays = (
+                ledger.duplicates, ledger.out_of_order, ledger.strays,
+            )  # fmt: skip
+            t.missing = ledger.missing(ledger.expected)
+            t.problems = ledger.problems[-20:]
+            clean = complete == len(handles) and not ledger.problems
+            t.rounds_complete += clean
             t.last_round_s = round(seconds, 3)
         log.info(
-            "round %d: %d/%d dialogs complete, %d replies, %d duplicates, %d out of order, "
-            "%d missing, %d errors in %.2f s",
-            self.totals.rounds, complete, self.dialogs, sum(len(v) for v in ledger.got.values()),
-            ledger.duplicates, ledger.out_of_order, missing, errors, seconds,
+            "round %d: %d/%d dialogs complete in %.2f s; so far %d replies, %d duplicates, "
+            "%d out of order, %d strays, %d missing, %d errors, %d retries",
+            t.rounds, complete, len(handles), seconds, t.replies, t.duplicates, t.out_of_order,
+            t.strays, t.missing, t.errors, t.retries,
         )  # fmt: skip
 
 
@@ -244,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
                 log.warning("round failed: %s", exc)
             stop.wait(args.interval_s)
     t = app.totals
-    ok = t.rounds_complete == t.rounds and not (t.duplicates or t.out_of_order or t.missing)
-    return 0 if ok else 1
+    clean = not (t.duplicates or t.out_of_order or t.strays or t.missing or t.errors)
+    return 0 if clean and t.rounds_complete == t.rounds else 1
 
 
 if __name__ == "__main__":
