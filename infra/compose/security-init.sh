@@ -22,8 +22,21 @@ for app in orders; do
   eval "pw=\${$var:?$var is not set: run python3 -m devtools.compose_env}"
   printf '%s\n' "$pw" > "$store/$app.password"
 done
-ksb acl apply --store "$store"
-KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator" KSB_KAFKA_PASSWORD_FILE="$store/ksb-$KSB_INSTANCE-operator.password" \
+# Every step is idempotent, so one that fails (a broker or a name not answering for a moment:
+# podman's DNS drops queries while a container starts beside this one) is tried again, up to 5
+# times, 3 s apart, before the whole start-up fails on it.
+retry() {
+  n=1
+  until "$@"; do
+    [ "$n" -lt 5 ] || return 1
+    echo "security-init: step failed (attempt $n of 5), again in 3 s: $*" >&2
+    n=$((n + 1))
+    sleep 3
+  done
+}
+retry ksb acl apply --store "$store"
+retry env KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator" \
+  KSB_KAFKA_PASSWORD_FILE="$store/ksb-$KSB_INSTANCE-operator.password" \
   KSB_KAFKA_PASSWORD="" KSB_REDIS_USERNAME="" KSB_REDIS_PASSWORD="" \
   ksb catalog apply "${CATALOG_FILE:?}"
-exec ksb acl apply --store "$store"
+retry ksb acl apply --store "$store"
