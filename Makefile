@@ -13,9 +13,11 @@ STAMP_KAFKA := $(KAFKA_LIBS)/.fetched
 STAMP_SPARK := $(SPARK_JARS)/.fetched
 STAMP_APT := $(CACHE)/.apt
 STAMP_FUZZ := $(VENV)/.fuzz-installed
+STAMP_CONTAINERS := $(CACHE)/.containers
 FUZZ_RUNS ?= 10000
 
-.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean proto go
+.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean proto go \
+	images compose-test test-py313
 
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
 
@@ -57,6 +59,37 @@ $(STAMP_APT):
 	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing </dev/null; \
 	fi
 	touch $@
+
+# Containers (README "docker-compose"): Debian's podman 4.3 with runc, and debootstrap for the base
+# images, installed when missing as above; podman-compose comes with the venv (pyproject's dev
+# extra). Podman reads infra/images/containers.conf (CONTAINERS_CONF, set by devtools.containers).
+$(STAMP_CONTAINERS):
+	mkdir -p $(CACHE)
+	@missing=""; for b in podman:podman runc:runc debootstrap:debootstrap; do \
+	    command -v $${b%%:*} >/dev/null || missing="$$missing $${b##*:}"; done; \
+	if [ -n "$$missing" ]; then \
+	    echo "installing with apt:$$missing"; \
+	    SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	    $$SUDO apt-get update -qq && \
+	    $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing </dev/null; \
+	fi
+	touch $@
+
+# Every image docker-compose.yml runs, built here: stand-ins for the base images it names (no
+# image registry is reachable) from Debian's packages and the project's jars, then the KSB and
+# Kafka images from their Dockerfiles (devtools/containers/images.py).
+images: setup $(STAMP_CONTAINERS)
+	$(PY) -m devtools.containers.images
+
+# The project's docker-compose.yml, up on podman and checked (tests/compose): every service
+# healthy, the order client's dialogs exactly once and in order, a dispatcher killed, Redis
+# restarted, Prometheus's targets, the Spark job's SLA output, nothing left after `down -v`.
+compose-test: images
+	COMPOSE_TEST=1 $(PY) -m pytest tests/compose -p no:cacheprovider $(PYTEST_ARGS)
+
+# The unit suite on Python 3.13 (Debian 13), in a container (devtools/containers/py313.py).
+test-py313: setup $(STAMP_CONTAINERS)
+	$(PY) -m devtools.containers.py313 $(PYTEST_ARGS)
 
 # Everything the demo starts, the Spark audit job included, is set up first.
 run: setup $(STAMP_SPARK)

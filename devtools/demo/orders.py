@@ -21,6 +21,14 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from apps.orders import (
+    CLIENT_SERVICE,
+    CONTRACT,
+    LINE_ACCEPTED,
+    ORDER_LINE,
+    ORDER_SERVICE,
+    accept_order_lines,
+)
 from devtools.demo.common import (
     RECEIVE_WAIT_MS,
     Outcome,
@@ -36,7 +44,7 @@ from devtools.demo.options import DemoOptions
 from devtools.deployment import Deployment
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import END_DIALOG, ERROR, Catalog
-from ksb.sdk.client import KsbClient, Transaction
+from ksb.sdk.client import KsbClient
 from ksb.wire.protocol import QueueMessage
 
 __all__ = [
@@ -50,12 +58,6 @@ __all__ = [
     "run_dialogs",
 ]
 
-# Names from infra/demo/catalog.yaml; checked against the loaded catalog before anything runs.
-CLIENT_SERVICE = "//demo/orders/OrderClient"
-ORDER_SERVICE = "//demo/orders/OrderService"
-CONTRACT = "//demo/orders/OrderContract"
-ORDER_LINE = "//demo/orders/OrderLine"
-LINE_ACCEPTED = "//demo/orders/LineAccepted"
 MAX_COMMITS_IN_FLIGHT = 64  # per reader: commits sent whose outcome has not come back yet
 
 
@@ -152,18 +154,6 @@ def order_service(
                 tx.end_conversation(m.conversation_handle)
         pipeline.add(tx.commit_async(), functools.partial(stats.add, "requests_replied", replied))
     pipeline.drain()
-
-
-def accept_order_lines(tx: Transaction, messages: list[QueueMessage]) -> None:
-    """The order service as an activation procedure (docker-compose's external activator runs it):
-    accept each line in the same transaction and end conversations the client has ended."""
-    for m in messages:
-        if m.message_type_name == ORDER_LINE:
-            line = json.loads(m.message_body)
-            reply = {"order_id": line["order_id"], "line": line["line"], "status": "accepted"}
-            tx.send(m.conversation_handle, LINE_ACCEPTED, json.dumps(reply))
-        elif m.message_type_name in (END_DIALOG, ERROR):
-            tx.end_conversation(m.conversation_handle)
 
 
 def order_client_replies(

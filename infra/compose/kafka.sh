@@ -46,12 +46,13 @@ security.protocol=SASL_PLAINTEXT
 sasl.mechanism=SCRAM-SHA-512
 sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required username="admin" password="$PASSWORD_ADMIN";
 PROPS
+# KSB's assignor (built into the image, infra/kafka/Dockerfile); kafka-run-class.sh adds its own jars
+# after. The storage format needs it too: it checks the properties, which name the assignor.
+export CLASSPATH=/opt/ksb/assignor/ksb-kafka-assignor.jar
 if [ ! -f /var/lib/kafka/data/meta.properties ]; then
   # The format prints the SCRAM salts and keys: not into the container's log.
   /opt/kafka/bin/kafka-storage.sh format -t "$CLUSTER_ID" -c "$props" \
     --add-scram "SCRAM-SHA-512=[name=broker,password=$PASSWORD_BROKER]" \
     --add-scram "SCRAM-SHA-512=[name=admin,password=$PASSWORD_ADMIN]" > /dev/null
 fi
-# KSB's assignor (the kafka-assignor service built it); kafka-run-class.sh adds its own jars after.
-export CLASSPATH=/opt/ksb/assignor/ksb-kafka-assignor.jar
 exec /opt/kafka/bin/kafka-server-start.sh "$props"

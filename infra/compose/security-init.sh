@@ -1,14 +1,42 @@
 #!/bin/sh
 # One-shot, as `admin`: put every principal's password (from compose's git-ignored .env) in a
-# credential store inside this container, then `ksb acl apply`: the users, topics and ACLs of the
-# instance, generated from its catalog (applied again after each catalog change: re-run this).
+# credential store inside this container, then make the instance in three steps:
+#   1. `ksb acl apply`: the services' principals (the operator's among them), core topics, ACLs;
+#   2. `ksb catalog apply $CATALOG_FILE` as the operator: the catalog, as its next version;
+#   3. `ksb acl apply` again: what that catalog calls for (its grants' principals, queue topics,
+#      their ACLs), which step 1 could not know. ACLs are generated from the stored catalog, so
+#      this order is what lets every service find its rights on the first `up`.
+# Re-run it after a catalog change (`docker compose run --rm -e CATALOG_FILE=... security-init`).
 set -eu
 store=/tmp/ksb-store
 umask 077
 mkdir -p "$store"
 for role in dispatcher transmitter transport forwarder activation external-activator spark operator; do
   var="PASSWORD_$(echo "$role" | tr "a-z-" "A-Z_")"
-  eval "pw=\${$var:?$var is not set: run python -m devtools.compose_env}"
+  eval "pw=\${$var:?$var is not set: run python3 -m devtools.compose_env}"
   printf '%s\n' "$pw" > "$store/ksb-$KSB_INSTANCE-$role.password"
 done
-exec ksb acl apply --store "$store"
+# Application principals the compose catalog grants to (infra/compose/catalog.yaml).
+for app in orders; do
+  var="PASSWORD_$(echo "$app" | tr "a-z-" "A-Z_")"
+  eval "pw=\${$var:?$var is not set: run python3 -m devtools.compose_env}"
+  printf '%s\n' "$pw" > "$store/$app.password"
+done
+# Every step is idempotent, so one that fails (a broker or a name not answering for a moment:
+# podman's DNS drops queries while a container starts beside this one) is tried again, up to 5
+# times, 3 s apart, before the whole start-up fails on it.
+retry() {
+  n=1
+  until "$@"; do
+    [ "$n" -lt 5 ] || return 1
+    echo "security-init: step failed (attempt $n of 5), again in 3 s: $*" >&2
+    n=$((n + 1))
+    sleep 3
+  done
+}
+retry ksb acl apply --store "$store"
+retry env KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator" \
+  KSB_KAFKA_PASSWORD_FILE="$store/ksb-$KSB_INSTANCE-operator.password" \
+  KSB_KAFKA_PASSWORD="" KSB_REDIS_USERNAME="" KSB_REDIS_PASSWORD="" \
+  ksb catalog apply "${CATALOG_FILE:?}"
+retry ksb acl apply --store "$store"

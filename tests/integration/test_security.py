@@ -525,6 +525,25 @@ def test_a_rotated_password_refuses_new_logins_with_the_old_one_only(
     flow.check()
 
 
+def test_redis_users_are_saved_to_its_acl_file(
+    stack: Stack, settings: Deployment, alice: Deployment, flow: Flow
+) -> None:
+    """Redis reloads its users from its ACL file at a restart (``ACL LOAD`` does the same now):
+    the principals `ksb acl apply` made, and a rotated password, must be in it."""
+    from ksb.security.apply import rotate_password
+    from ksb.security.credentials import CredentialStore
+
+    rotate_password(stack.admin(), CredentialStore(stack.security.store.root), "alice")
+    admin = redis_client(stack.admin())
+    try:
+        admin.execute_command("ACL", "LOAD")  # type: ignore[no-untyped-call]
+    finally:
+        admin.close()
+    assert redis_client(alice).ping()  # the new password, read back from the file
+    assert redis_client(settings).ping()
+    flow.check()
+
+
 def test_ksb_acl_and_principal_commands(stack: Stack, settings: Deployment, flow: Flow) -> None:
     from typer.testing import CliRunner
 

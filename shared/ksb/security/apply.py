@@ -14,7 +14,8 @@ the same plan twice changes nothing the second time.
   instances, since one Redis user serves an application granted on several instances.
   ``ACL SETUSER`` with ``resetkeys``/``-@all`` replaces keys and commands in one call, so a
   connection never sees a half-applied rule set; a connection already open keeps its login and
-  is checked against the new rules on its next command.
+  is checked against the new rules on its next command. The users are then saved (``ACL
+  SAVE``) where Redis keeps them in an ACL file, so a restart of Redis does not drop them.
 
 SCRAM users get 4096 iterations (Kafka's minimum): the passwords are 256 random bits, which
 iterations do not make harder to guess, while every new connection pays for them.
@@ -389,6 +390,7 @@ def _sync_redis(
         if password is not None:
             login += ["resetpass", f"#{_sha256(password)}"]
         _acl_command(r, "SETUSER", p, *login, *union.acl())
+    _save_users(r)
     report.redis_users = touched
 
 
@@ -401,6 +403,18 @@ def _acl_command(r: redis.Redis, *args: str) -> list[Any]:
         return [r.execute_command("ACL", *args)]  # type: ignore[no-untyped-call]
     answer = r.execute_command("ACL", *args, target_nodes=RedisCluster.ALL_NODES)
     return list(answer.values()) if isinstance(answer, dict) else [answer]
+
+
+def _save_users(r: redis.Redis) -> None:
+    """``ACL SAVE``: a Redis that loads its users from an ACL file (the local stack's, compose's)
+    forgets every ``ACL SETUSER`` at its next restart unless they are saved into that file. A
+    Redis whose users are kept some other way has no file and says so; that answer is left alone.
+    """
+    try:
+        _acl_command(r, "SAVE")
+    except redis.ResponseError as exc:
+        if "not configured to use an ACL file" not in str(exc):
+            raise
 
 
 def _text(raw: bytes | str) -> str:
@@ -428,6 +442,7 @@ def add_principal(admin: KsbSettings, store: CredentialStore, name: str) -> tupl
     r = redis_client(admin)
     try:
         _acl_command(r, "SETUSER", name, "on", "resetpass", f"#{_sha256(password_now)}")
+        _save_users(r)
     finally:
         r.close()
     return str(store.path(name)), created
@@ -446,6 +461,7 @@ def rotate_password(admin: KsbSettings, store: CredentialStore, name: str) -> st
     try:
         if any(user is not None for user in _acl_command(r, "GETUSER", name)):
             _acl_command(r, "SETUSER", name, "resetpass", f"#{_sha256(password)}")
+            _save_users(r)
     finally:
         r.close()
     return str(store.put(name, password))
