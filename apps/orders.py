@@ -251,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=9100, help="/stats and /healthz (0: none)")
     args = parser.parse_args(argv)
     configure_logging("orders")
-    stop = stop_on_signals()
-    with KsbClient(ClientSettings.from_env()) as client:
+    stop = threading.Event()
+    with stop_on_signals(stop), KsbClient(ClientSettings.from_env()) as client:
         app = OrderClient(client, args.dialogs, args.lines, args.round_timeout_s)
         serve_metrics(args.port, {"/stats": app.stats}, host="0.0.0.0")
-        client.reader(CLIENT_QUEUE)  # follow the queue before the first reply can arrive
         while not stop.is_set() and (args.rounds == 0 or app.totals.rounds < args.rounds):
             try:
                 app.run_round(stop)

@@ -25,7 +25,7 @@ __all__ = ["PASSWORD_BYTES", "env_name", "main", "password_variables"]
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMPOSE_FILE = REPO_ROOT / "docker-compose.yml"
 PASSWORD_BYTES = 32
-"""256 random bits, as `ksb.security.credentials.generate_password` makes them."""
+"""256 random bits, as `ksb.runtime.credentials.generate_password` makes them."""
 
 
 def env_name(principal_or_role: str) -> str:

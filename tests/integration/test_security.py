@@ -530,8 +530,8 @@ def test_redis_users_are_saved_to_its_acl_file(
 ) -> None:
     """Redis reloads its users from its ACL file at a restart (``ACL LOAD`` does the same now):
     the principals `ksb acl apply` made, and a rotated password, must be in it."""
+    from ksb.runtime.credentials import CredentialStore
     from ksb.security.apply import rotate_password
-    from ksb.security.credentials import CredentialStore
 
     rotate_password(stack.admin(), CredentialStore(stack.security.store.root), "alice")
     admin = redis_client(stack.admin())

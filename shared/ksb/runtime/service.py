@@ -52,6 +52,7 @@ __all__ = [
     "TickTask",
     "configure_logging",
     "run_main",
+    "stop_on_signals",
 ]
 
 log = logging.getLogger("ksb.service")
@@ -244,7 +245,7 @@ def run_main(make: Callable[[], Service], name: str, *, exit_grace_s: float = EX
     configure_logging(name)
     stop = threading.Event()
     try:
-        with _stop_on_signals(stop):
+        with stop_on_signals(stop):
             make().run(stop)
     finally:
         faulthandler.dump_traceback_later(exit_grace_s, exit=True)
@@ -254,7 +255,9 @@ _Handler = Callable[[int, FrameType | None], object] | int | signal.Handlers | N
 
 
 @contextmanager
-def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Within it, SIGTERM or SIGINT sets `stop` (a service's shell, and an application's main)."""
+
     def handle(_signum: int, _frame: FrameType | None) -> None:
         # Only set the event: the handler interrupts arbitrary code, so the loop does the logging.
         stop.set()
