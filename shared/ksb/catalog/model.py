@@ -156,11 +156,11 @@ class MessageType(_Model):
             raise ValidationFailed(f"body of {self.name!r} is not well-formed JSON: {exc}") from exc
         if self._json_validator is not None:
             # The error `jsonschema.validate` would raise: the best match among them all.
-            exc = jsonschema.exceptions.best_match(self._json_validator.iter_errors(doc))
-            if exc is not None:
-                where = "/".join(str(p) for p in exc.absolute_path) or "(root)"
+            error = jsonschema.exceptions.best_match(self._json_validator.iter_errors(doc))
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path) or "(root)"
                 raise ValidationFailed(
-                    f"body of {self.name!r} fails its schema at {where}: {exc.message}"
+                    f"body of {self.name!r} fails its schema at {where}: {error.message}"
                 )
 
 
