@@ -62,6 +62,7 @@ from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import peer_principal
 from ksb.settings import TransmitterSettings, TransportSettings
 
 __all__ = [
@@ -135,6 +136,7 @@ def cross_catalogs(a: str, b: str, address: str, partitions: int) -> tuple[Catal
         "queues": [{"name": TARGET_QUEUE, "partitions": partitions}],
         "services": [{"name": TARGET, "queue": TARGET_QUEUE, "contracts": [CONTRACT]}],
         "routes": [{"name": "to-init", "service_name": INITIATOR, "broker_instance": a}],
+        "grants": [{"permission": "SEND", "target": TARGET, "principal": peer_principal(a)}],
     }
     return parse_catalog(ca), parse_catalog(cb)
 

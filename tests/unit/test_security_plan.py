@@ -166,6 +166,18 @@ def test_a_grant_to_public_is_refused() -> None:
         _plan(cat)
 
 
+def test_a_peers_grant_makes_no_login_and_a_peer_never_receives() -> None:
+    """``peer-<instance>`` is another broker instance, checked when its messages arrive: no
+    SCRAM user, no topic, no ACL is made for it; RECEIVE to it is refused, with the reason."""
+    grants = [{"permission": "SEND", "target": "//b", "principal": "peer-far"}]
+    plan = _plan(_catalog(grants=grants))
+    assert "peer-far" not in plan.principals and not _of(plan, "peer-far")
+    assert not any("peer-far" in t.name for t in plan.topics)
+    receive = [{"permission": "RECEIVE", "target": "QB", "principal": "peer-far"}]
+    with pytest.raises(SecurityError, match="never receives"):
+        _plan(_catalog(grants=receive))
+
+
 def test_an_owner_receives_from_every_queue_and_applies_catalogs() -> None:
     plan = _plan(owners=["own"])
     assert _grants(plan, "own", Operation.READ, N.queue("any-later-queue"))

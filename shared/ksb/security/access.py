@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ksb.catalog.model import Catalog
 from ksb.errors import SecurityError
-from ksb.security.principals import Role, check_principal, service_principals
+from ksb.security.principals import PEER_PREFIX, Role, check_principal, service_principals
 
 __all__ = ["ALL_QUEUES", "Access", "Peer", "access_of", "applications", "peers_of"]
 
@@ -82,6 +82,13 @@ def applications(catalog: Catalog) -> dict[str, frozenset[str]]:
                 "to ACLs (they would reach every principal of the cluster); grant to named "
                 "principals"
             )
+        if g.principal.startswith(PEER_PREFIX):
+            if g.permission == "RECEIVE":
+                raise SecurityError(
+                    f"GRANT RECEIVE ON [{g.target}] TO [{g.principal}]: {PEER_PREFIX}<instance> "
+                    "is another broker instance, which sends (GRANT SEND) but never receives"
+                )
+            continue  # a peer's grant: checked on arrival, no login to make
         queues = out.setdefault(check_principal(g.principal), set())
         if g.permission == "RECEIVE":
             queues.add(g.target)
