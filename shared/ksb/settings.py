@@ -43,10 +43,10 @@ __all__ = [
 ]
 
 PREFIX = "KSB_"
-TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_TEST_STACK", "KSB_STACK_SECURITY"})
-"""Variables of the development tools (where the Kafka jars are, which test stack, whether the
-local stack is secured), not of a process's settings: a service started from a shell that has
-them still starts."""
+TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_STACK_SECURITY"})
+"""Variables of the development tools (where the Kafka jars are, whether the local stack is
+secured), not of a process's settings: a service started from a shell that has them still
+starts."""
 
 S = TypeVar("S", bound="KsbSettings")
 
