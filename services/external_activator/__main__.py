@@ -40,7 +40,12 @@ def main() -> None:
         backoff=Backoff(initial_ms=settings.restart_initial_ms, max_ms=settings.restart_max_ms),
     )
     supervisor = ReaderSupervisor(settings, planner)
-    serve_metrics(settings.metrics_port, {"/readers": supervisor.view}, host=settings.metrics_host)
+    serve_metrics(
+        settings.metrics_port,
+        {"/readers": supervisor.view},
+        host=settings.metrics_host,
+        instance=settings.instance,
+    )
     partitions = activation_partitions(settings)
     with tempfile.TemporaryDirectory(prefix="ksb-external-activator-") as datadir:
         app = build_app(settings, supervisor, partitions=partitions, datadir=datadir)

@@ -471,6 +471,11 @@ class QueueIndex:
     def has_group(self, group_id: str) -> bool:
         return group_id in self._groups
 
+    def group_size(self, group_id: str) -> int:
+        """The group's unreceived messages (0 for a group with none)."""
+        g = self._groups.get(group_id)
+        return g.size if g else 0
+
     def level_of(self, group_id: str) -> int:
         g = self._groups.get(group_id)
         return g.level if g else 0

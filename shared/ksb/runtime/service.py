@@ -158,7 +158,10 @@ class ServiceShell:
         service, settings = self.service, self.service.settings
         name = service.name
         self.metrics_port = serve_metrics(
-            settings.metrics_port, service.routes(), host=settings.metrics_host
+            settings.metrics_port,
+            service.routes(),
+            host=settings.metrics_host,
+            instance=settings.instance,
         )
         register_health_check(name, service.health)
         self.handlers.start()
