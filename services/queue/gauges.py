@@ -15,6 +15,9 @@ sample, `ksb.runtime.metrics`):
   sum). Ready = messages - locked;
 * ``ksb_queue_oldest_ready_age_seconds``: how long ago the oldest unreceived message was enqueued
   (0 when there is none), locked groups included: it is the queue's age;
+* ``ksb_queue_sla_overdue_seconds``: how far the oldest message of a priority level is past
+  that level's target in the catalog's ``sla_targets_ms`` (the worst level; 0 when none is past,
+  or the catalog sets no target);
 * ``ksb_queue_lock_held_max_seconds``: how long the oldest lock this replica took has been held;
 * ``ksb_queue_drained_total``: messages that left the queue (received, purged, dead-lettered)
   since the replica started, its first read of the topics included;
@@ -57,6 +60,8 @@ class QueueGauges:
     disabled: Callable[[], Collection[str]]
     """The queues the newest catalog has STATUS OFF."""
     dead_letters: Callable[[], Mapping[str, int]]
+    sla_targets_ms: Callable[[], Mapping[int, int]]
+    """The catalog's time-in-queue target per priority level."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class Look:
     locked_groups: int
     locked_messages: int
     oldest_age_s: float
+    sla_overdue_s: float
     lock_held_max_s: float
     drained: int
     disabled: bool
@@ -79,7 +85,7 @@ def looks(g: QueueGauges) -> list[Look]:
     """Every queue the replica serves, under one hold of its lock (a scrape every few seconds
     costs each queue's lanes and this replica's own locks, not its backlog)."""
     now = g.clock.now_ms()
-    disabled, dead = set(g.disabled()), g.dead_letters()
+    disabled, dead, targets = set(g.disabled()), g.dead_letters(), g.sla_targets_ms()
     out = []
     with g.queues.cond:
         taken = g.held.taken_since(now)
@@ -88,6 +94,11 @@ def looks(g: QueueGauges) -> list[Look]:
             mine = taken.get(fold.queue, {})
             locked = [group for group in mine if index.has_group(group)]
             oldest = index.oldest_ready_ms()
+            by_level = index.oldest_ready_by_level() if targets else {}
+            overdue_ms = max(
+                (now - since - targets[lv] for lv, since in by_level.items() if lv in targets),
+                default=0,
+            )
             out.append(
                 Look(
                     queue=fold.queue,
@@ -96,6 +107,7 @@ def looks(g: QueueGauges) -> list[Look]:
                     locked_groups=len(locked),
                     locked_messages=sum(index.group_size(group) for group in locked),
                     oldest_age_s=0.0 if oldest is None else max(0, now - oldest) / 1000,
+                    sla_overdue_s=max(0, overdue_ms) / 1000,
                     lock_held_max_s=max((now - s for s in mine.values()), default=0) / 1000,
                     drained=fold.drained,
                     disabled=fold.queue in disabled,
@@ -122,6 +134,11 @@ _GAUGES: tuple[tuple[str, str, Callable[[Look], float]], ...] = (
         "ksb_queue_oldest_ready_age_seconds",
         "Age of the oldest unreceived message (0: none), locked groups' included",
         lambda q: q.oldest_age_s,
+    ),
+    (
+        "ksb_queue_sla_overdue_seconds",
+        "How far the oldest message of a level is past the catalog's SLA target (0: none)",
+        lambda q: q.sla_overdue_s,
     ),
     (
         "ksb_queue_lock_held_max_seconds",

@@ -141,6 +141,7 @@ class QueueService(Service):
                 self.clock,
                 disabled=lambda: [q.name for q in self.catalog.catalog.queues if q.disabled],
                 dead_letters=self._dead_letters.counts,
+                sla_targets_ms=lambda: self.catalog.catalog.sla_targets_ms,
             )
         )
         pb_grpc.add_QueueServiceServicer_to_server(api, self._server)

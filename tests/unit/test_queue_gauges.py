@@ -20,12 +20,12 @@ from services.queue.queues import Queues
 START = 1_700_000_000_000
 
 
-def _message(n: int, group: str, enqueued_ms: int) -> QueueMessage:
+def _message(n: int, group: str, enqueued_ms: int, priority: int = 5) -> QueueMessage:
     return QueueMessage(
         message_id=f"{group}-h:{n}",
         queue="Q",
         status=1,
-        priority=5,
+        priority=priority,
         queuing_order=n,
         conversation_group_id=group,
         conversation_handle=f"{group}-h",
@@ -63,8 +63,11 @@ def _gauges(
     clock: ManualClock,
     disabled: Collection[str] = (),
     dead: Mapping[str, int] | None = None,
+    targets: Mapping[int, int] | None = None,
 ) -> QueueGauges:
-    return QueueGauges("r1", queues, held, clock, lambda: disabled, lambda: dead or {})
+    return QueueGauges(
+        "r1", queues, held, clock, lambda: disabled, lambda: dead or {}, lambda: targets or {}
+    )
 
 
 def test_a_stalled_queue_ages_and_a_held_lock_ages_with_it(queues: Queues) -> None:
@@ -126,3 +129,23 @@ def test_the_collector_exports_every_watched_replica_until_unwatched(queues: Que
     finally:
         gauges.unwatch("r1")
     assert REGISTRY.get_sample_value("ksb_queue_messages", {"queue": "Q", "replica": "r1"}) is None
+
+
+def test_sla_overdue_is_the_worst_level_past_its_target(queues: Queues) -> None:
+    """Targets are per level: a level-8 message 4 s old is 1 s past a 3 s target, while a
+    level-5 message 9 s old is within its 10 s; a level without a target is never overdue."""
+    clock = ManualClock(START)
+    queues.add("Q", 1)
+    _fold(
+        queues,
+        _message(1, "g1", START - 9_000, priority=5),
+        _message(2, "g2", START - 4_000, priority=8),
+        _message(3, "g3", START - 60_000, priority=2),
+    )
+    g = _gauges(queues, HeldLocks(30_000), clock, targets={8: 3_000, 5: 10_000})
+    (look,) = looks(g)
+    assert look.sla_overdue_s == 1.0 and look.oldest_age_s == 60.0
+    clock.advance(5)
+    assert looks(g)[0].sla_overdue_s == 6.0  # level 8: 9 s old, 3 s target (level 5: 4 past)
+    (look,) = looks(_gauges(queues, HeldLocks(30_000), clock))
+    assert look.sla_overdue_s == 0.0  # no targets in the catalog

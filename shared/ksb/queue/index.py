@@ -493,3 +493,13 @@ class QueueIndex:
         that stays true while its readers are stalled. Each lane's first group is its oldest."""
         firsts = [lane[0][0] for lanes in self._lanes.values() for lane in lanes.values() if lane]
         return min(firsts) >> 24 if firsts else None
+
+    def oldest_ready_by_level(self) -> dict[int, int]:
+        """Priority level -> when its oldest ready message was enqueued (levels with any): what
+        the catalog's SLA targets, which are per level, are checked against."""
+        out: dict[int, int] = {}
+        for level, lanes in self._lanes.items():
+            firsts = [lane[0][0] for lane in lanes.values() if lane]
+            if firsts:
+                out[level] = min(firsts) >> 24
+        return out
