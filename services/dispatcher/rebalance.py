@@ -258,6 +258,7 @@ class ShardKeeper:
             time.monotonic() - rebuild.started,
             rebuild.read_s,
             sorted(self.owned),
+            extra={"shards": new},
         )
         return True
 
@@ -336,7 +337,9 @@ class ShardKeeper:
         for shard in gone:
             self._engine.drop_shard(shard)
         if gone:
-            log.info("shards %s %s; owning %s", gone, why, sorted(self.owned))
+            log.info(
+                "shards %s %s; owning %s", gone, why, sorted(self.owned), extra={"shards": gone}
+            )
 
     def _stop_rebuild(self, dropped: set[tuple[str, int]]) -> None:
         """A partition of the running rebuild's shards was taken back: stop it; the partitions

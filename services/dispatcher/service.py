@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from confluent_kafka import KafkaException
 
@@ -115,6 +116,9 @@ class Dispatcher(Service):
 
     def health(self) -> str | None:
         return self.broker.problem()
+
+    def log_fields(self) -> dict[str, Any]:
+        return {**super().log_fields(), "member": self.member}
 
     def on_catalog(self, view: CatalogView) -> None:
         """A running broker takes a new catalog version at once (a stopped one retries on its

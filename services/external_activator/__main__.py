@@ -32,6 +32,7 @@ def activation_partitions(settings: ExternalActivatorSettings) -> int:
 def main() -> None:
     configure_logging("external_activator")
     settings = ExternalActivatorSettings.from_env()
+    configure_logging("external_activator", settings.log_format, {"instance": settings.instance})
     if not settings.external_activator_config:
         raise SettingsError("KSB_EXTERNAL_ACTIVATOR_CONFIG names no file")
     planner = ActivationPlanner(

@@ -265,6 +265,9 @@ class ServiceSettings(KsbSettings):
     """The periodic timer: housekeeping runs every tick, every 2nd and every 5th."""
     task_handlers: int | None = Field(None, ge=1)
     """Threads for asynchronous tasks; unset means 2 x CPUs."""
+    log_format: Literal["text", "json"] = "text"
+    """One line of text per record, or one JSON object with the service, instance and, where
+    known, shard, conversation, group, queue (`ksb.runtime.log_format`), for log pipelines."""
 
 
 class QueueServiceSettings(ServiceSettings, AuthoritySettings):
