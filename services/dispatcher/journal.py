@@ -19,6 +19,7 @@ too, the dispatcher recovers as from any failed transaction.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -85,10 +86,22 @@ class JournaledProducer(Producer):
         super().__init__(conf)
         self.journal: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.offsets: list[TopicPartition] | None = None
+        self.opened_at: float | None = None
+        """When the open transaction began (`time.monotonic`), None when none is open: a commit
+        that failed leaves it open until its abort (`services.dispatcher.gauges` exports it)."""
 
     def begin_transaction(self, *args: Any) -> None:
         self.journal, self.offsets = [], None
+        self.opened_at = time.monotonic()
         super().begin_transaction(*args)
+
+    def commit_transaction(self, timeout: float = -1) -> None:
+        super().commit_transaction(timeout)
+        self.opened_at = None
+
+    def abort_transaction(self, timeout: float = -1) -> None:
+        super().abort_transaction(timeout)
+        self.opened_at = None
 
     def produce(self, *args: Any, **kwargs: Any) -> None:
         self.journal.append((args, kwargs))

@@ -124,6 +124,10 @@ class Names:
     def dead_letters(self, queue_name: str) -> str:
         return f"{self.prefix}.dlq.{queue_name}"
 
+    def dead_letter_queue_of(self, topic: str) -> str:
+        """The queue whose dead-letter topic `topic` is (the inverse of `dead_letters`)."""
+        return topic.removeprefix(f"{self.prefix}.dlq.")
+
     @property
     def external_activator_app(self) -> str:
         """Faust app id (and consumer group) of the external activator that reads `activation`."""

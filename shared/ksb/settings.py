@@ -43,10 +43,10 @@ __all__ = [
 ]
 
 PREFIX = "KSB_"
-TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_TEST_STACK", "KSB_STACK_SECURITY"})
-"""Variables of the development tools (where the Kafka jars are, which test stack, whether the
-local stack is secured), not of a process's settings: a service started from a shell that has
-them still starts."""
+TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_STACK_SECURITY"})
+"""Variables of the development tools (where the Kafka jars are, whether the local stack is
+secured), not of a process's settings: a service started from a shell that has them still
+starts."""
 
 S = TypeVar("S", bound="KsbSettings")
 
@@ -265,6 +265,9 @@ class ServiceSettings(KsbSettings):
     """The periodic timer: housekeeping runs every tick, every 2nd and every 5th."""
     task_handlers: int | None = Field(None, ge=1)
     """Threads for asynchronous tasks; unset means 2 x CPUs."""
+    log_format: Literal["text", "json"] = "text"
+    """One line of text per record, or one JSON object with the service, instance and, where
+    known, shard, conversation, group, queue (`ksb.runtime.log_format`), for log pipelines."""
 
 
 class QueueServiceSettings(ServiceSettings, AuthoritySettings):

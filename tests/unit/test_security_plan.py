@@ -142,6 +142,9 @@ def test_an_application_reads_no_queue_topic_it_receives_through_the_queue_servi
         assert not any(_grants(plan, principal, Operation.READ, N.queue(q)) for q in ("QA", "QB"))
     assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.queue("QA"))
     assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.queue("QB"))
+    # It counts the dead letters (services.queue.dead_letters); nobody else but operators reads them.
+    assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.dead_letters("QB"))
+    assert not any(_grants(plan, p, Operation.READ, N.dead_letters("QB")) for p in ("alice", "bob"))
 
 
 def test_an_application_writes_nothing_but_its_requests() -> None:

@@ -17,17 +17,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from ksb.catalog.model import Queue
 from ksb.names import Names
 from ksb.runtime.credentials import kafka_login
 from ksb.runtime.kafka_logs import client_log
 from ksb.settings import STICKY_SHARDS, ClientSettings, KsbSettings
+
+if TYPE_CHECKING:  # only the type: a client's import of this module needs no catalog validators
+    from ksb.catalog.model import Queue
 
 __all__ = [
     "TopicSpec",

@@ -161,6 +161,8 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         yield _acl(p, Operation.IDEMPOTENT_WRITE, CLUSTER_NAME, kind=Resource.CLUSTER)
     elif role is Role.QUEUE:
         yield from (_acl(p, R, f"{n.prefix}.queue.", prefixed=True), _acl(p, R, n.catalog))
+        # It counts each queue's dead letters for operators (`services.queue.dead_letters`).
+        yield _acl(p, R, f"{n.prefix}.dlq.", prefixed=True)
         yield _acl(p, W, n.audit)
     elif role is Role.ACTIVATION:
         yield from (_acl(p, W, t) for t in (n.catalog, n.activation, n.audit))
