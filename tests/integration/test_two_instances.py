@@ -216,7 +216,12 @@ def test_foreign_records_on_outbound_and_links_are_skipped_and_nothing_else_is_h
         }
     )
     raw.produce(names.outbound, value=b'{"not": "a packet"}')  # no packet headers
-    packet = Packet(b.settings.instance, "LOCAL", Names(b.settings.instance).inbound, 2**62)
+    packet = Packet(
+        b.settings.instance,
+        "LOCAL",
+        Names(b.settings.instance).inbound_from(a.settings.instance),
+        2**62,
+    )
     raw.produce(names.outbound, value=b"not json", headers=packet.headers())
     raw.produce(names.links, value=b'{"destination": "x"}')
     raw.flush(10)
@@ -516,7 +521,9 @@ def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance])
     assert [m.message_body for m in got] == [body.encode(), b'"small, after it"']
     kinds = [
         json.loads(v or b"{}")["kind"]
-        for _k, v in read_topic(b.settings, Names(b.settings.instance).inbound)
+        for _k, v in read_topic(
+            b.settings, Names(b.settings.instance).inbound_from(a.settings.instance)
+        )
     ]
     assert kinds.count("fragment") >= 4 and kinds.count("inbound") >= 1
     _wait_view_empty(a.settings)

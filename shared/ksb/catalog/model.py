@@ -260,6 +260,9 @@ class Service(_Model):
     name: str = Field(min_length=1, max_length=256)
     queue: str
     contracts: tuple[str, ...] = ()
+    owner: str | None = Field(default=None, min_length=1, max_length=64)
+    """AUTHORIZATION: a principal that may act as the service without RECEIVE on its queue
+    (`ksb.dialog.permissions`)."""
 
 
 class Route(_Model):
@@ -507,8 +510,20 @@ class CatalogView:
                 svc.name,
             )
         self.routes = {r.service_name: r for r in catalog.routes}
+        carriers: dict[str, set[str]] = {}
+        for r in catalog.routes:
+            carriers.setdefault(r.broker_instance, set()).add(r.next_hop)
+        self.carriers = {origin: frozenset(w) for origin, w in carriers.items()}
+        """Each other broker instance our routes lead to -> the instances whose transport or
+        forwarder may carry its messages to us: itself, or the forwarder the route goes through
+        (routes are declared on both sides, and messages come back the way ours go)."""
+        self.peers = frozenset(self.carriers)
         self.notifications = {n.queue: n for n in catalog.event_notifications}
         self.priorities = PriorityTable(catalog.priorities)
+
+    def carries(self, writer: str, origin: str) -> bool:
+        """Whether messages of broker instance `origin` may come to us through `writer`."""
+        return writer in self.carriers.get(origin, ())
 
     def service(self, name: str) -> Service:
         try:

@@ -49,6 +49,7 @@ __all__ = [
     "ERRORS",
     "HEALTHY",
     "INSTANCE_LABEL",
+    "POISON_RECORDS",
     "PURGES",
     "PURGE_REASONS",
     "QUEUE_DEPTH",
@@ -102,6 +103,11 @@ RELAYED = Counter(
     ["kind"],
 )
 COMMITS = Counter("ksb_commits_total", "Reader commits by outcome", ["outcome"])
+POISON_RECORDS = Counter(
+    "ksb_poison_records_total",
+    "Records set aside because their transaction failed alone (refused, or skipped)",
+    ["outcome"],
+)
 TXN_SECONDS = Histogram(
     "ksb_dispatcher_txn_seconds",
     "Dispatcher transaction duration (one batch of requests)",
