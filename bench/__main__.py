@@ -15,6 +15,7 @@ from bench.backlog import BacklogOptions
 from bench.cross_instance import CrossOptions
 from bench.failover import FailoverOptions
 from bench.priorities import PriorityOptions
+from bench.queues import DEFAULT_REPLICAS
 from bench.report import format_table, write_json
 from bench.scaling import ScalingOptions
 from bench.security import SecurityOptions
@@ -78,6 +79,13 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         help="dispatcher counts run again with --max-queue-depth (default 2; '' for none)",
     )
     g.add_argument("--probes", type=int, help="one-at-a-time round trips (default 100)")
+    g.add_argument(
+        "--queue-replicas",
+        type=int,
+        default=DEFAULT_REPLICAS,
+        help="queue service replicas (child processes) of every instance that RECEIVEs; its "
+        f"clients list them all (default {DEFAULT_REPLICAS})",
+    )
     g = parser.add_argument_group("sections (each on by default)")
     g.add_argument("--no-failover", action="store_true", help="skip the failover section")
     g.add_argument("--failover-messages", type=int, help="messages per failover run (60000)")
@@ -95,6 +103,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     )
     g.add_argument(
         "--backlog-drain-timeout", type=float, help="seconds the drain may take (default 900)"
+    )
+    g.add_argument(
+        "--backlog-interleaved",
+        type=int,
+        help="messages of the interleaved drain (sent one at a time in turn over the dialogs) "
+        "and of the dialog-by-dialog drain it is set against (default 200000; 0: skip)",
     )
     g.add_argument("--no-security", action="store_true", help="skip the security on/off section")
     g.add_argument("--no-activation", action="store_true", help="skip the activation section")
@@ -131,6 +145,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         warmup_messages=0 if a.quick else 40_000,
         settle_jit=not a.quick,
         runs=a.ksb_runs or (1 if a.quick else 3),
+        queue_replicas=a.queue_replicas,
     )
     opts = Options(
         raw_messages=a.raw_messages or messages,
@@ -146,8 +161,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         security=None if a.no_security else _security_options(a.quick),
         activation=None
         if a.no_activation
-        else ActivationOptions(rounds=1 if a.quick else 3, dialogs=a.activation_dialogs or 200),
-        priorities=None if a.no_priority else _priority_options(a.quick),
+        else ActivationOptions(
+            rounds=1 if a.quick else 3,
+            dialogs=a.activation_dialogs or 200,
+            queue_replicas=a.queue_replicas,
+        ),
+        priorities=None if a.no_priority else _priority_options(a.quick, a.queue_replicas),
         spark=None if a.no_spark else _spark_options(a.quick),
         cross_instance=None if a.no_cross_instance else _cross_options(a),
     )
@@ -163,6 +182,7 @@ def _failover_options(a: argparse.Namespace) -> FailoverOptions:
         receivers=a.receivers,
         window=a.window,
         limits=_counts(a.failover_limits) if a.failover_limits else ((0,) if a.quick else d.limits),
+        queue_replicas=a.queue_replicas,
     )
 
 
@@ -175,6 +195,12 @@ def _backlog_options(a: argparse.Namespace) -> BacklogOptions:
         burst=a.backlog_burst,
         timeout_s=600.0 if a.quick else d.timeout_s,
         drain_timeout_s=a.backlog_drain_timeout or (300.0 if a.quick else 900.0),
+        queue_replicas=a.queue_replicas,
+        compare_interleaved=(
+            a.backlog_interleaved
+            if a.backlog_interleaved is not None
+            else (1_000 if a.quick else 200_000)
+        ),
     )
 
 
@@ -185,11 +211,12 @@ def _security_options(quick: bool) -> SecurityOptions:
     return SecurityOptions(starts=1)
 
 
-def _priority_options(quick: bool) -> tuple[PriorityOptions, SchedulerOptions]:
+def _priority_options(quick: bool, replicas: int) -> tuple[PriorityOptions, SchedulerOptions]:
     if not quick:
-        return PriorityOptions(), SchedulerOptions()
+        return PriorityOptions(queue_replicas=replicas), SchedulerOptions()
     return (
         PriorityOptions(
+            queue_replicas=replicas,
             idle_probes=20,
             backlog=500,
             backlog_groups=50,
@@ -218,6 +245,7 @@ def _cross_options(a: argparse.Namespace) -> CrossOptions:
         "partitions": a.partitions or 4,
         "receivers": a.receivers,
         "window": a.window,
+        "queue_replicas": a.queue_replicas,
     }
     if not a.quick:
         return CrossOptions(**shape)
@@ -259,6 +287,9 @@ def verified(results: dict[str, Any]) -> bool:
         ok = False
     backlog = results["backlog"]
     if backlog is not None and not backlog.get("verified_exactly_once_in_order", False):
+        ok = False
+    interleaved = (backlog or {}).get("interleaved")
+    if interleaved is not None and not interleaved.get("verified_exactly_once_in_order", False):
         ok = False
     security = results["security"]
     return ok and not (security is not None and "error" in security)

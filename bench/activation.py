@@ -37,6 +37,7 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
+from bench.queues import DEFAULT_REPLICAS, running_queues
 from devtools.deployment import Deployment, process_settings, secure_instance
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
@@ -81,6 +82,9 @@ class ActivationOptions:
     partitions: int = 4
     timeout_s: float = 45.0
     """How long all the rounds may take; a round that would not fit is skipped."""
+    queue_replicas: int = DEFAULT_REPLICAS
+    """Queue service replicas of the section's instance (its activation service and its tasks
+    RECEIVE through them)."""
 
 
 # --------------------------------------------------------------------------- Redis records
@@ -412,9 +416,14 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
 def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
     settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}act"}))
+    apply_catalog(settings, activation_catalog(opts.partitions))
+    with running_queues(settings, log_dir / "act-queue", opts.queue_replicas) as (settings, _q):
+        return _run(settings, opts, log_dir)
+
+
+def _run(settings: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     keys = _Keys(settings.instance)
     r = redis_client(settings.as_principal(ADMIN))  # the bench's keys and KSB's, read as admin
-    apply_catalog(settings, activation_catalog(opts.partitions))
     procs: list[ServiceProcess] = []
     try:
         dispatcher = ServiceProcess("dispatcher", settings, log_dir / "act-dispatcher.log")

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from bench.backlog import replica_figures
+from bench.queues import ReplicaMemory
 from bench.raw_kafka import median_run
 from bench.scaling import ksb_runs_lines, median_ksb_run, raw_runs_note
 from bench.stats import Phases, ratio, run_ratios
@@ -133,3 +135,29 @@ def test_a_run_that_broke_exactly_once_fails_its_column_whichever_run_is_shown()
 
 def test_one_ksb_run_needs_no_lines() -> None:
     assert ksb_runs_lines([median_ksb_run([_ksb_run(3_000, 0.1)])]) == []
+
+
+def test_a_replicas_backlog_is_counted_per_message_its_own_memory_apart_from_its_stores() -> None:
+    base = ReplicaMemory(
+        rss_anon_kb=40_000, rss_file_kb=30_000, peak_rss_kb=70_000, store_disk_bytes=0
+    )
+    full = ReplicaMemory(
+        rss_anon_kb=40_000 + 25_000,  # 25,000 kB over 100,000 messages: 256 B each
+        rss_file_kb=30_000 + 50_000,
+        peak_rss_kb=150_000,
+        store_disk_bytes=120_000_000,
+    )
+    got = replica_figures({"base": base, "indexed": full}, 100_000)
+    assert got["bytes_per_queued_message"] == 256.0
+    assert got["file_bytes_per_queued_message"] == 512.0
+    assert got["store_bytes_per_queued_message"] == 1_200.0
+    assert got["indexed"]["rss_anon_kb"] == 65_000 and got["base"]["store_disk_bytes"] == 0
+
+
+def test_a_replica_not_measured_at_both_ends_has_no_figure_per_message() -> None:
+    gone = ReplicaMemory(
+        rss_anon_kb=None, rss_file_kb=None, peak_rss_kb=None, store_disk_bytes=None
+    )
+    base = ReplicaMemory(rss_anon_kb=1, rss_file_kb=1, peak_rss_kb=2, store_disk_bytes=0)
+    assert replica_figures({"base": base, "indexed": gone}, 10)["bytes_per_queued_message"] is None
+    assert replica_figures({"base": base}, 10)["store_bytes_per_queued_message"] is None
