@@ -14,8 +14,10 @@ from bench.activation import ActivationOptions
 from bench.backlog import BacklogOptions
 from bench.cross_instance import CrossOptions
 from bench.failover import FailoverOptions
+from bench.peer import PeerOptions
 from bench.priorities import PriorityOptions
 from bench.queues import DEFAULT_REPLICAS
+from bench.readers import ReaderOptions
 from bench.report import format_table, write_json
 from bench.scaling import ScalingOptions
 from bench.security import SecurityOptions
@@ -87,6 +89,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         f"clients list them all (default {DEFAULT_REPLICAS})",
     )
     g = parser.add_argument_group("sections (each on by default)")
+    g.add_argument("--no-peer", action="store_true", help="skip the exactly-once peer without KSB")
+    g.add_argument("--peer-runs", type=int, help="loaded runs of the peer (default 3, 1 quick)")
+    g.add_argument("--no-readers", action="store_true", help="skip the reader processes section")
+    g.add_argument(
+        "--reader-processes", type=int, default=4, help="reader processes on one queue (4)"
+    )
     g.add_argument("--no-failover", action="store_true", help="skip the failover section")
     g.add_argument("--failover-messages", type=int, help="messages per failover run (60000)")
     g.add_argument(
@@ -156,6 +164,33 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         log_dir=a.out.parent,
         scaling=scaling,
         redis_nodes=a.redis_nodes,
+        peer=None
+        if a.no_peer
+        else PeerOptions(
+            messages=messages,
+            keys=dialogs,
+            body_bytes=a.body_bytes,
+            partitions=a.shards,
+            probes=probes,
+            runs=a.peer_runs or (1 if a.quick else 3),
+            timeout_s=timeout_s,
+            settle_jit=not a.quick,
+        ),
+        readers=None
+        if a.no_readers
+        else ReaderOptions(
+            processes=a.reader_processes,
+            messages=messages,
+            dialogs=dialogs,
+            body_bytes=a.body_bytes,
+            window=max(1, a.window * a.receivers // a.reader_processes),
+            shards=a.shards,
+            partitions=a.partitions or a.shards,
+            queue_replicas=a.queue_replicas,
+            runs=a.ksb_runs or (1 if a.quick else 3),
+            timeout_s=timeout_s,
+            settle_jit=not a.quick,
+        ),
         failover=None if a.no_failover else _failover_options(a),
         backlog=None if a.no_backlog else _backlog_options(a),
         security=None if a.no_security else _security_options(a.quick),
@@ -272,13 +307,27 @@ def main(argv: list[str] | None = None) -> int:
 def verified(results: dict[str, Any]) -> bool:
     """Every run delivered exactly once and in order, and no section failed."""
     ok = all(r["verified_exactly_once_in_order"] for r in results["scaling"]["runs"])
-    for key in ("failover", "activation", "cross_instance", "priorities", "spark_audit"):
+    for key in (
+        "peer",
+        "readers",
+        "failover",
+        "activation",
+        "cross_instance",
+        "priorities",
+        "spark_audit",
+    ):
         section = results[key]
         if section is not None and "error" in section:
             ok = False
     failover = results["failover"]
     if failover is not None and "runs" in failover:
         ok = ok and all(r["verified_exactly_once_in_order"] for r in failover["runs"])
+    peer = results.get("peer")
+    if peer is not None and not peer.get("verified_exactly_once_in_order", False):
+        ok = False
+    readers = results.get("readers")
+    if readers is not None and not readers.get("verified_exactly_once_in_order", False):
+        ok = False
     activation = results["activation"]
     if activation is not None and not activation.get("verified_exactly_once", False):
         ok = False

@@ -40,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
+from bench.peer import COLUMN, table_column
+from bench.peer import format_lines as peer_lines
 from bench.queues import DEFAULT_REPLICAS, replica_pids, running_queues
 from bench.raw_kafka import median_run
 from bench.stats import CpuMeter, fmt_ms, jit_settle, peak_rss_kb, ratio, run_ratios
@@ -343,8 +345,11 @@ def _table(rows: list[list[str]]) -> list[str]:
     ]
 
 
-def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
-    """The table: raw Kafka, then each dispatcher count, every figure with its ratio to raw."""
+def format_lines(
+    s: dict[str, Any], raw: dict[str, Any], peer: dict[str, Any] | None = None
+) -> list[str]:
+    """The table: raw Kafka, the exactly-once peer (bench/peer.py) when it ran, then each
+    dispatcher count, every figure with its ratio to raw; then each over the peer."""
     cfg, runs = s["config"], s["runs"]
     rx = [ratios(r, raw) for r in runs]
     raw_cpu = raw.get("cpu_ms_per_message", {})
@@ -437,6 +442,12 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
             ),
         ]
     )
+    if peer is not None and "error" not in peer:
+        cells = table_column(peer)
+        rows = [
+            [r[0], r[1], COLUMN if i == 0 else cells.get(r[0], ""), *r[2:]]
+            for i, r in enumerate(rows)
+        ]
     lines = [
         f"raw Kafka and KSB by dispatcher count: {cfg['messages']:,} x {cfg['body_bytes']} B over "
         f"{cfg['dialogs']:,} dialogs, {cfg['shards']} shards, target queue "
@@ -448,6 +459,8 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
         + raw_runs_note(raw),
         *_table(rows),
         *ksb_runs_lines(runs),
+        *(peer_lines(peer, runs, run_label) if peer is not None and "error" not in peer else []),
+        *([f"{COLUMN}: FAILED: {peer['error']}"] if peer is not None and "error" in peer else []),
         "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
         "warm-up and probes included; CPU over the loaded phase):",
     ]
