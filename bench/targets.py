@@ -32,10 +32,11 @@ FIRST_RECEIVE_P50_MS = 300
 THROUGHPUT_BEFORE = 3_400
 """End-to-end msg/s with 2 receivers not below the week's runs before the queue service
 (3.4-4.3k in `make bench`): the low end."""
-IN_PROCESS_READERS_CPU_MS = 0.0
+IN_PROCESS_READERS_CPU_MS = 0.679
 """CPU per message of all processes with 4 reader processes on one queue before the queue
-service, each indexing the queue in its own process: bench/readers.py's load run with the code
-of commit c3a9d86 (`docs/benchmarks.md`, 2026-11-28)."""
+service, each indexing the queue in its own process: bench/readers.py's section (its median
+of 3 runs: 0.690 / 0.679 / 0.547 ms) run with the code of commit c3a9d86 on a stack of its own,
+warmed with 40,000 messages first (docs/benchmarks.md, 2026-11-28)."""
 PEER_RATIO = 1.0
 """KSB's throughput over the exactly-once peer's (bench/peer.py), at least."""
 
