@@ -9,9 +9,12 @@ outcome) and the CPU per message of every process involved (dispatchers, queue s
 readers, broker, Redis, and this process, the sender), over the loaded phase.
 
 Each reader (``python -m bench.readers reader OUT WINDOW``) appends ``dialog seq sent_ns
-outcome_ns`` for every message whose commit was applied to a file of its own; the bench counts
-those lines until every message is in, then stops the readers and checks the whole: each message
-once, and per dialog in order of its commits' outcomes (one monotonic clock on one host).
+received_ns outcome_ns`` for every message whose commit was applied to a file of its own; the
+bench counts those lines until every message is in, then stops the readers and checks the whole:
+each message once, and per dialog in the order its RECEIVEs returned (one monotonic clock on one
+host). Not in the order of the outcomes: a group's next holder may RECEIVE as soon as the queue
+service has read the previous holder's outcome, and its own outcome can reach its process before
+the previous holder's reaches a process that the two CPUs left waiting (seen in `make bench`).
 """
 
 from __future__ import annotations
@@ -60,7 +63,14 @@ from ksb.runtime.catalog_store import apply_catalog
 from ksb.sdk.client import KsbClient
 from ksb.settings import ClientSettings, settings_env
 
-__all__ = ["ReaderOptions", "check_deliveries", "format_lines", "reader_main", "run_readers"]
+__all__ = [
+    "ReaderOptions",
+    "Row",
+    "check_deliveries",
+    "format_lines",
+    "reader_main",
+    "run_readers",
+]
 
 log = logging.getLogger("bench.readers")
 
@@ -101,13 +111,13 @@ def reader_main(argv: list[str]) -> int:
     counts = {"refused": 0, "receive_errors": 0, "lock_lost": 0}
     lock = threading.Lock()
 
-    def applied(batch: list[tuple[int, int, int]], fut: Future[Any]) -> None:
+    def applied(batch: list[tuple[int, int, int]], received: int, fut: Future[Any]) -> None:
         now = now_ns()
         with lock:
             if fut.exception() is not None:
                 counts["refused"] += 1
                 return
-            lines.extend(f"{d} {s} {sent} {now}\n" for d, s, sent in batch)
+            lines.extend(f"{d} {s} {sent} {received} {now}\n" for d, s, sent in batch)
 
     with KsbClient(ClientSettings.from_env()) as client, out_path.open("w") as out:
         flusher = threading.Thread(target=_flush_every, args=(out, lines, lock, stop), daemon=True)
@@ -121,6 +131,7 @@ def reader_main(argv: list[str]) -> int:
                 continue
             tx = client.transaction()
             msgs, failed = receive_batch(tx, top=None, waitfor_ms=100)
+            received = now_ns()
             if not ready:
                 ready = True
                 print(READY, flush=True)
@@ -136,7 +147,7 @@ def reader_main(argv: list[str]) -> int:
             except KsbError:
                 counts["lock_lost"] += 1
                 continue
-            fut.add_done_callback(functools.partial(applied, batch))
+            fut.add_done_callback(functools.partial(applied, batch, received))
             outstanding.add(fut)
         for fut in outstanding:
             with contextlib.suppress(Exception):
@@ -169,28 +180,31 @@ def _flush_every(
 
 
 # ----------------------------------------------------------------------------- the checks
-def _read(path: Path) -> list[tuple[int, int, int, int]]:
+Row = tuple[int, int, int, int, int]
+"""One applied message: dialog, seq, sent, RECEIVE returned, outcome (monotonic ns)."""
+
+
+def _read(path: Path) -> list[Row]:
     if not path.exists():
         return []
     rows = []
     for line in path.read_text().splitlines():
         parts = line.split()
-        if len(parts) == 4:  # a line cut by a reader still writing is read next time
-            d, s, sent, at = (int(p) for p in parts)
-            rows.append((d, s, sent, at))
+        if len(parts) == 5:  # a line cut by a reader still writing is read next time
+            d, s, sent, received, at = (int(p) for p in parts)
+            rows.append((d, s, sent, received, at))
     return rows
 
 
-def check_deliveries(
-    rows: list[tuple[int, int, int, int]], dialogs: int, per_dialog: int
-) -> list[str]:
-    """What is wrong with the deliveries of a run (`rows`: dialog, seq, sent, outcome time):
-    a message twice, one missing, or a dialog's messages applied out of order."""
+def check_deliveries(rows: list[Row], dialogs: int, per_dialog: int) -> list[str]:
+    """What is wrong with the deliveries of a run (`rows`, as `Row`): a message twice, one
+    missing, or a dialog's messages RECEIVEd out of order (a RECEIVE returns a group's messages
+    in order, and the group's next holder's RECEIVE returns after it)."""
     problems: list[str] = []
     by_dialog: dict[int, list[tuple[int, int]]] = {}
-    for d, s, _sent, at in rows:
+    for d, s, _sent, received, _at in rows:
         if d < WARM:
-            by_dialog.setdefault(d, []).append((at, s))
+            by_dialog.setdefault(d, []).append((received, s))
     for d in range(dialogs):
         got = sorted(by_dialog.get(d, []))
         seqs = [s for _at, s in got]
@@ -199,7 +213,7 @@ def check_deliveries(
             what = f"{extra} twice" if extra else f"{per_dialog - len(set(seqs))} missing"
             problems.append(f"dialog {d}: {len(seqs)} messages of {per_dialog} ({what})")
         elif seqs != list(range(per_dialog)):
-            problems.append(f"dialog {d}: applied out of order")
+            problems.append(f"dialog {d}: received out of order")
         if len(problems) >= 20:
             break
     return problems
@@ -220,9 +234,7 @@ def _start_reader(settings: Deployment, out: Path, log_path: Path, window: int) 
     return reader
 
 
-def _wait_rows(
-    outs: list[Path], count: int, timeout_s: float, what: str
-) -> list[tuple[int, int, int, int]]:
+def _wait_rows(outs: list[Path], count: int, timeout_s: float, what: str) -> list[Row]:
     deadline = time.monotonic() + timeout_s
     while True:
         rows = [r for path in outs for r in _read(path)]
@@ -288,7 +300,7 @@ def _one_run(
                 r.stop()
     rows = [r for path in outs for r in _read(path)]
     measured = [r for r in rows if r[0] < WARM]
-    last = max((at for *_rest, at in measured), default=marks[0] if marks else 0)
+    last = max((r[4] for r in measured), default=marks[0] if marks else 0)
     seconds = (last - marks[0]) / 1e9 if marks else float("nan")
     spent = meter.spent_s
     per_msg = {
@@ -305,7 +317,7 @@ def _one_run(
     return {
         "processes": o.processes,
         "throughput": Rate(expected, seconds).as_json(),
-        "latency_loaded": summarize([at - sent for _d, _s, sent, at in measured]).as_json(),
+        "latency_loaded": summarize([r[4] - r[2] for r in measured]).as_json(),
         "cpu_s": spent,
         "cpu_ms_per_message": per_msg,
         "messages_per_reader": [sum(1 for r in _read(path) if r[0] < WARM) for path in outs],

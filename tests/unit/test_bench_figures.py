@@ -278,13 +278,21 @@ def test_an_acknowledgement_carries_the_send_time_the_tag_and_when_worker_2_read
     assert parse_ack(b"00000000000000001234 7:3 5678") == (1234, "7:3", 5678)
 
 
-def test_every_message_once_and_each_dialogs_in_the_order_of_their_outcomes() -> None:
-    rows = [(0, 0, 1, 10), (0, 1, 2, 20), (1, 0, 1, 15), (1, 1, 2, 25), (WARM, 0, 0, 5)]
+def test_every_message_once_and_each_dialogs_in_the_order_its_receives_returned() -> None:
+    # (dialog, seq, sent, RECEIVE returned, outcome)
+    rows = [
+        (0, 0, 1, 10, 30),
+        (0, 1, 2, 20, 25),  # the next holder's outcome came first: in order all the same
+        (1, 0, 1, 15, 16),
+        (1, 1, 2, 25, 26),
+        (WARM, 0, 0, 5, 6),
+    ]
     assert check_deliveries(rows, dialogs=2, per_dialog=2) == []
-    assert check_deliveries([*rows, (1, 1, 2, 30)], 2, 2) == ["dialog 1: 3 messages of 2 (1 twice)"]
+    twice = [*rows, (1, 1, 2, 31, 32)]
+    assert check_deliveries(twice, 2, 2) == ["dialog 1: 3 messages of 2 (1 twice)"]
     assert check_deliveries(rows[1:], 2, 2) == ["dialog 0: 1 messages of 2 (1 missing)"]
-    swapped = [(0, 0, 1, 20), (0, 1, 2, 10), *rows[2:]]
-    assert check_deliveries(swapped, 2, 2) == ["dialog 0: applied out of order"]
+    swapped = [(0, 0, 1, 20, 30), (0, 1, 2, 10, 25), *rows[2:]]
+    assert check_deliveries(swapped, 2, 2) == ["dialog 0: received out of order"]
 
 
 def _backlog(messages: int, burst: int, per_s: float) -> dict[str, Any]:
