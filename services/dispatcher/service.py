@@ -37,7 +37,7 @@ from services.dispatcher.pipeline import Counts, Pipeline
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import AssignmentFailed
 from services.dispatcher.recovery import recover, rejoin
-from services.dispatcher.startup import Startup, permissions_of
+from services.dispatcher.startup import Startup, limits_of, permissions_of
 from services.dispatcher.watchdog import Watchdog
 
 __all__ = ["Dispatcher"]
@@ -128,6 +128,7 @@ class Dispatcher(Service):
             return
         engine.catalog = view
         engine.permissions = permissions_of(self.settings, view)
+        engine.queue_limits = limits_of(self.settings, view)
         self._queue_metrics.declare(view)
         self.startup.publish(self.broker.on_catalog(view.version, self.clock.now_ms()))
         log.info("catalog v%d applied", view.version)
@@ -142,7 +143,12 @@ class Dispatcher(Service):
             try:
                 p.apply_batch()
             except KafkaException as exc:
-                if not recover(p, exc, rebuilt=lambda: self._rebuilt(p)):
+                if not recover(
+                    p,
+                    exc,
+                    rebuilt=lambda: self._rebuilt(p),
+                    limits_changed=lambda: self._limits_changed(p),
+                ):
                     self._start_over()
         except AssignmentFailed as exc:
             log.warning("%s; rejoining the group", exc)
@@ -191,6 +197,13 @@ class Dispatcher(Service):
         """Owned shards were rebuilt after a failed transaction: subscribers hear the catalog
         version the rebuilt state runs."""
         self.startup.publish(self.broker.on_catalog(p.engine.catalog.version, self.clock.now_ms()))
+
+    def _limits_changed(self, p: Pipeline) -> bool:
+        """Read the queue topics' size limits again (a lowered one makes Kafka refuse a
+        transaction); whether they changed."""
+        before = p.engine.queue_limits
+        p.engine.queue_limits = limits_of(self.settings, p.engine.catalog)
+        return p.engine.queue_limits != before
 
     def _start_over(self) -> None:
         """A new producer and consumer, and every owned shard rebuilt (`try_start`)."""

@@ -49,10 +49,11 @@ from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import ShardKeeper, coordinator_shards
 from services.dispatcher.rebuild import LOADER_CONF
 from services.dispatcher.routing import Router
+from services.dispatcher.topic_limits import queue_limits
 from services.dispatcher.watchdog import Watchdog
 from services.dispatcher.writer import OutputWriter
 
-__all__ = ["START_TIMEOUT_S", "Startup", "permissions_of"]
+__all__ = ["START_TIMEOUT_S", "Startup", "limits_of", "permissions_of"]
 
 START_TIMEOUT_S = 10.0
 """How long one start attempt waits for Kafka's metadata before it counts as failed."""
@@ -63,6 +64,19 @@ log = logging.getLogger("ksb.dispatcher")
 def permissions_of(settings: DispatcherSettings, view: CatalogView) -> Permissions:
     """Who may do what under a catalog version (`ksb.dialog.permissions`)."""
     return Permissions.of(view.catalog, settings.instance, settings.owner_names)
+
+
+def limits_of(
+    settings: DispatcherSettings, view: CatalogView, admin: AdminClient | None = None
+) -> dict[str, int]:
+    """The longest body each of the catalog's queues takes (`topic_limits`)."""
+    return queue_limits(
+        admin or kafka.admin(settings),
+        Names(settings.instance),
+        view.catalog,
+        headroom=settings.record_headroom_bytes,
+        timeout_s=START_TIMEOUT_S,
+    )
 
 
 class Startup:
@@ -161,6 +175,7 @@ class Startup:
             ownership=Ownership(shards, owned=()),
         )
         engine.permissions = permissions_of(s, view)
+        engine.queue_limits = limits_of(s, view, admin)
         engine.leases = read_lease_key(s.lease_key_file)
         engine.depth_every_ms = s.depth_every_ms
         held = coordinator_shards(

@@ -306,6 +306,10 @@ class DispatcherSettings(ServiceSettings, AuthoritySettings):
     """The message bytes one request may put in queues and transmissions: a SEND on many
     conversations, or a commit's SENDs, is refused past it (``request_too_large``), so no request
     makes a transaction of any size."""
+    record_headroom_bytes: int = Field(16_384, ge=0)
+    """Room kept in a queue topic's record size limit for the record around a body (its
+    envelope, headers, batch overhead): a body longer than the limit less this is refused at
+    SEND (`services.dispatcher.topic_limits`)."""
     txn_timeout_ms: int = Field(4_000, ge=1000)
     """Kafka aborts a transaction open this long. Kept under the consumer group's session timeout
     (6 s in the local stack, Kafka's default 45 s), as Kafka Streams keeps its own: a member that

@@ -1,13 +1,21 @@
-"""One record Kafka will not take, amid ten thousand it will: set aside, the rest delivered.
+"""One record Kafka will not take, amid ten thousand it will: refused, the rest delivered.
 
-The target queue's topic takes records of at most 256 KiB (a cluster's default limit, or an
-operator's setting, below KSB's own body limit of 1 MiB), and an application SENDs a 700 KB body
-(random, so compression does not shrink it under the limit) to it while a flow of 10,000 small
-messages is being delivered and received. Before poison
-isolation the dispatcher's transaction failed, was redone from Kafka and failed again, forever,
-and nothing else was delivered. Now the batch is redone one record per transaction, the SEND
-whose transaction fails alone is refused with an error record to its sender (keyed by its request
-id) and skipped, and every other message arrives exactly once, in order.
+The target queue's topic takes records of at most 256 KiB (an operator's setting, below KSB's own
+body limit of 1 MiB), lowered after the dispatcher started, and an application SENDs a 700 KB
+body (random, so compression does not shrink it under the limit) to it while a flow of 10,000
+small messages is being delivered and received. Before poison isolation the dispatcher's
+transaction failed, was redone from Kafka and failed again, forever, and nothing else was
+delivered. Now:
+
+- the dispatcher reads the queue topics' limits again after the failed transaction, and the redo
+  refuses the SEND (``request_too_large``) before its transaction, as it would have from the start
+  had the limit been lowered before (`services.dispatcher.topic_limits`);
+- where it cannot read them (its principal lacks DescribeConfigs on the topic, say), the record
+  Kafka keeps refusing is found, refused (``poison_record``) and skipped
+  (`services.dispatcher.isolation`).
+
+Either way the SEND's sender gets an error record keyed by its request id, and every other
+message arrives exactly once, in order.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from ksb.runtime import kafka
 from ksb.runtime.metrics import POISON_RECORDS
 from ksb.sdk.client import KsbClient
 from ksb.security.principals import ADMIN
+from services.dispatcher import service as dispatcher_service
 from tests.integration.conftest import ThreadDispatcher
 from tests.integration.support import Flow, wait_error
 
@@ -67,10 +76,24 @@ def roomy(settings: Deployment, catalog: Catalog) -> Iterator[Deployment]:
         d.stop()
 
 
+@pytest.mark.parametrize(
+    ("limits_known", "code", "reason"),
+    [
+        (True, "request_too_large", "topic takes bodies of at most"),
+        (False, "poison_record", "failed twice, alone"),
+    ],
+)
 def test_a_record_kafka_refuses_is_refused_and_the_others_are_delivered(
-    roomy: Deployment, client: KsbClient
+    roomy: Deployment,
+    client: KsbClient,
+    monkeypatch: pytest.MonkeyPatch,
+    limits_known: bool,
+    code: str,
+    reason: str,
 ) -> None:
     settings = roomy
+    if not limits_known:  # as if the cluster denied the dispatcher DescribeConfigs
+        monkeypatch.setattr(dispatcher_service, "limits_of", lambda *a, **kw: {})
     _limit_topic(settings, Names(settings.instance).queue("TargetQueue"), TOPIC_LIMIT)
     refused_before = POISON_RECORDS.labels("refused")._value.get()
     flow = Flow(settings, client, dialogs=DIALOGS, per_dialog=PER_DIALOG, max_outstanding=16)
@@ -96,15 +119,17 @@ def test_a_record_kafka_refuses_is_refused_and_the_others_are_delivered(
             pad = base64.b64encode(os.urandom(520 * 1024)).decode()  # ~700 KB, incompressible
             poisoner.send(handle, "//t/Request", json.dumps({"pad": pad}))
             poisoner.flush()
-        err = wait_error(settings, lambda r: r.get("code") == "poison_record", timeout_s=120)
-        assert "failed twice, alone" in err["reason"] and err["request_id"], err
-        assert err["source_topic"] == Names(settings.instance).requests_for(settings.sender)
+        err = wait_error(settings, lambda r: r.get("code") == code, timeout_s=120)
+        assert reason in err["reason"] and err["request_id"], err
+        if not limits_known:
+            assert err["source_topic"] == Names(settings.instance).requests_for(settings.sender)
         flow.wait_received(DIALOGS * PER_DIALOG, timeout_s=600)
     finally:
         stop.set()
         flow.close()
     flow.check_exactly_once_in_order()
-    assert POISON_RECORDS.labels("refused")._value.get() == refused_before + 1
-    print(f"longest pause in deliveries around the poison record: {longest_pause_s[0]:.2f} s")
+    poisoned = 0 if limits_known else 1
+    assert POISON_RECORDS.labels("refused")._value.get() == refused_before + poisoned
+    print(f"longest pause in deliveries around the record ({code}): {longest_pause_s[0]:.2f} s")
     # Deliveries went on: not a figure of speed, only that nothing stood still for long.
     assert longest_pause_s[0] < 30

@@ -170,6 +170,21 @@ def test_send_refusals(engine: Engine, mtype: str, body: str, code: str) -> None
     assert not messages(out)
 
 
+def test_a_message_past_its_queue_topics_limit_is_refused_before_its_transaction(
+    engine: Engine,
+) -> None:
+    """Kafka would refuse the record and fail the whole transaction (`topic_limits`): the SEND
+    is refused instead, nothing staged, and the dialog goes on."""
+    begin(engine, 0)
+    engine.queue_limits = {"TQ": 40}
+    out = send(engine, 0, "h1", body=json.dumps({"x": "y" * 40}))
+    assert [(e.code, "queue 'TQ'" in e.reason) for e in out.errors] == [("request_too_large", True)]
+    assert not messages(out)
+    assert len(messages(send(engine, 0, "h1", body=json.dumps({"x": "y" * 30})))) == 1
+    engine.queue_limits = {"IQ": 0}  # other queues' limits do not matter
+    assert len(messages(send(engine, 0, "h1", body="{}"))) == 1
+
+
 def test_validation_failure_errors_the_dialog(engine: Engine) -> None:
     begin(engine, 0)
     out = send(engine, 0, "h1", body="not json")

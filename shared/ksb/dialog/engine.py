@@ -83,6 +83,8 @@ class Engine:
         self.max_body_bytes = max_body_bytes
         self.max_output_bytes = max_output_bytes
         self.ownership = ownership or Ownership(1)
+        self.queue_limits: dict[str, int] = {}
+        """Queue -> the longest body its Kafka topic takes; the dispatcher reads them."""
         self.permissions: Permissions = OPEN
         """Who may act for which service and queue; the dispatcher sets the catalog's."""
         self.leases = LeaseSeal(None)
@@ -310,9 +312,20 @@ class Engine:
             )
 
     def _check_output(self, out: Outputs) -> None:
-        """Refuse a request whose messages come to more than `max_output_bytes`: each body is
-        within its limit, but a SEND on many conversations (or a commit of many SENDs) would
-        make one transaction of any size."""
+        """Refuse a request whose messages come to more than `max_output_bytes` (each body is
+        within its limit, but a SEND on many conversations, or a commit of many SENDs, would
+        make one transaction of any size), or with a message its queue's topic would refuse
+        (`queue_limits`: Kafka's refusal would fail the whole transaction)."""
+        for w in out.queue:
+            limit = self.queue_limits.get(w.queue)
+            if limit is None or not isinstance(w.value, QueueMessage):
+                continue
+            if _body_size(w.value) > limit:
+                raise ConversationError(
+                    f"message body is {_body_size(w.value)} bytes; queue {w.queue!r}'s topic "
+                    f"takes bodies of at most {limit}",
+                    code="request_too_large",
+                )
         if self.max_output_bytes is None:
             return
         size = sum(_body_size(w.value) for w in out.queue if isinstance(w.value, QueueMessage))

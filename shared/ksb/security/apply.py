@@ -85,6 +85,7 @@ _OPERATIONS = {
     Operation.DESCRIBE: AclOperation.DESCRIBE,
     Operation.CREATE: AclOperation.CREATE,
     Operation.IDEMPOTENT_WRITE: AclOperation.IDEMPOTENT_WRITE,
+    Operation.DESCRIBE_CONFIGS: AclOperation.DESCRIBE_CONFIGS,
 }
 
 

@@ -67,6 +67,7 @@ class Operation(str, Enum):
     DESCRIBE = "DESCRIBE"
     CREATE = "CREATE"
     IDEMPOTENT_WRITE = "IDEMPOTENT_WRITE"
+    DESCRIBE_CONFIGS = "DESCRIBE_CONFIGS"
 
 
 @dataclass(frozen=True, order=True)
@@ -140,6 +141,9 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         yield from (
             _acl(p, R, f"{n.prefix}.queue.", prefixed=True),
             _acl(p, W, f"{n.prefix}.queue.", prefixed=True),
+            # Each queue topic's record size limit, so that a message past it is refused
+            # before its transaction (`services.dispatcher.topic_limits`).
+            _acl(p, Operation.DESCRIBE_CONFIGS, f"{n.prefix}.queue.", prefixed=True),
         )
         yield _acl(p, W, f"{n.prefix}.dlq.", prefixed=True)
         yield _acl(p, W, f"{n.prefix}.errors.", prefixed=True)
