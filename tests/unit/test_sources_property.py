@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from ksb.catalog.model import CatalogView, parse_catalog
 from ksb.dialog import engine as engine_module
+from ksb.dialog import receipts
 from ksb.dialog.engine import Engine
 from ksb.dialog.sources import KINDS, Source
 from ksb.wire.protocol import (
@@ -103,7 +104,7 @@ def spied() -> Any:
         patch.setattr(Engine, name, lambda self, *a, _n=name, **kw: reached.append(_n))
     for name in MODULE_RULES:
         patch.setattr(engine_module, name, lambda *a, _n=name, **kw: reached.append(_n))
-    patch.setattr(engine_module.receipts, "fence", lambda *a, **kw: reached.append("fence"))
+    patch.setattr(receipts, "fence", lambda *a, **kw: reached.append("fence"))
     yield reached
     patch.undo()
 
