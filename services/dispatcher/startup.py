@@ -41,6 +41,7 @@ from ksb.runtime.task_handlers import TaskHandlers
 from ksb.security.leases import read_lease_key
 from ksb.settings import DispatcherSettings
 from ksb.wire.protocol import BrokerNotification
+from services.dispatcher.dead_letter_reader import DeadLetterReader
 from services.dispatcher.isolation import Isolation
 from services.dispatcher.journal import TXN_PRODUCER, JournaledProducer
 from services.dispatcher.notifications import BcnPublisher, KafkaProbe
@@ -176,6 +177,11 @@ class Startup:
         )
         engine.permissions = permissions_of(s, view)
         engine.queue_limits = limits_of(s, view, admin)
+        engine.read_dead_letter = DeadLetterReader(
+            self.names,
+            lambda: kafka.consumer(s, **LOADER_CONF),
+            timeout_s=s.replay_read_timeout_ms / 1000,
+        ).read
         engine.leases = read_lease_key(s.lease_key_file)
         engine.depth_every_ms = s.depth_every_ms
         held = coordinator_shards(

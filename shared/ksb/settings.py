@@ -306,6 +306,9 @@ class DispatcherSettings(ServiceSettings, AuthoritySettings):
     """The message bytes one request may put in queues and transmissions: a SEND on many
     conversations, or a commit's SENDs, is refused past it (``request_too_large``), so no request
     makes a transaction of any size."""
+    replay_read_timeout_ms: int = Field(5_000, ge=100)
+    """How long a replay waits at most for its dead letter to be read from the dead-letter
+    topic (`services.dispatcher.dead_letter_reader`) before it is refused."""
     record_headroom_bytes: int = Field(16_384, ge=0)
     """Room kept in a queue topic's record size limit for the record around a body (its
     envelope, headers, batch overhead): a body longer than the limit less this is refused at

@@ -26,6 +26,7 @@ from ksb.wire.protocol import (
     InboundMessage,
     QueueMessage,
     Receipt,
+    ReplayRequest,
     SendRequest,
     TimerRequest,
 )
@@ -210,6 +211,34 @@ def test_a_dead_letter_needs_receive_on_the_queue(engine: Engine) -> None:
     assert [e.code for e in out.errors] == ["not_authorized"] and not out.dead_letters
     done = engine.handle(DeadLetterRequest(message=msg, reason="bad"), 3, principal="tom")
     assert not done.errors and len(done.dead_letters) == 1
+
+
+def test_a_replay_puts_back_the_stored_dead_letter_and_nothing_the_client_claims(
+    engine: Engine,
+) -> None:
+    """Issue 38 §4: a replay names a dead letter (queue, id, offset); the message enqueued is
+    the one read from the dead-letter topic. A made-up id, an offset holding another message
+    or nothing, and a message of another queue are refused; the right one comes back once."""
+    assert not _begin(engine, "alice").errors
+    [msg] = _messages(engine.handle(SendRequest(handles=("h",), body="x"), 1, principal="alice"))
+    dead = engine.handle(DeadLetterRequest(message=msg, reason="bad"), 2, principal="tom")
+    [stored] = dead.dead_letters
+    dlq = {("TQ", 7): stored}
+    engine.read_dead_letter = lambda queue, offset: dlq.get((queue, offset))
+
+    def replay(mid: str, offset: int, queue: str = "TQ") -> Outputs:
+        req = ReplayRequest(queue=queue, message_id=mid, offset=offset)
+        return engine.handle(req, 3, principal="boss", source=Source.OPERATOR)
+
+    for forged in (
+        replay("made-up", 7),
+        replay(msg.message_id, 8),
+        replay(msg.message_id, 7, "IQ"),
+    ):
+        assert [e.code for e in forged.errors] == ["not_dead_lettered"] and not forged.queue
+    back = _messages(replay(msg.message_id, 7))
+    assert [(m.message_id, m.message_body) for m in back] == [(msg.message_id, msg.message_body)]
+    assert [e.code for e in replay(msg.message_id, 7).errors] == ["duplicate_message"]
 
 
 def test_a_relayed_action_is_checked_for_the_principal_that_committed_it(engine: Engine) -> None:

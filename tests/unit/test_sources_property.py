@@ -67,7 +67,7 @@ SAMPLES: dict[str, AnyRequest] = {
     "commit": CommitRequest(),
     "dead_letter": DeadLetterRequest(message=MESSAGE, reason="r"),
     "fence": FenceRequest(queue="TQ", group="g", below=1),
-    "replay": ReplayRequest(message=MESSAGE),
+    "replay": ReplayRequest(queue="TQ", message_id=MESSAGE.message_id, offset=0),
     "inbound": InboundMessage(
         message_id="m",
         conversation_id="c",

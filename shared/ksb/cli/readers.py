@@ -177,15 +177,17 @@ def read_forwarded(settings: KsbSettings) -> list[dict[str, Any]]:
     return rows
 
 
-def read_dead_letters(settings: KsbSettings, queue: str) -> list[DeadLetterRecord]:
+def read_dead_letters(settings: KsbSettings, queue: str) -> list[tuple[int, DeadLetterRecord]]:
+    """Each message of `queue`'s dead-letter topic, its latest record and that record's
+    offset (a replay names it: the dispatcher reads the message back from there)."""
     CatalogView(load_catalog(settings)).queue(queue)
-    out: dict[str, DeadLetterRecord] = {}
+    out: dict[str, tuple[int, DeadLetterRecord]] = {}
 
     def keep(m: Message) -> None:
         value = m.value()
         if value is not None:
             record = parse_record(DeadLetterRecord, value, "dead-letter record")
-            out[record.message.message_id] = record
+            out[record.message.message_id] = (m.offset() or 0, record)
 
     read_topic(settings, Names(settings.instance).dead_letters(queue), keep)
     return list(out.values())

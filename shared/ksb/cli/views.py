@@ -221,7 +221,7 @@ def dlq_list(
     as_json: Annotated[bool, typer.Option("--json", help="records as JSON")] = False,
 ) -> None:
     """Messages a queue's dead-letter policy moved aside, with the reason."""
-    records = read_dead_letters(cli_settings(), queue)
+    records = [r for _, r in read_dead_letters(cli_settings(), queue)]
     if as_json:
         echo_json([to_dict(r) for r in records])
         return
@@ -249,11 +249,11 @@ def dlq_replay(
     """Put dead letters back into their queue, ready to RECEIVE again."""
     settings = cli_settings()
     records = read_dead_letters(settings, queue)
-    chosen = [r for r in records if not message_id or r.message.message_id in message_id]
+    chosen = [r for r in records if not message_id or r[1].message.message_id in message_id]
     p = kafka.producer(settings)
     topic = Names(settings.instance).requests_for(settings.sender)
-    for r in chosen:
-        req = ReplayRequest(message=r.message)
+    for offset, r in chosen:
+        req = ReplayRequest(queue=queue, message_id=r.message.message_id, offset=offset)
         p.produce(topic, key=r.message.conversation_group_id.encode(), value=dumps(req))
     if p.flush(30) != 0:
         raise KsbError("replay requests were not acknowledged by Kafka")

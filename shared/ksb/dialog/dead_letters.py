@@ -64,8 +64,23 @@ def dead_letter(state: DialogState, stage: Stage, req: DeadLetterRequest, now: i
 
 
 def replay(state: DialogState, stage: Stage, req: ReplayRequest) -> None:
-    m = req.message
-    state.permissions.check_receive(stage.principal, m.queue, "replay a dead letter")
+    """Put back the dead letter the request points at, as stored: a message no dead-letter
+    topic holds is never enqueued, whatever the client claims."""
+    state.permissions.check_receive(stage.principal, req.queue, "replay a dead letter")
+    stored = state.dead_letter_at(req.queue, req.offset)
+    if stored is None or stored.message.message_id != req.message_id:
+        raise ConversationError(
+            f"queue {req.queue!r}'s dead-letter topic holds no message {req.message_id} at "
+            f"offset {req.offset}",
+            code="not_dead_lettered",
+        )
+    m = stored.message
+    if m.queue != req.queue or not state.ownership.owns(m.conversation_group_id):
+        raise ConversationError(
+            f"the dead letter {m.message_id} belongs to queue {m.queue!r}, group "
+            f"{m.conversation_group_id}: send its replay keyed by its group",
+            code="wrong_group",
+        )
     if m.message_id in state.waiting:
         raise ConversationError(
             f"message {m.message_id} is already in its queue", code="duplicate_message"

@@ -45,6 +45,7 @@ from ksb.wire.protocol import (
     AnyRequest,
     BeginRequest,
     CommitRequest,
+    DeadLetterRecord,
     DeadLetterRequest,
     EndRequest,
     ErrorRecord,
@@ -83,6 +84,9 @@ class Engine:
         self.max_body_bytes = max_body_bytes
         self.max_output_bytes = max_output_bytes
         self.ownership = ownership or Ownership(1)
+        self.read_dead_letter: Callable[[str, int], DeadLetterRecord | None] = _no_dead_letters
+        """Reads a queue's dead-letter topic at an offset (what a replay puts back); the
+        dispatcher sets its reader (`services.dispatcher.dead_letter_reader`)."""
         self.queue_limits: dict[str, int] = {}
         """Queue -> the longest body its Kafka topic takes; the dispatcher reads them."""
         self.permissions: Permissions = OPEN
@@ -424,6 +428,9 @@ class Engine:
     def last_order(self) -> int:
         return self._order
 
+    def dead_letter_at(self, queue: str, offset: int) -> DeadLetterRecord | None:
+        return self.read_dead_letter(queue, offset)
+
     # ------------------------------------------------------------------ timers and housekeeping
     def next_deadline_ms(self) -> int | None:
         """When the next timer fires, or changed queue depths are due for writing."""
@@ -490,9 +497,9 @@ class Engine:
 
 
 def _request_handle(request: AnyRequest) -> str | None:
-    if isinstance(request, DeadLetterRequest | ReplayRequest):
+    if isinstance(request, DeadLetterRequest):
         return request.message.conversation_handle
-    if isinstance(request, InboundMessage | FenceRequest):
+    if isinstance(request, InboundMessage | FenceRequest | ReplayRequest):
         return None
     if isinstance(request, SendRequest):
         return request.handles[0]
@@ -513,6 +520,10 @@ def _claimed_request_id(raw: bytes | None) -> str | None:
         return None
     request_id = value.get("request_id") if isinstance(value, dict) else None
     return request_id if isinstance(request_id, str) else None
+
+
+def _no_dead_letters(queue: str, offset: int) -> DeadLetterRecord | None:
+    return None
 
 
 def _body_size(m: QueueMessage | InboundMessage) -> int:

@@ -21,7 +21,7 @@ from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.shards import Ownership
 from ksb.security.leases import LeaseSeal
 from ksb.wire.endpoint import Endpoint
-from ksb.wire.protocol import InboundMessage
+from ksb.wire.protocol import DeadLetterRecord, InboundMessage
 
 __all__ = ["DialogState", "WaitingMessages"]
 
@@ -104,4 +104,9 @@ class DialogState(Protocol):
 
     def last_order(self) -> int:
         """The newest enqueue order handed out (the stage counts on from it)."""
+        ...
+
+    def dead_letter_at(self, queue: str, offset: int) -> DeadLetterRecord | None:
+        """The record stored at `offset` of `queue`'s dead-letter topic (None: none there, or
+        it could not be read): what a replay puts back."""
         ...

@@ -5,7 +5,7 @@ transactional ids it uses, read off the services (`ksb.names` has every name):
 
 | role | reads | writes | groups, transactional ids |
 |---|---|---|---|
-| dispatcher | requests (all), relay, inbound (all), endpoints, catalog, queues | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own; far peers' mailboxes) | group and txn id ``ksb.<i>.dispatcher*`` |
+| dispatcher | requests (all), relay, inbound (all), endpoints, catalog, queues, dead letters (a replay's) | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own; far peers' mailboxes) | group and txn id ``ksb.<i>.dispatcher*`` |
 | transmitter | transmission, acks, links, catalog | outbound, audit | — |
 | transport | outbound, catalog | links, audit, acks (relayed), ``inbound.<i>`` (its own, and, granted by their plans, ``inbound.<i>`` of its next hops) | group ``ksb.<i>.transport`` |
 | forwarder | inbound (all), catalog | ``inbound.<i>`` of its next hops and peers' acks (granted by their plans) | — |
@@ -145,7 +145,11 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
             # before its transaction (`services.dispatcher.topic_limits`).
             _acl(p, Operation.DESCRIBE_CONFIGS, f"{n.prefix}.queue.", prefixed=True),
         )
-        yield _acl(p, W, f"{n.prefix}.dlq.", prefixed=True)
+        # Dead letters: written when a reader gives a message up, read back for a replay.
+        yield from (
+            _acl(p, W, f"{n.prefix}.dlq.", prefixed=True),
+            _acl(p, R, f"{n.prefix}.dlq.", prefixed=True),
+        )
         yield _acl(p, W, f"{n.prefix}.errors.", prefixed=True)
         for t in (n.endpoints, n.depth, n.errors, n.transmission, n.relay, n.audit, n.bcn, n.acks):
             yield _acl(p, W, t)

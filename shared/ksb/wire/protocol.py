@@ -267,9 +267,13 @@ class FenceRequest(Wire, tag="fence"):
 
 
 class ReplayRequest(Wire, tag="replay"):
-    """Put a dead letter back into its queue, ready to RECEIVE again."""
+    """Put a dead letter back into its queue, ready to RECEIVE again: the one stored at `offset`
+    of the queue's dead-letter topic, under `message_id`. The dispatcher reads the message from
+    there; nothing of it is the client's word."""
 
-    message: QueueMessage
+    queue: Name
+    message_id: str
+    offset: NonNegative
     request_id: str = msgspec.field(default_factory=new_id)
 
 
