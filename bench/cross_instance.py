@@ -7,7 +7,7 @@ Three broker instances on the suite's one Kafka cluster, each with its own topic
   i.e. the same cluster); **B** (``<i>xb``) hosts the target service and its queue.
 
 A message from A to B goes: dispatcher A -> ``ksb.A.transmission`` -> transmitter A ->
-``ksb.A.outbound`` -> transport A -> ``ksb.B.inbound`` -> dispatcher B (which acknowledges to ``ksb.A.acks`` in its transaction) ->
+``ksb.A.outbound`` -> transport A -> ``ksb.B.inbound.A`` -> dispatcher B (which acknowledges to ``ksb.A.acks`` in its transaction) ->
 B's queue topic -> RECEIVE + commit on B. Both paths are measured by the same code as the suite's
 KSB figures (`bench.e2e`: the sender BEGINs every dialog and SENDs round-robin, receiver threads
 keep ``window`` commits in flight, a message counts when its commit is applied, per-dialog order and
