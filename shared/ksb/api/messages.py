@@ -14,22 +14,28 @@ from ksb.wire.protocol import QueueMessage, encode_body
 __all__ = ["from_api", "to_api"]
 
 
+_COLUMNS = (
+    "message_id",
+    "queue",
+    "status",
+    "priority",
+    "queuing_order",
+    "conversation_group_id",
+    "conversation_handle",
+    "conversation_id",
+    "message_sequence_number",
+    "service_name",
+    "service_contract_name",
+    "message_type_name",
+    "validation",
+    "enqueued_ms",
+)
+"""The columns both forms carry as they are (the body and the send time differ in form)."""
+
+
 def to_api(m: QueueMessage) -> pb.Message:
     return pb.Message(
-        message_id=m.message_id,
-        queue=m.queue,
-        status=m.status,
-        priority=m.priority,
-        queuing_order=m.queuing_order,
-        conversation_group_id=m.conversation_group_id,
-        conversation_handle=m.conversation_handle,
-        conversation_id=m.conversation_id,
-        message_sequence_number=m.message_sequence_number,
-        service_name=m.service_name,
-        service_contract_name=m.service_contract_name,
-        message_type_name=m.message_type_name,
-        validation=m.validation,
-        enqueued_ms=m.enqueued_ms,
+        **{c: getattr(m, c) for c in _COLUMNS},
         message_body=m.message_body,
         sent_ms=m.sent_ms or 0,
     )
@@ -38,20 +44,7 @@ def to_api(m: QueueMessage) -> pb.Message:
 def from_api(m: pb.Message) -> QueueMessage:
     text, b64 = encode_body(m.message_body)
     return QueueMessage(
-        message_id=m.message_id,
-        queue=m.queue,
-        status=m.status,
-        priority=m.priority,
-        queuing_order=m.queuing_order,
-        conversation_group_id=m.conversation_group_id,
-        conversation_handle=m.conversation_handle,
-        conversation_id=m.conversation_id,
-        message_sequence_number=m.message_sequence_number,
-        service_name=m.service_name,
-        service_contract_name=m.service_contract_name,
-        message_type_name=m.message_type_name,
-        validation=m.validation,
-        enqueued_ms=m.enqueued_ms,
+        **{c: getattr(m, c) for c in _COLUMNS},
         body=text,
         body_b64=b64,
         sent_ms=m.sent_ms or None,
