@@ -35,9 +35,11 @@ from faust.types import TP
 from mode.types.signals import BaseSignalT
 
 from ksb.activation.external import ActivationPlanner, StartDecision
+from ksb.activation.host import confined_argv, task_settings
 from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
 from ksb.names import Names
+from ksb.runtime import confinement
 from ksb.runtime.credentials import kafka_login
 from ksb.runtime.metrics import HEALTHY
 from ksb.settings import ClientSettings, ExternalActivatorSettings, settings_env
@@ -81,6 +83,10 @@ class ReaderSupervisor:
         self.peak: dict[str, int] = dict.fromkeys(planner.queues, 0)
         self._closing = False
         self._closed = False
+        secured = settings.kafka_security_protocol != "PLAINTEXT"
+        self._confine = secured and confinement.available()
+        if secured and not self._confine:
+            log.warning("this kernel has no Landlock: reader commands are not confined")
 
     # ----------------------------------------------------------------- events and the timer
     def handle(self, raw: bytes | str) -> None:
@@ -122,12 +128,19 @@ class ReaderSupervisor:
     def _start(self, queue: str) -> None:
         spec = self.planner.readers(queue)
         task_id = f"{queue}-ext-{uuid.uuid4().hex[:8]}"
-        # The command gets the instance's KSB_* settings (so `python -m ksb.activation.activated` and KsbClient
-        # find Kafka and Redis) plus which queue and task it is, as internal activation does.
-        reader = self.settings.narrow(ClientSettings)
+        # The command gets the instance's KSB_* settings (so `python -m ksb.activation.activated`
+        # and KsbClient find Kafka and the queue service), logged in as its own principal and
+        # with none of the activator's secrets, plus which queue and task it is, as internal
+        # activation does.
+        config = self.planner.config
+        login = config.logins.get(spec.execute_as) if spec.execute_as else None
+        reader = task_settings(self.settings, ClientSettings, spec.execute_as, login)
         env = settings_env(reader, ACTIVATED_QUEUE=queue, ACTIVATED_TASK_ID=task_id)
+        argv = ["/bin/sh", "-c", spec.command]  # the host's own command line (its config file)
+        if self._confine:
+            argv = confined_argv(argv, self.settings, config.secret_files(), reader)
         # Its own session: stopping it signals the whole group, the shell and what it started.
-        proc = subprocess.Popen(spec.command, shell=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
         self.readers[queue].append(_Reader(task_id, proc))
         self.started[queue] += 1
         n = len(self.readers[queue])
