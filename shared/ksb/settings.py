@@ -421,7 +421,7 @@ class ActivationSettings(ServiceSettings, QueueClientSettings, TaskHeartbeatSett
     activation_retry_max_ms: int = Field(60_000, ge=1)
 
 
-class ExternalActivatorSettings(ServiceSettings, QueueClientSettings):
+class ExternalActivatorSettings(ServiceSettings, QueueClientSettings, TaskHeartbeatSettings):
     external_activator_config: str = ""
     """The YAML file of per-queue reader commands."""
     restart_initial_ms: int = Field(500, ge=1)

@@ -529,18 +529,21 @@ def test_redis_users_are_saved_to_its_acl_file(
     stack: Stack, settings: Deployment, alice: Deployment, flow: Flow
 ) -> None:
     """Redis reloads its users from its ACL file at a restart (``ACL LOAD`` does the same now):
-    the principals `ksb acl apply` made, and a rotated password, must be in it."""
+    the principals `ksb acl apply` made, and a rotated password, must be in it. (The owner's:
+    an application such as alice has no Redis user at all.)"""
     from ksb.runtime.credentials import CredentialStore
     from ksb.security.apply import rotate_password
 
-    rotate_password(stack.admin(), CredentialStore(stack.security.store.root), "alice")
+    rotate_password(
+        stack.admin(), CredentialStore(stack.security.store.root), settings.acting_principal
+    )
     admin = redis_client(stack.admin())
     try:
         admin.execute_command("ACL", "LOAD")  # type: ignore[no-untyped-call]
     finally:
         admin.close()
-    assert redis_client(alice).ping()  # the new password, read back from the file
-    assert redis_client(settings).ping()
+    assert redis_client(settings).ping()  # the new password, read back from the file
+    assert redis_client(settings.as_service(Role.QUEUE)).ping()
     flow.check()
 
 

@@ -31,6 +31,7 @@ from ksb.errors import (
     LockStoreUnavailable,
     NotAuthorized,
     QueueDisabled,
+    SecurityError,
 )
 from ksb.names import Names
 from ksb.runtime.redis_client import best_effort, redis_client
@@ -131,6 +132,18 @@ def run_task(
     return processed
 
 
+def _heartbeats(settings: ActivatedTaskSettings) -> redis.Redis | None:
+    """A Redis client for the task's heartbeats, or None when its principal has no Redis login
+    (the activation service that started it keeps its heartbeat then)."""
+    if settings.kafka_security_protocol != "PLAINTEXT" and not settings.redis_username:
+        return None
+    try:
+        return redis_client(settings)
+    except SecurityError as exc:
+        log.warning("no heartbeats of this task's own: %s", exc.reason)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s activated %(levelname)s %(message)s"
@@ -149,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task %s: %s", task_id, exc.reason)
         return EXIT_USAGE
     settings = ActivatedTaskSettings.from_env()
-    secured = settings.kafka_security_protocol != "PLAINTEXT"
-    heartbeats = redis_client(settings) if settings.redis_username or not secured else None
+    heartbeats = _heartbeats(settings)
     try:
         with KsbClient(settings) as client:
             n = run_task(client, heartbeats, queue, procedure, task_id, settings)

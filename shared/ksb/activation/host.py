@@ -176,6 +176,7 @@ def task_settings(
         "kafka_password_file": "",
         "redis_password_file": "",
         "redis_username": "",
+        "kafka_username": "",
         "principal": "",
     }
     if login is not None:

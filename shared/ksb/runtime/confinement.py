@@ -70,16 +70,26 @@ def readable_roots(
     denied: Iterable[Path],
     *,
     listdir: Callable[[Path], list[str]] = lambda p: os.listdir(p),
+    resolve: Callable[[Path], Path] = lambda p: Path(os.path.realpath(p)),
 ) -> list[Path]:
     """The paths beneath which everything may be read, so that nothing beneath `denied` may:
     beneath each directory on the way from ``/`` to a denied one, every other entry. `denied`
-    are absolute, resolved paths; a denied path inside another counts as the outer one."""
+    are absolute, resolved paths; a denied path inside another counts as the outer one.
+
+    An entry is a rule on what it resolves to: a symbolic link to a directory on the way, or
+    into a denied one (pytest's ``pytest-current``, a ``/var/run`` to ``/run``), would open the
+    whole of it, so such an entry is left out (what it leads to is covered entry by entry)."""
     blocked = sorted({Path(d) for d in denied}, key=lambda p: len(p.parts))
     kept: list[Path] = []
     for d in blocked:
         if not any(d == k or k in d.parents for k in kept):
             kept.append(d)
     on_the_way = {a for d in kept for a in d.parents}
+
+    def opens_a_way(path: Path) -> bool:
+        real = resolve(path)
+        return real in on_the_way or any(real == k or k in real.parents for k in kept)
+
     roots: list[Path] = []
     for directory in sorted(on_the_way, key=lambda p: (len(p.parts), str(p))):
         try:
@@ -88,7 +98,7 @@ def readable_roots(
             continue
         for name in sorted(entries):
             child = directory / name
-            if child in on_the_way or child in kept:
+            if child in on_the_way or child in kept or opens_a_way(child):
                 continue
             roots.append(child)
     return roots
