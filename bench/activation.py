@@ -37,13 +37,14 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
-from devtools.deployment import Deployment, process_settings, secure_instance
+from devtools.deployment import Deployment, owner_of, process_settings, secure_instance
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.credentials import write_private
 from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.principals import ADMIN
@@ -138,7 +139,8 @@ def _now_ms() -> int:
 HARNESS_LOGIN = "KSBBENCH_REDIS_ADMIN_PASSWORD_FILE"
 """The bench's own keys (``bench:``, outside KSB's namespace) are written with the harness's
 login, the stack's admin, handed to its processes in this variable; their KSB work stays their
-own principal's."""
+own principal's. The file is a copy the bench makes beside its logs: the tasks are confined to
+their own principal's secrets and could not read the one in the stack's store."""
 
 
 def _harness_redis(settings: KsbSettings) -> redis.Redis:
@@ -206,9 +208,13 @@ def _serve() -> None:
     ActivationService(settings, hooks=RecordingHooks(settings)).run(stop)
 
 
-def _harness_env(settings: Deployment) -> dict[str, str]:
+def _harness_env(settings: Deployment, log_dir: Path) -> dict[str, str]:
     admin = settings.as_principal(ADMIN)
-    return {HARNESS_LOGIN: admin.redis_password_file} if admin.redis_password_file else {}
+    if not admin.redis_password_file:
+        return {}
+    copy = log_dir / "harness-redis.password"
+    write_private(copy, Path(admin.redis_password_file).read_text())
+    return {HARNESS_LOGIN: str(copy)}
 
 
 def _start_recording_service(settings: Deployment, log_path: Path) -> ServiceProcess:
@@ -221,7 +227,7 @@ def _start_recording_service(settings: Deployment, log_path: Path) -> ServicePro
             cwd=REPO_ROOT,
             env=settings_env(
                 process_settings(settings, "services.activation"),
-                **_harness_env(settings),
+                **_harness_env(settings, log_path.parent),
             ),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -231,7 +237,9 @@ def _start_recording_service(settings: Deployment, log_path: Path) -> ServicePro
 
 
 # --------------------------------------------------------------------------- the run
-def activation_catalog(partitions: int) -> Catalog:
+def activation_catalog(partitions: int, execute_as: str) -> Catalog:
+    """The bench's catalog; its tasks log in as `execute_as` (the tools' activation host holds
+    the instance owner's login)."""
     return parse_catalog(
         {
             "message_types": [{"name": MESSAGE_TYPE, "validation": "NONE"}],
@@ -246,6 +254,7 @@ def activation_catalog(partitions: int) -> Catalog:
                     "activation": {
                         "status": "ON",
                         "procedure": "bench.activation:work",
+                        "execute_as": execute_as,
                         "max_queue_readers": MAX_QUEUE_READERS,
                     },
                 },
@@ -411,10 +420,13 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
 
 def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
-    settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}act"}))
+    instance = f"{base.instance}act"
+    catalog = activation_catalog(opts.partitions, owner_of(instance))
+    # The ACLs the catalog calls for (its tasks' principal writes their heartbeats), then it.
+    settings = secure_instance(base.model_copy(update={"instance": instance}), catalog)
     keys = _Keys(settings.instance)
     r = redis_client(settings.as_principal(ADMIN))  # the bench's keys and KSB's, read as admin
-    apply_catalog(settings, activation_catalog(opts.partitions))
+    apply_catalog(settings, catalog)
     procs: list[ServiceProcess] = []
     try:
         dispatcher = ServiceProcess("dispatcher", settings, log_dir / "act-dispatcher.log")

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -39,6 +40,7 @@ from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.credentials import CredentialStore
 from ksb.sdk.client import KsbClient
 from ksb.security.principals import ADMIN, BROKER, Role, service_principal
+from ksb.settings import DispatcherSettings
 from tests.conftest import Stack
 from tests.integration.conftest import BASIC_CATALOG
 
@@ -142,7 +144,7 @@ def test_the_controller_listener_takes_no_password_and_no_stranger(tls_stack: Lo
 def test_redis_speaks_tls_only_and_its_passwords_are_not_kafkas(tls_stack: LocalStack) -> None:
     sec = tls_stack.security
     host, port = tls_stack.redis_url.removeprefix("rediss://").split("/")[0].split(":")
-    admin = {"username": ADMIN, "password": sec.redis_password(ADMIN)}
+    admin: dict[str, Any] = {"username": ADMIN, "password": sec.redis_password(ADMIN)}
     with pytest.raises((redis.ConnectionError, redis.TimeoutError)):  # in clear: no answer
         redis.Redis(host=host, port=int(port), socket_timeout=5, **admin).ping()
     with pytest.raises(redis.ConnectionError, match="certificate verify failed"):
@@ -232,6 +234,7 @@ def test_a_service_the_runner_starts_reads_its_own_secret_and_no_other(
     name): such a process, compromised, looks for the other principals' secrets."""
     store = stack.security.store
     dispatcher = process_settings(settings, "services.dispatcher")
+    assert isinstance(dispatcher, DispatcherSettings)
     mine = [dispatcher.kafka_password_file, dispatcher.lease_key_file]
     others = [
         str(store.path(ADMIN)),
@@ -248,6 +251,9 @@ def test_a_service_the_runner_starts_reads_its_own_secret_and_no_other(
         settings.private_dirs.split(","),
     )
     out = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
-    seen = dict(reversed(line.split(" ", 1)) for line in out.splitlines())
+    seen: dict[str, str] = {}
+    for line in out.splitlines():
+        verdict, path = line.split(" ", 1)
+        seen[path] = verdict
     assert {p: seen[p] for p in mine} == dict.fromkeys(mine, "read")
     assert {p: seen[p] for p in others} == dict.fromkeys(others, "refused")
