@@ -124,7 +124,8 @@ def write_queue_status(settings: KsbSettings, status: QueueStatus) -> None:
 
 
 def apply_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
-    """Store ``catalog`` as the next version, written by this login, its queue topics first.
+    """Store ``catalog`` as the next version, written by this login, its queue topics first,
+    and the ``inbound.<writer>`` topic of every instance its routes go through.
 
     Topics come before the record so that no service ever sees a queue whose topic is missing.
     """
@@ -134,6 +135,8 @@ def apply_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
     try:
         kafka.ensure_topics(admin, [kafka.queue_topic(names, q) for q in catalog.queues])
         kafka.ensure_topics(admin, [kafka.dead_letter_topic(names, q) for q in catalog.queues])
+        carriers = {r.next_hop for r in catalog.routes if r.broker_instance != settings.instance}
+        kafka.ensure_topics(admin, kafka.inbound_topics(names, settings, carriers))
     except KafkaException as exc:
         if exc.args[0].code() != KafkaError.TOPIC_AUTHORIZATION_FAILED:
             raise
