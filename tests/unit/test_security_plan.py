@@ -267,7 +267,14 @@ def test_transactional_ids_and_groups_belong_to_their_service() -> None:
 def test_no_one_may_create_the_core_topics() -> None:
     plan = _plan(owners=["own"])
     creates = {a.name for a in plan.kafka_acls if a.operation is Operation.CREATE}
-    assert creates == {f"{N.prefix}.queue.", f"{N.prefix}.dlq.", N.external_activator_app}
+    # The catalog's writers create what a new version needs: its queues' topics, and the
+    # inbound topic of a new route's carrier (no one may write it without the peer's grant).
+    assert creates == {
+        f"{N.prefix}.queue.",
+        f"{N.prefix}.dlq.",
+        N.inbound_prefix,
+        N.external_activator_app,
+    }
 
 
 def test_the_activation_services_look_at_queues_through_the_queue_service() -> None:

@@ -14,7 +14,7 @@ transactional ids it uses, read off the services (`ksb.names` has every name):
 | external activator | activation | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
 | spark | audit, catalog | sla | group ``ksb.<i>.spark*`` |
 | operator | everything of the instance | requests | — |
-| owner | everything of the instance | catalog, queue status, requests; creates queue and dead-letter topics | — |
+| owner | everything of the instance | catalog, queue status, requests; creates queue, dead-letter and inbound topics | — |
 | application | its errors topic, depth | its requests topic | DESCRIBE group ``ksb.<i>.dispatcher`` (back-pressure reads its offsets) |
 
 Only ``admin`` and the owners write the catalog (`ksb.security.governance`): not the operator,
@@ -201,6 +201,8 @@ def _writer_acls(n: Names, p: str) -> Iterator[KafkaAcl]:
     yield from (_acl(p, W, n.catalog), _acl(p, W, n.queue_status))
     yield _acl(p, C, f"{n.prefix}.queue.", prefixed=True)
     yield _acl(p, C, f"{n.prefix}.dlq.", prefixed=True)
+    # A new route's carrier (`apply_catalog`); writing into it is the peer's plan's to grant.
+    yield _acl(p, C, n.inbound_prefix, prefixed=True)
 
 
 def _peer_acls(names: Names, peer: Peer) -> Iterator[KafkaAcl]:
