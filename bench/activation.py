@@ -39,13 +39,14 @@ from confluent_kafka import Message
 
 from bench.activation_task import HARNESS_LOGIN, WORK_MS, Keys, harness_redis, now_ms
 from bench.queues import DEFAULT_REPLICAS, running_queues
-from devtools.deployment import Deployment, process_settings, secure_instance
+from devtools.deployment import Deployment, owner_of, process_settings, secure_instance
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
+from ksb.runtime.credentials import write_private
 from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient
 from ksb.security.principals import ADMIN
@@ -119,9 +120,15 @@ def _serve() -> None:
     ActivationService(settings, hooks=RecordingHooks(settings)).run(stop)
 
 
-def _harness_env(settings: Deployment) -> dict[str, str]:
+def _harness_env(settings: Deployment, log_dir: Path) -> dict[str, str]:
+    """The harness's login for the bench's own keys, as a copy beside the logs: the tasks are
+    confined to their own principal's secrets and could not read the one in the stack's store."""
     admin = settings.as_principal(ADMIN)
-    return {HARNESS_LOGIN: admin.redis_password_file} if admin.redis_password_file else {}
+    if not admin.redis_password_file:
+        return {}
+    copy = log_dir / "harness-redis.password"
+    write_private(copy, Path(admin.redis_password_file).read_text())
+    return {HARNESS_LOGIN: str(copy)}
 
 
 def _start_recording_service(settings: Deployment, log_path: Path) -> ServiceProcess:
@@ -134,7 +141,7 @@ def _start_recording_service(settings: Deployment, log_path: Path) -> ServicePro
             cwd=REPO_ROOT,
             env=settings_env(
                 process_settings(settings, "services.activation"),
-                **_harness_env(settings),
+                **_harness_env(settings, log_path.parent),
             ),
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -144,7 +151,9 @@ def _start_recording_service(settings: Deployment, log_path: Path) -> ServicePro
 
 
 # --------------------------------------------------------------------------- the run
-def activation_catalog(partitions: int) -> Catalog:
+def activation_catalog(partitions: int, execute_as: str) -> Catalog:
+    """The bench's catalog; its tasks log in as `execute_as` (the tools' activation host holds
+    the instance owner's login)."""
     return parse_catalog(
         {
             "message_types": [{"name": MESSAGE_TYPE, "validation": "NONE"}],
@@ -159,6 +168,7 @@ def activation_catalog(partitions: int) -> Catalog:
                     "activation": {
                         "status": "ON",
                         "procedure": "bench.activation_task:work",
+                        "execute_as": execute_as,
                         "max_queue_readers": MAX_QUEUE_READERS,
                     },
                 },
@@ -324,8 +334,11 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
 
 def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
-    settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}act"}))
-    apply_catalog(settings, activation_catalog(opts.partitions))
+    instance = f"{base.instance}act"
+    catalog = activation_catalog(opts.partitions, owner_of(instance))
+    # The ACLs the catalog calls for (its tasks' principal writes their heartbeats), then it.
+    settings = secure_instance(base.model_copy(update={"instance": instance}), catalog)
+    apply_catalog(settings, catalog)
     with running_queues(settings, log_dir / "act-queue", opts.queue_replicas) as (settings, _q):
         return _run(settings, opts, log_dir)
 

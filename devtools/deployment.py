@@ -45,6 +45,7 @@ __all__ = [
     "MODULE_ROLES",
     "SERVICE_SETTINGS",
     "Deployment",
+    "activation_host",
     "connect_clusters",
     "instance_plan",
     "owner_of",
@@ -74,27 +75,34 @@ class Deployment(
     credentials_dir: str = ""
     """The stack's credential store: ``<principal>.password`` for every principal (tools only;
     no process reads it, each gets its own file)."""
+    private_dirs: str = ""
+    """Directories, comma-separated, holding the stack's secrets and data (its work directory):
+    a process the tools start reads nothing beneath them but the files its own settings name
+    (`devtools.runner`); tools only."""
+    task_principals: str = ""
+    """Principals, comma-separated, the tools' activation host holds logins for (tasks run as
+    them: ``EXECUTE AS``), besides the instance's owner (`owner_of`); tools only."""
 
     @property
     def secured(self) -> bool:
         return self.kafka_security_protocol != "PLAINTEXT"
 
     def as_principal(self, name: str) -> Self:
-        """These settings logged in as `name` (Kafka and Redis, one password file); unchanged on
-        a stack without security."""
+        """These settings logged in as `name` (Kafka and Redis, each with its own password
+        file); unchanged on a stack without security."""
         if not self.secured:
             return self
-        password = str(CredentialStore(_path(self.credentials_dir)).path(name))
+        store = CredentialStore(_path(self.credentials_dir))
         remote = _remote_file(self, name)
         return self.model_copy(
             update={
                 "kafka_username": name,
                 "kafka_password": "",
-                "kafka_password_file": password,
+                "kafka_password_file": str(store.path(name)),
                 "kafka_remote_credentials": str(remote) if remote.exists() else "",
                 "redis_username": name,
                 "redis_password": "",
-                "redis_password_file": password,
+                "redis_password_file": str(store.redis_path(name)),
                 "principal": name,
             }
         )
@@ -110,6 +118,9 @@ class Deployment(
             if not self.owners:
                 update["owners"] = owner_of(self.instance)
             settings = settings.model_copy(update=update)
+        if role is Role.ACTIVATION and self.secured and not self.activation_config:
+            host = activation_host(self, [owner_of(self.instance), *_names(self.task_principals)])
+            settings = settings.model_copy(update={"activation_config": str(host)})
         return settings
 
 
@@ -136,9 +147,9 @@ MODULE_ROLES: dict[str, Role] = {
     "services.activation": Role.ACTIVATION,
     "services.external_activator": Role.EXTERNAL_ACTIVATOR,
     "ksb.spark": Role.SPARK,
-    "ksb.activation.activated": Role.ACTIVATION,
 }
-"""The principal each runnable module logs in as (an activated task: its activation service's)."""
+"""The principal each service module logs in as. An activated task (`ksb.activation.activated`)
+logs in as the principal its queue's ``EXECUTE AS`` names, which its activation host gives it."""
 
 
 def settings_model(module: str) -> type[KsbSettings]:
@@ -161,11 +172,21 @@ def stack_fields(security: StackSecurity) -> dict[str, str]:
     """The deployment fields that point every process at a local stack's security."""
     if not security.enabled:
         return {"kafka_security_protocol": "PLAINTEXT"}
-    return {
+    fields = {
         "kafka_security_protocol": security.protocol,
         "kafka_ssl_ca": str(security.ca or ""),
         "credentials_dir": str(security.store.root),
+        "private_dirs": str(security.root.parent),
     }
+    if security.mode == "tls":  # Redis and the queue service's gRPC over TLS too
+        cert, key = security.server_pair("queue")
+        fields.update(
+            redis_ssl_ca=str(security.stack_ca),
+            queue_ssl_ca=str(security.stack_ca),
+            queue_ssl_cert=str(cert),
+            queue_ssl_key=str(key),
+        )
+    return fields
 
 
 def _remote_file(deployment: Deployment, principal: str) -> Path:
@@ -190,6 +211,37 @@ def connect_clusters(local: Deployment, role: Role, far: Deployment) -> Path:
     }
     write_private(path, json.dumps(entries, indent=2) + "\n")
     return path
+
+
+def activation_host(
+    deployment: Deployment, principals: list[str], commands: dict[str, list[str]] | None = None
+) -> Path:
+    """The activation host's configuration file (`ksb.activation.host`) for `deployment`'s
+    instance: the logins of `principals` from the stack's store (each its own two files) and
+    the named `commands`; written beside the store, readable by its owner only."""
+    store = CredentialStore(_path(deployment.credentials_dir))
+    logins = {
+        p: {
+            "kafka_password_file": str(store.path(p)),
+            "redis_password_file": str(store.redis_path(p)),
+        }
+        for p in dict.fromkeys(principals)
+    }
+    config = {
+        "commands": {n: {"argv": argv} for n, argv in (commands or {}).items()},
+        "logins": logins,
+    }
+    path = (
+        store.root.parent
+        / "hosts"
+        / f"{service_principal(deployment.instance, Role.ACTIVATION)}.json"
+    )
+    write_private(path, json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def _names(value: str) -> list[str]:
+    return [n.strip() for n in value.split(",") if n.strip()]
 
 
 def owner_of(instance: str) -> str:

@@ -7,10 +7,13 @@ the tests show KSB on Kafka's own replication: every topic on three brokers, a b
 
 Secured (the default, `devtools.stack_security`): the client listener takes SASL/SCRAM-SHA-512
 (over TLS in ``tls`` mode), the StandardAuthorizer refuses whatever no ACL allows, and only
-``broker`` and ``admin`` are super users. The controller listener takes SASL/PLAIN with the
-broker's own static user: left PLAINTEXT, the broker would reach its controller as ANONYMOUS,
-which would then have to be a super user, and any local process could rewrite the ACLs through
-the controller port; SCRAM is not supported on controllers (KAFKA-15513). The ``broker`` and
+``broker`` and ``admin`` (and the broker's certificate, below) are super users. The controller
+listener takes mutual TLS: each node presents the broker's certificate (``CN=broker``, signed
+by the stack's CA) and accepts only certificates the CA signed. Left PLAINTEXT, the broker would
+reach its controller as ANONYMOUS, which would then have to be a super user, and any local
+process could rewrite the ACLs through the controller port; SCRAM is not supported on
+controllers (KAFKA-15513), and SASL/PLAIN, what this listener took before, sends the broker's
+password in clear on every connection. A certificate sends no secret at all. The ``broker`` and
 ``admin`` SCRAM users are written into the metadata by the storage format (``--add-scram``),
 since nobody could log in to create them otherwise.
 """
@@ -26,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from devtools.processes import REPO_ROOT, LocalStackError, register_child, tail
-from devtools.stack_security import StackSecurity
+from devtools.processes import REPO_ROOT, STACK_UMASK, LocalStackError, register_child, tail
+from devtools.stack_security import BROKER_CERT_CN, KEY_PASSWORD_NAME, StackSecurity
 from ksb.runtime.credentials import KafkaLogin
 from ksb.security.principals import ADMIN, BROKER
 
@@ -178,7 +181,7 @@ def write_kafka_properties(k: KafkaLayout) -> None:
     The file holds the broker's password (its JAAS login) when secured, so it is 0600.
     """
     listener = k.security.protocol
-    controller = "SASL_PLAINTEXT" if k.security.enabled else "PLAINTEXT"
+    controller = "SSL" if k.security.enabled else "PLAINTEXT"
     settings = {
         "process.roles": "broker,controller",
         "node.id": str(k.node_id),
@@ -200,7 +203,7 @@ def write_kafka_properties(k: KafkaLayout) -> None:
 
 
 def _security_properties(security: StackSecurity) -> dict[str, str]:
-    """SCRAM on the client listener, PLAIN on the controller's, the authorizer, TLS if asked.
+    """SCRAM on the client listener, mutual TLS on the controller's, the authorizer, TLS if asked.
 
     All three SASL settings are needed: without `sasl.enabled.mechanisms` and
     `sasl.mechanism.inter.broker.protocol` the format fails (GSSAPI is the default), and the
@@ -217,15 +220,17 @@ def _security_properties(security: StackSecurity) -> dict[str, str]:
             "org.apache.kafka.common.security.scram.ScramLoginModule required "
             f'username="{BROKER}" password="{password}";'
         ),
-        "sasl.mechanism.controller.protocol": "PLAIN",
-        "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
-        "listener.name.controller.plain.sasl.jaas.config": (
-            "org.apache.kafka.common.security.plain.PlainLoginModule required "
-            f'username="{BROKER}" password="{password}" user_{BROKER}="{password}";'
-        ),
+        # The controller listener: mutual TLS, the broker's certificate both ways (no password).
+        "listener.name.controller.ssl.keystore.type": "PEM",
+        "listener.name.controller.ssl.keystore.location": str(security.keystore),
+        "listener.name.controller.ssl.key.password": security.password(KEY_PASSWORD_NAME),
+        "listener.name.controller.ssl.truststore.type": "PEM",
+        "listener.name.controller.ssl.truststore.location": str(security.stack_ca),
+        "listener.name.controller.ssl.client.auth": "required",
+        "listener.name.controller.ssl.endpoint.identification.algorithm": "https",
         "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
         "allow.everyone.if.no.acl.found": "false",
-        "super.users": f"User:{BROKER};User:{ADMIN}",
+        "super.users": f"User:{BROKER};User:{ADMIN};User:CN={BROKER_CERT_CN}",
         # Off, Kafka's default: a rotated password reaches new connections only, and live ones
         # keep theirs. With re-authentication on, librdkafka clients stall silently at their next
         # re-authentication after a rotation until they are restarted (measured), which would
@@ -237,7 +242,7 @@ def _security_properties(security: StackSecurity) -> dict[str, str]:
             {
                 "ssl.keystore.type": "PEM",
                 "ssl.keystore.location": str(security.keystore),
-                "ssl.key.password": security.password("broker-key"),
+                "ssl.key.password": security.password(KEY_PASSWORD_NAME),
                 "ssl.truststore.type": "PEM",
                 "ssl.truststore.location": str(security.tls_dir / "ca.crt"),
                 "ssl.endpoint.identification.algorithm": "https",
@@ -286,7 +291,9 @@ def format_kafka_storage(libs: Path, k: KafkaLayout, cluster_id: str | None = No
         str(k.properties),
         *scram,
     )
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=60, check=False, umask=STACK_UMASK
+    )
     if result.returncode != 0:
         raise LocalStackError(
             f"Kafka storage format failed (exit {result.returncode}):\n{result.stderr}"
@@ -301,7 +308,8 @@ def kafka_cluster_id() -> str:
 
 
 def start_kafka(libs: Path, k: KafkaLayout) -> subprocess.Popen[bytes]:
-    with k.console.open("ab") as out:
+    fd = os.open(k.console, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "ab") as out:
         proc = subprocess.Popen(
             _java_cmd(libs, k, "kafka.Kafka", str(k.properties)),
             stdin=subprocess.DEVNULL,
@@ -309,6 +317,7 @@ def start_kafka(libs: Path, k: KafkaLayout) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT,
             cwd=k.root,
             start_new_session=True,
+            umask=STACK_UMASK,
         )
     register_child(proc)
     return proc

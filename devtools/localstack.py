@@ -11,7 +11,9 @@ that exits (normally or by an uncaught exception) leaves nothing behind.
 
 Both are secured by default (SASL/SCRAM and ACLs in Kafka, ACL users in Redis; the secrets are
 generated into the stack's work directory): see `devtools.stack_security` for the modes and
-`ksb acl apply` for how an instance's principals are then made.
+`ksb acl apply` for how an instance's principals are then made. The work directory is private
+(0700) and both processes run with umask 077: queue records in Kafka's segments, Redis's ACL
+file and every secret are readable by the stack's owner only (`STACK_UMASK`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import atexit
 import contextlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -41,6 +44,7 @@ from devtools.kafka_node import (
 )
 from devtools.processes import (
     REPO_ROOT,
+    STACK_UMASK,
     LocalStackError,
     free_port,
     is_alive,
@@ -54,6 +58,7 @@ from devtools.redis_node import form_cluster, redis_ready, start_redis
 from devtools.stack_security import MODES, SecurityMode, StackSecurity, security_mode
 
 __all__ = [
+    "STACK_UMASK",
     "LocalStack",
     "LocalStackError",
     "free_port",
@@ -200,19 +205,23 @@ def start_stack(
     """
     deadline = time.monotonic() + timeout_s
     workdir = workdir.resolve()
+    workdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(workdir, 0o700)
     libs = kafka_libs_dir()
     sec = StackSecurity(security_mode(security), workdir / "security")
     sec.generate()
     nodes = _kafka_layouts(workdir, sec, kafka_nodes)
     for k in nodes:
-        k.data.mkdir(parents=True, exist_ok=True)
-        k.logs.mkdir(parents=True, exist_ok=True)
+        k.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        k.data.mkdir(mode=0o700, parents=True, exist_ok=True)
+        k.logs.mkdir(mode=0o700, parents=True, exist_ok=True)
     bootstrap = ",".join(k.bootstrap for k in nodes)
     cluster = redis_nodes > 1
     if redis_replicas and not cluster:
         raise LocalStackError("Redis replicas need a Redis Cluster (redis_nodes above 1)")
     redis_ports = [free_port() for _ in range(redis_nodes * (1 + redis_replicas))]
-    redis_urls = [f"redis://127.0.0.1:{port}/0" for port in redis_ports]
+    scheme = "rediss" if sec.mode == "tls" else "redis"
+    redis_urls = [f"{scheme}://127.0.0.1:{port}/0" for port in redis_ports]
 
     # Redis first: it is up in milliseconds and runs while the storage-format JVM starts.
     redis_procs = [
@@ -365,7 +374,7 @@ def _cli_up(timeout_s: float, security: SecurityMode) -> int:
         return 1
     if CLI_STACK_DIR.exists():
         shutil.rmtree(CLI_STACK_DIR)
-    CLI_STACK_DIR.mkdir(parents=True)
+    CLI_STACK_DIR.mkdir(mode=0o700, parents=True)
     started = time.monotonic()
     stack = start_stack(CLI_STACK_DIR, timeout_s=timeout_s, stop_at_exit=False, security=security)
     CLI_STACK_FILE.write_text(json.dumps(stack.as_json(), indent=2) + "\n")
@@ -383,7 +392,8 @@ def _cli_up(timeout_s: float, security: SecurityMode) -> int:
             f"  export KSB_KAFKA_USERNAME=admin KSB_KAFKA_PASSWORD_FILE={sec.store.path('admin')}"
         )
         print(
-            f"  export KSB_REDIS_USERNAME=admin KSB_REDIS_PASSWORD_FILE={sec.store.path('admin')}"
+            "  export KSB_REDIS_USERNAME=admin "
+            f"KSB_REDIS_PASSWORD_FILE={sec.store.redis_path('admin')}"
         )
         if sec.ca is not None:
             print(f"  export KSB_KAFKA_SSL_CA={sec.ca}")

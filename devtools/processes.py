@@ -18,6 +18,7 @@ from pathlib import Path
 
 __all__ = [
     "REPO_ROOT",
+    "STACK_UMASK",
     "LocalStackError",
     "LogTail",
     "free_port",
@@ -32,6 +33,9 @@ __all__ = [
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LOG_TAIL_LINES = 60
+STACK_UMASK = 0o077
+"""The local stack's processes (Kafka, its storage format, Redis) create files for their owner
+alone: Kafka's segments hold the queues' messages and its metadata log the SCRAM records."""
 
 
 class LocalStackError(RuntimeError):

@@ -2,7 +2,8 @@
 
 No persistence (``--save ''``, no AOF): the stack is throwaway and fsyncs cost latency.
 
-Secured (the default), it starts from an ACL file with the ``default`` user off and one user,
+In the stack's TLS mode it listens on a TLS port only (``rediss://``), with a certificate the
+stack's CA signed. Secured (the default), it starts from an ACL file with the ``default`` user off and one user,
 ``admin``, allowed everything: the tool that gives every principal its own ACL user
 (`ksb.security.apply`). Nobody else can log in until it has. The file holds only the password's
 SHA-256, as Redis's own ``ACL SAVE`` would write it.
@@ -24,7 +25,7 @@ from typing import Any, Self
 
 import redis
 
-from devtools.processes import LocalStackError, free_port, register_child
+from devtools.processes import STACK_UMASK, LocalStackError, free_port, register_child
 from devtools.stack_security import StackSecurity
 from ksb.runtime.credentials import write_private
 from ksb.security.principals import ADMIN
@@ -45,7 +46,7 @@ def _redis_server() -> str:
 
 
 def _write_acl_file(root: Path, security: StackSecurity) -> Path:
-    digest = hashlib.sha256(security.password(ADMIN).encode()).hexdigest()
+    digest = hashlib.sha256(security.redis_password(ADMIN).encode()).hexdigest()
     path = root / "users.acl"
     write_private(path, f"user default off\nuser {ADMIN} on #{digest} ~* &* +@all\n")
     return path
@@ -57,7 +58,7 @@ def start_redis(
     """One ``redis-server``; with `cluster`, a node of a Redis Cluster still to be formed
     (`form_cluster`), its cluster bus on a free port of its own (Redis's default, `port` +
     10000, is past 65535 for half the ports a free-port search returns)."""
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     cmd = [
         _redis_server(),
         "--port", str(port),
@@ -70,6 +71,18 @@ def start_redis(
     ]  # fmt: skip
     if security.enabled:
         cmd += ["--aclfile", str(_write_acl_file(root, security))]
+    if security.mode == "tls":  # TLS only: the plain port is closed
+        cert, key = security.server_pair("redis")
+        cmd[cmd.index("--port") + 1] = "0"
+        cmd += [
+            "--tls-port", str(port),
+            "--tls-cert-file", str(cert),
+            "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(security.stack_ca),
+            "--tls-auth-clients", "no",
+        ]  # fmt: skip
+        if cluster:
+            cmd += ["--tls-cluster", "yes", "--tls-replication", "yes"]
     if cluster:
         cmd += [
             "--cluster-enabled", "yes",
@@ -84,13 +97,18 @@ def start_redis(
         stderr=subprocess.DEVNULL,
         cwd=root,
         start_new_session=True,
+        umask=STACK_UMASK,
     )
     register_child(proc)
     return proc
 
 
 def _admin(url: str, security: StackSecurity) -> redis.Redis:
-    auth = {"username": ADMIN, "password": security.password(ADMIN)} if security.enabled else {}
+    auth: dict[str, Any] = (
+        {"username": ADMIN, "password": security.redis_password(ADMIN)} if security.enabled else {}
+    )
+    if security.mode == "tls":
+        auth["ssl_ca_certs"] = str(security.stack_ca)
     return redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0, **auth)
 
 
@@ -136,7 +154,7 @@ def form_cluster(
         if followers and security.enabled:
             for c in everyone:  # a replica logs in to its primary; any node may become one
                 c.config_set("masteruser", ADMIN)
-                c.config_set("masterauth", security.password(ADMIN))
+                c.config_set("masterauth", security.redis_password(ADMIN))
         _wait(
             deadline, urls, lambda: all(_knows(_cluster_info(c), len(everyone)) for c in everyone)
         )
@@ -168,7 +186,7 @@ class SlotMove:
     def __init__(self, source_url: str, target_url: str, slot: int, security: StackSecurity):
         self.slot = slot
         self._source, self._target = _admin(source_url, security), _admin(target_url, security)
-        self._auth = ["AUTH2", ADMIN, security.password(ADMIN)] if security.enabled else []
+        self._auth = ["AUTH2", ADMIN, security.redis_password(ADMIN)] if security.enabled else []
         self._target_id = _cluster(self._target, "MYID")
 
     def __enter__(self) -> Self:

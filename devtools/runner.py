@@ -1,7 +1,10 @@
 """Run KSB services as child processes: used by `make run`, the tests and the benchmarks.
 
 Each service gets its settings through ``KSB_*`` variables, exactly as in docker-compose (only the
-variables its own settings model reads), so what the tests start is what a deployment runs.
+variables its own settings model reads), so what the tests start is what a deployment runs. On
+a secured stack each is confined to its own secrets (`devtools.confined`): it reads nothing of
+the stack's private directories but the files its own settings name, as a container holds only
+its own secret.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from devtools.deployment import process_settings
+from devtools.confined import confined
+from devtools.deployment import Deployment, process_settings
 from devtools.processes import REPO_ROOT, register_child, signal_group, stop_pids
 from ksb.settings import KsbSettings, settings_env
 
@@ -45,16 +49,34 @@ class ServiceProcess:
         # Readiness is looked for only in what this run writes, so a reused log cannot fool it.
         self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         log = self.log_path.open("ab")
+        own = process_settings(self.settings, self.main_module)
+        argv = [sys.executable, "-m", self.main_module]
+        env = settings_env(own, **self.extra_env)
+        if isinstance(self.settings, Deployment) and self.settings.secured:
+            confined_argv = confined(argv, self.main_module, own, self.private_dirs)
+            if confined_argv is not argv:
+                # Python's temporary files where the process may read them back (a directory
+                # made after the confinement, beside a private one, could not be read).
+                scratch = self.log_path.with_name(f"{self.log_path.name}.tmp")
+                scratch.mkdir(exist_ok=True)
+                env.setdefault("TMPDIR", str(scratch))
+                argv = confined_argv
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.main_module],
+            argv,
             cwd=REPO_ROOT,
-            env=settings_env(process_settings(self.settings, self.main_module), **self.extra_env),
+            env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         log.close()
         return self
+
+    @property
+    def private_dirs(self) -> list[str]:
+        """The stack's private directories (`Deployment.private_dirs`)."""
+        value = self.settings.private_dirs if isinstance(self.settings, Deployment) else ""
+        return [d.strip() for d in value.split(",") if d.strip()]
 
     def wait_ready(self, marker: str = "ready", timeout_s: float = 60) -> None:
         """Wait for the service to log ``marker`` (each service logs it when it takes work)."""

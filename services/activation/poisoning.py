@@ -2,8 +2,10 @@
 
 The queue service counts rollbacks (`services.queue.rollbacks`); the monitor sees the count rise
 and asks `ksb.activation.poison` what it leads to. To disable: Redis first, on the loop (the
-queue service's RECEIVE refuses from that moment), then a catalog version with STATUS = OFF and
-a BROKER_QUEUE_DISABLED event, on a task handler (reading and writing the catalog takes seconds).
+queue service's RECEIVE refuses from that moment), then a queue-status record saying so
+(`ksb.wire.queue_status`) and a BROKER_QUEUE_DISABLED event, on a task handler. Not a catalog
+version: this service may not write the catalog (`ksb.security.governance`), and every service
+that follows the catalog reads the status records with it, so the queue is OFF for all of them.
 No message is lost: they wait in the queue until ALTER QUEUE ... STATUS = ON.
 """
 
@@ -16,16 +18,16 @@ from collections.abc import Callable
 import redis
 from confluent_kafka import Producer
 
-from ksb.activation.poison import disabled
 from ksb.catalog.model import CatalogView
 from ksb.clock import Clock
 from ksb.errors import KsbError
 from ksb.names import Names
-from ksb.runtime.catalog_store import apply_catalog, load_catalog
+from ksb.runtime.catalog_store import write_queue_status
 from ksb.runtime.task_handlers import TaskHandlers
 from ksb.settings import ActivationSettings
 from ksb.wire.activation import BrokerQueueDisabled, encode_activation_event
 from ksb.wire.audit import AuditKind
+from ksb.wire.queue_status import QueueStatus
 from services.activation.watch import QueueWatch
 
 __all__ = ["Poisoning"]
@@ -55,9 +57,9 @@ class Poisoning:
         self._handlers = handlers
         self._clock = clock
         self._audit = audit
-        self._disabling: dict[str, int] = {}
-        """Queues disabled in Redis whose catalog write this service has not read back yet: the
-        catalog version that writes it (0 while it is being written)."""
+        self._disabling: dict[str, bool] = {}
+        """Queues disabled in Redis whose status record this service has not read back yet:
+        whether the record is written."""
         self._lock = threading.Lock()
 
     def disabling(self) -> set[str]:
@@ -66,10 +68,11 @@ class Poisoning:
             return set(self._disabling)
 
     def read(self, view: CatalogView) -> None:
-        """A catalog version was read: the queues it says OFF are disabled by it now."""
+        """A view was read: the queues it has OFF are disabled by it now."""
         with self._lock:
-            for name, version in list(self._disabling.items()):
-                if 0 < version <= view.version:
+            for name, written in list(self._disabling.items()):
+                queue = view.queues.get(name)
+                if written and (queue is None or queue.disabled):
                     del self._disabling[name]
 
     def poisoned(self, w: QueueWatch, rollbacks: int) -> None:
@@ -83,30 +86,38 @@ class Poisoning:
         with self._lock:
             if name in self._disabling:
                 return
-            self._disabling[name] = 0
+            self._disabling[name] = False
         self._redis.set(self.names.disabled_key(name), 1)
         self._redis.set(self.names.rollbacks_key(name), 0)
         reason = f"{rollbacks} rollbacks in a row"
         log.warning("queue %s disabled after %s", name, reason)
         self._audit("queue_disabled", w, reason)
         try:
-            self._handlers.submit("disable_queue", lambda: self._disable_in_catalog(name, reason))
+            self._handlers.submit("disable_queue", lambda: self._disable(name, reason))
         except KsbError as exc:
             log.warning(
-                "no task handler for disabling %s (%s); writing the catalog inline", name, exc
+                "no task handler for disabling %s (%s); writing its status inline", name, exc
             )
-            self._disable_in_catalog(name, reason)
+            self._disable(name, reason)
 
-    def _disable_in_catalog(self, name: str, reason: str) -> None:
-        """On a task handler: STATUS = OFF in a new catalog version, then BROKER_QUEUE_DISABLED.
+    def _disable(self, name: str, reason: str) -> None:
+        """On a task handler: the queue's status record, then BROKER_QUEUE_DISABLED.
 
-        The queue stays in `_disabling` until this service reads the catalog version that says
-        OFF (`read`), or this write fails: the mirror written on every tick must not let a
-        poisoned queue go in the moment between the write and its reading."""
+        The queue stays in `_disabling` until this service reads a view that has it OFF
+        (`read`), or this write fails: the mirror written on every tick must not let a poisoned
+        queue go in the moment between the write and its reading."""
         try:
-            written = apply_catalog(self.settings, disabled(load_catalog(self.settings), name))
+            status = QueueStatus(
+                instance=self.settings.instance,
+                queue=name,
+                disabled=True,
+                reason=f"poison message handling: {reason}",
+                event_ms=self._clock.now_ms(),
+                by=self.settings.acting_principal,
+            )
+            write_queue_status(self.settings, status)
             with self._lock:
-                self._disabling[name] = written.version
+                self._disabling[name] = True
             event = BrokerQueueDisabled(
                 instance=self.settings.instance,
                 queue=name,

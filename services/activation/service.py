@@ -31,6 +31,7 @@ import redis
 from confluent_kafka import Producer
 
 from ksb.activation.events import decisions, edges
+from ksb.activation.host import load_host_config
 from ksb.activation.monitor import ExternalNotifier, QueueMonitor, QueueObservation
 from ksb.activation.poison import PoisonAction, on_rollbacks
 from ksb.audit import Audit, KafkaAudit
@@ -117,7 +118,13 @@ class ActivationService(Service):
         self._queues = QueueServiceClient(s)
         self._looks = Looks(self.names, self._redis, self._queues)
         self._launcher = Launcher(
-            s, self._redis, self._producer, clock=self.clock, audit=self._audit, hooks=self._hooks
+            s,
+            self._redis,
+            self._producer,
+            clock=self.clock,
+            audit=self._audit,
+            hooks=self._hooks,
+            host=load_host_config(s.activation_config),
         )
         self._poisoning = Poisoning(
             s, self._redis, self._producer, self.handlers, clock=self.clock, audit=self._audit
@@ -247,6 +254,7 @@ class ActivationService(Service):
     def _check(self, w: QueueWatch, tick: bool) -> bool:
         """One queue's events and decision; True when its monitor row changed."""
         exited = self.launcher.reap(w)
+        self.launcher.keep_alive(w)
         obs, now = self._look(w)
         seen, w.traces = edges(w.traces, now)
         if seen.received and w.notifier is not None:
@@ -314,6 +322,7 @@ class ActivationService(Service):
             "activations": w.activations,
             "notifications": w.notifications,
             "tasks": sorted(w.tasks),
+            "refused": w.refused,
         }
         if view == w.view:
             return False

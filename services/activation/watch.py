@@ -27,6 +27,8 @@ class QueueWatch:
     activations: int = 0
     notifications: int = 0
     view: dict[str, Any] = field(default_factory=dict)
+    refused: str | None = None
+    """Why the host refused the last start (`ksb.activation.host`), until one succeeds."""
 
     def running(self) -> int:
         """Tasks this service started that still run."""

@@ -121,10 +121,12 @@ class Dispatcher(Service):
         return {**super().log_fields(), "member": self.member}
 
     def on_catalog(self, view: CatalogView) -> None:
-        """A running broker takes a new catalog version at once (a stopped one retries on its
-        tick, which watches the catalog topic itself)."""
+        """A running broker takes a new catalog version, or a queue's new status, at once (a
+        stopped one retries on its tick, which watches the catalog topic itself)."""
         engine = self.engine
-        if engine is None or view.version == engine.catalog.version:
+        if engine is None or (
+            view.version == engine.catalog.version and view.held_off == engine.catalog.held_off
+        ):
             return
         engine.catalog = view
         engine.permissions = permissions_of(self.settings, view)

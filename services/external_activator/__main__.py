@@ -14,6 +14,7 @@ from ksb.activation.external import ActivationPlanner, load_config
 from ksb.backoff import Backoff
 from ksb.names import Names
 from ksb.runtime.metrics import serve_metrics
+from ksb.runtime.redis_client import redis_client
 from ksb.runtime.service import configure_logging
 from ksb.settings import ExternalActivatorSettings, SettingsError
 from services.external_activator.service import ActivatorWorker, ReaderSupervisor, build_app
@@ -40,7 +41,7 @@ def main() -> None:
         settings.instance,
         backoff=Backoff(initial_ms=settings.restart_initial_ms, max_ms=settings.restart_max_ms),
     )
-    supervisor = ReaderSupervisor(settings, planner)
+    supervisor = ReaderSupervisor(settings, planner, heartbeats=redis_client(settings))
     serve_metrics(
         settings.metrics_port,
         {"/readers": supervisor.view},

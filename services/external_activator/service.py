@@ -24,6 +24,7 @@ import logging
 import os
 import ssl
 import subprocess
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,15 +32,19 @@ from signal import SIGKILL, SIGTERM, Signals
 from typing import Any
 
 import faust
+import redis
 from faust.types import TP
 from mode.types.signals import BaseSignalT
 
 from ksb.activation.external import ActivationPlanner, StartDecision
+from ksb.activation.host import confined_argv, task_settings
 from ksb.clock import Clock, SystemClock
 from ksb.errors import ProtocolError
 from ksb.names import Names
+from ksb.runtime import confinement
 from ksb.runtime.credentials import kafka_login
 from ksb.runtime.metrics import HEALTHY
+from ksb.runtime.redis_client import best_effort
 from ksb.settings import ClientSettings, ExternalActivatorSettings, settings_env
 from ksb.wire.activation import parse_activation_event
 
@@ -72,7 +77,10 @@ class ReaderSupervisor:
         planner: ActivationPlanner,
         *,
         clock: Clock | None = None,
+        heartbeats: redis.Redis | None = None,
     ) -> None:
+        """`heartbeats`: the Redis client the readers' heartbeats are kept with (None: not
+        kept, for tests of the rules alone)."""
         self.settings = settings
         self.planner = planner
         self.clock = clock or SystemClock()
@@ -81,6 +89,12 @@ class ReaderSupervisor:
         self.peak: dict[str, int] = dict.fromkeys(planner.queues, 0)
         self._closing = False
         self._closed = False
+        self._names = Names(settings.instance)
+        self._heartbeats = heartbeats
+        secured = settings.kafka_security_protocol != "PLAINTEXT"
+        self._confine = secured and confinement.available()
+        if secured and not self._confine:
+            log.warning("this kernel has no Landlock: reader commands are not confined")
 
     # ----------------------------------------------------------------- events and the timer
     def handle(self, raw: bytes | str) -> None:
@@ -96,21 +110,42 @@ class ReaderSupervisor:
         self._apply(decision)
 
     def tick(self) -> None:
-        """Reap exited commands, then top every queue up to its minimum."""
+        """Reap exited commands, then top every queue up to its minimum; renew the heartbeats of
+        the commands still running."""
         for queue in self.readers:
             self._apply(self.planner.keep_minimum(queue, self.running(queue), self.clock.now_ms()))
+        self._beat({q: [r.task_id for r in rs] for q, rs in self.readers.items()})
+
+    def _beat(self, alive: dict[str, list[str]], gone: dict[str, list[str]] | None = None) -> None:
+        """The readers' heartbeats in their queues' task sets, kept by the activator (a reader
+        logs in as its own principal, which has no Redis user of its own)."""
+        if self._heartbeats is None:
+            return
+        until = int(time.time() * 1000) + self.settings.activated_heartbeat_ttl_ms
+        with best_effort(log, "reader heartbeats not written this time"):
+            pipe = self._heartbeats.pipeline(transaction=False)
+            for queue, ids in alive.items():
+                if ids:
+                    pipe.zadd(self._names.tasks_key(queue), dict.fromkeys(ids, until))
+            for queue, ids in (gone or {}).items():
+                if ids:
+                    pipe.zrem(self._names.tasks_key(queue), *ids)
+            pipe.execute()
 
     def running(self, queue: str) -> int:
         """Live commands of ``queue``; reaps (and tells the planner about) the ones that exited."""
-        alive = []
+        alive, gone = [], []
         for r in self.readers[queue]:
             code = r.proc.poll()
             if code is None:
                 alive.append(r)
             else:
+                gone.append(r.task_id)
                 self.planner.on_exit(queue, code, self.clock.now_ms())
                 log.info("reader %s of %s exited with %s", r.task_id, queue, code)
         self.readers[queue] = alive
+        if gone:
+            self._beat({}, {queue: gone})
         return len(alive)
 
     def _apply(self, decision: StartDecision) -> None:
@@ -122,13 +157,21 @@ class ReaderSupervisor:
     def _start(self, queue: str) -> None:
         spec = self.planner.readers(queue)
         task_id = f"{queue}-ext-{uuid.uuid4().hex[:8]}"
-        # The command gets the instance's KSB_* settings (so `python -m ksb.activation.activated` and KsbClient
-        # find Kafka and Redis) plus which queue and task it is, as internal activation does.
-        reader = self.settings.narrow(ClientSettings)
+        # The command gets the instance's KSB_* settings (so `python -m ksb.activation.activated`
+        # and KsbClient find Kafka and the queue service), logged in as its own principal and
+        # with none of the activator's secrets, plus which queue and task it is, as internal
+        # activation does.
+        config = self.planner.config
+        login = config.logins.get(spec.execute_as) if spec.execute_as else None
+        reader = task_settings(self.settings, ClientSettings, spec.execute_as, login)
         env = settings_env(reader, ACTIVATED_QUEUE=queue, ACTIVATED_TASK_ID=task_id)
+        argv = ["/bin/sh", "-c", spec.command]  # the host's own command line (its config file)
+        if self._confine:
+            argv = confined_argv(argv, self.settings, config.secret_files(), reader)
         # Its own session: stopping it signals the whole group, the shell and what it started.
-        proc = subprocess.Popen(spec.command, shell=True, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, start_new_session=True)
         self.readers[queue].append(_Reader(task_id, proc))
+        self._beat({queue: [task_id]})
         self.started[queue] += 1
         n = len(self.readers[queue])
         self.peak[queue] = max(self.peak[queue], n)

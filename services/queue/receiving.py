@@ -27,7 +27,7 @@ import redis
 from confluent_kafka import Consumer, TopicPartition
 
 from ksb.clock import Clock
-from ksb.errors import LeaseInvalid, LockLost
+from ksb.errors import LeaseInvalid, LockLost, QueueDisabled
 from ksb.names import Names
 from ksb.queue.fold import Outcome, QueueFold
 from ksb.queue.held import HeldLocks
@@ -116,6 +116,9 @@ class Receiving:
         releases them when their commit outcome is read."""
         self._probe = probe()
         self._probe_lock = threading.Lock()
+        self.disabled: frozenset[str] = frozenset()
+        """Queues the catalog, or a status record, says are OFF (set on every catalog view):
+        RECEIVE refuses them even when Redis lost its flag."""
 
     # ----------------------------------------------------------------- RECEIVE
     def receive(
@@ -138,6 +141,8 @@ class Receiving:
             if not self.locks(queue).extend(self._lease_of(claims)):
                 raise LockLost(f"the lock on group {claims.group} is no longer held")
         else:
+            if queue in self.disabled:
+                raise QueueDisabled(f"queue {queue!r} is disabled (STATUS = OFF)")
             granted = self._lock(fold, principal, waitfor_ms, group, handle)
             if granted is None:
                 return None

@@ -145,7 +145,7 @@ class QueueService(Service):
             )
         )
         pb_grpc.add_QueueServiceServicer_to_server(api, self._server)
-        self.port = self._server.add_insecure_port(f"{s.queue_host}:{s.queue_port}")
+        self.port = self._listen(f"{s.queue_host}:{s.queue_port}")
         self._server.start()
         HEALTHY.labels(self.name).set(1)
         self.ready.set()
@@ -153,10 +153,24 @@ class QueueService(Service):
             "queue service %s listening on %s:%d", self._receiving.replica, s.queue_host, self.port
         )
 
+    def _listen(self, address: str) -> int:
+        """TLS only when the service has a certificate (its clients then verify it against
+        their `queue_ssl_ca`): the login each call carries is then never in clear."""
+        assert self._server is not None
+        s = self.settings
+        if not s.queue_ssl_cert:
+            return self._server.add_insecure_port(address)
+        key = Path(s.queue_ssl_key).read_bytes()
+        chain = Path(s.queue_ssl_cert).read_bytes()
+        credentials = grpc.ssl_server_credentials([(key, chain)])
+        return self._server.add_secure_port(address, credentials)
+
     def on_catalog(self, view: CatalogView) -> None:
         """New queues are read from their beginning; the grants are the new version's."""
         s = self.settings
         self._permissions = Permissions.of(view.catalog, s.instance, s.owner_names)
+        if self._receiving is not None:
+            self._receiving.disabled = frozenset(n for n, q in view.queues.items() if q.disabled)
         self._dead_letters.watch(view.catalog.queues)
         if self._consumer is None:
             return

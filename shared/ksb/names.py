@@ -65,6 +65,13 @@ class Names:
         return f"{self.prefix}.catalog"
 
     @property
+    def queue_status(self) -> str:
+        """Queues disabled outside the catalog (poison-message handling), one compacted record per
+        queue (`ksb.wire.queue_status`): written by the activation service, which may not write
+        the catalog, and by the catalog's writers when they enable a queue again."""
+        return f"{self.prefix}.queue-status"
+
+    @property
     def errors(self) -> str:
         return f"{self.prefix}.errors"
 

@@ -117,6 +117,9 @@ class KsbSettings(BaseModel):
     kafka_remote_credentials: str = ""
     """A JSON file: far cluster bootstrap list -> the credentials this process uses there
     (transports and forwarders crossing to another cluster; `ksb.runtime.credentials`)."""
+    redis_ssl_ca: str = ""
+    """PEM file of the CA that signed Redis's certificate: with a ``rediss://`` `redis_url` the
+    client verifies Redis against it (the local stack's TLS mode serves Redis over TLS only)."""
     redis_username: str = ""
     """The Redis ACL user; empty means Redis's `default` user (a stack without ACLs)."""
     redis_password: str = Field("", repr=False)
@@ -188,6 +191,9 @@ class QueueClientSettings(KsbSettings):
     lock_renew_ms: int = Field(5_000, ge=100)
     """How often the client renews the locks its open transactions hold (keep it well under
     the queue service's `lock_ttl_ms`)."""
+    queue_ssl_ca: str = ""
+    """PEM file of the CA that signed the queue service's certificate: set, the client talks to
+    it over TLS (a gRPC secure channel) and verifies it; empty, in the clear."""
 
 
 class ClientSettings(QueueClientSettings):
@@ -277,6 +283,11 @@ class QueueServiceSettings(ServiceSettings, AuthoritySettings):
     queue_host: str = "127.0.0.1"
     queue_port: int = Field(7070, ge=0)
     """Where clients reach this replica (0: a free port, logged at start)."""
+    queue_ssl_cert: str = ""
+    """PEM certificate chain this replica serves gRPC with: set (with `queue_ssl_key`), it
+    serves TLS only, and its clients need `QueueClientSettings.queue_ssl_ca`."""
+    queue_ssl_key: str = ""
+    """PEM private key of `queue_ssl_cert` (unencrypted; readable by this service only)."""
     queue_workers: int = Field(64, ge=2)
     """Calls served at once; a RECEIVE that waits (WAITFOR) or a commit waiting for its outcome
     holds one while it waits."""
@@ -405,6 +416,10 @@ class ForwarderSettings(ServiceSettings):
 
 
 class ActivationSettings(ServiceSettings, QueueClientSettings, TaskHeartbeatSettings):
+    activation_config: str = ""
+    """The activation host's YAML file (`ksb.activation.host`): the commands the catalog may
+    name (``COMMAND = 'name'``) and the logins of the principals tasks run as (``EXECUTE AS``).
+    Empty: this host runs no task."""
     activation_check_ms: int = Field(100, ge=10)
     """How often each queue monitor looks at its queue."""
     activation_empty_grace_ms: int = Field(5_000, ge=0)
@@ -423,7 +438,7 @@ class ActivationSettings(ServiceSettings, QueueClientSettings, TaskHeartbeatSett
     activation_retry_max_ms: int = Field(60_000, ge=1)
 
 
-class ExternalActivatorSettings(ServiceSettings, QueueClientSettings):
+class ExternalActivatorSettings(ServiceSettings, QueueClientSettings, TaskHeartbeatSettings):
     external_activator_config: str = ""
     """The YAML file of per-queue reader commands."""
     restart_initial_ms: int = Field(500, ge=1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import time
 
 from ksb.sdk.client import Transaction
@@ -22,3 +25,22 @@ def slow_reply(tx: Transaction, messages: list[QueueMessage]) -> None:
 
 def always_fail(tx: Transaction, messages: list[QueueMessage]) -> None:
     raise RuntimeError("this procedure cannot handle its messages")
+
+
+def inventory(tx: Transaction, messages: list[QueueMessage]) -> None:
+    """What an attacker's procedure would try: its environment's secrets, and the files the
+    request names (its host's password files, the admin's, its own). The reply says what it
+    could read, by path: ``"read"``, or the error's name."""
+    for m in messages:
+        wanted = json.loads(m.message_body).get("read", [])
+        found: dict[str, str] = {}
+        for path in wanted:
+            try:
+                with open(path) as f:
+                    f.read()
+                found[path] = "read"
+            except OSError as exc:
+                found[path] = errno.errorcode.get(exc.errno or 0, str(exc))
+        secrets = {k: v for k, v in os.environ.items() if "PASSWORD" in k}
+        reply = {"env": secrets, "user": os.environ.get("KSB_KAFKA_USERNAME"), "files": found}
+        tx.send(m.conversation_handle, "//t/Reply", json.dumps(reply))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import json
 import os
 import signal
@@ -23,7 +22,7 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, owner_of
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.cli import app
@@ -33,9 +32,9 @@ from ksb.runtime.catalog_store import apply_catalog, load_catalog
 from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.security.principals import ADMIN, Role
-from ksb.settings import ActivatedTaskSettings, CliSettings, settings_env
+from ksb.settings import CliSettings, settings_env
 from ksb.wire.protocol import QueueMessage
-from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher, serving
+from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher, secure, serving
 from tests.integration.support import (
     check_exactly_once_in_order,
     queue_receipts,
@@ -52,37 +51,39 @@ _PROCS = "tests.integration.test_activation_faults"
 
 
 # --------------------------------------------------------------------------- procedures (in tasks)
-HARNESS_LOGIN = "KSBTEST_REDIS_ADMIN_PASSWORD_FILE"
-"""The test's own bookkeeping keys (``ksbtest:``, outside KSB's namespace) are written by the
-harness's login, the stack's admin; a task's KSB work stays its principal's."""
+HARNESS_DIR = "KSBTEST_HARNESS_DIR"
+"""The test's own bookkeeping (the tasks' pids, which task crashed) is files in a directory of
+the test's: a task is confined to its own principal's secrets and logs in to nothing of the
+harness's, so it cannot write bookkeeping keys in Redis as the admin."""
 
 
-@functools.cache
-def _task_redis() -> redis.Redis:
-    s = ActivatedTaskSettings.from_env()
-    if HARNESS_LOGIN in os.environ:
-        s = s.model_copy(
-            update={"redis_username": ADMIN, "redis_password_file": os.environ[HARNESS_LOGIN]}
-        )
-    return redis_client(s)
+def _harness() -> Path:
+    return Path(os.environ[HARNESS_DIR])
 
 
 @pytest.fixture(autouse=True)
-def _harness_login(settings: Deployment, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tasks inherit the test's environment: they find the harness's login there."""
-    admin = settings.as_principal(ADMIN)
-    if admin.redis_password_file:
-        monkeypatch.setenv(HARNESS_LOGIN, admin.redis_password_file)
+def _harness_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Tasks inherit the test's environment: they find the harness's directory there."""
+    path = tmp_path / "harness"
+    (path / "pids").mkdir(parents=True)
+    monkeypatch.setenv(HARNESS_DIR, str(path))
+    return path
 
 
-def _test_key(instance: str, what: str) -> str:
-    return f"ksbtest:{instance}:{what}"
-
-
-def _note_task(r: redis.Redis) -> str:
+def _note_task() -> str:
     """Record this task's pid (so the test can clean up orphans) and return its task id."""
-    r.sadd(_test_key(ActivatedTaskSettings.from_env().instance, "pids"), os.getpid())
+    (_harness() / "pids" / str(os.getpid())).touch()
     return os.environ.get("ACTIVATED_TASK_ID", "?")
+
+
+def _pids(harness: Path) -> list[int]:
+    return [int(p.name) for p in (harness / "pids").iterdir()]
+
+
+def _crashed(harness: Path) -> dict[str, Any] | None:
+    path = harness / "crashed"
+    text = path.read_text() if path.exists() else ""
+    return json.loads(text) if text.endswith("\n") else None
 
 
 def _reply(tx: Transaction, m: QueueMessage, task: str) -> None:
@@ -92,7 +93,7 @@ def _reply(tx: Transaction, m: QueueMessage, task: str) -> None:
 
 def slow_reply(tx: Transaction, messages: list[QueueMessage]) -> None:
     """100 ms per message, then a reply naming the task that did it."""
-    task = _note_task(_task_redis())
+    task = _note_task()
     time.sleep(0.1 * len(messages))
     for m in messages:
         _reply(tx, m, task)
@@ -100,14 +101,15 @@ def slow_reply(tx: Transaction, messages: list[QueueMessage]) -> None:
 
 def crash_once(tx: Transaction, messages: list[QueueMessage]) -> None:
     """The first task to meet the message marked ``crash`` dies at once (no rollback, no commit)."""
-    r = _task_redis()
-    task = _note_task(r)
+    task = _note_task()
     for m in messages:
-        marker = json.dumps({"task": task, "group": m.conversation_group_id})
-        crash = json.loads(m.message_body).get("crash")
-        if crash and r.set(
-            _test_key(ActivatedTaskSettings.from_env().instance, "crashed"), marker, nx=True
-        ):
+        marker = json.dumps({"task": task, "group": m.conversation_group_id}) + "\n"
+        if json.loads(m.message_body).get("crash"):
+            try:  # the first task only: creating the file is the test-and-set
+                fd = os.open(_harness() / "crashed", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            except FileExistsError:
+                continue
+            os.write(fd, marker.encode())
             os._exit(1)
     time.sleep(0.05 * len(messages))
     for m in messages:
@@ -123,23 +125,18 @@ def fast_settings(settings: Deployment) -> Deployment:
 
 
 @pytest.fixture
-def stop_all(settings: Deployment) -> Iterator[list[Any]]:
+def stop_all(_harness_dir: Path) -> Iterator[list[Any]]:
     """Things to stop at the end (last first), then any activated task still alive."""
     running: list[Any] = []
     yield running
     for r in reversed(running):
         r.stop()
-    _end_orphan_tasks(settings)
+    _end_orphan_tasks(_harness_dir)
 
 
-def _end_orphan_tasks(settings: Deployment) -> None:
+def _end_orphan_tasks(harness: Path) -> None:
     """Tasks outlive a killed activation service; end the ones this test's procedures recorded."""
-    r = redis_client(settings.as_principal(ADMIN))
-    try:
-        pids = [int(p) for p in r.smembers(_test_key(settings.instance, "pids"))]
-    finally:
-        r.close()
-    for pid in pids:
+    for pid in _pids(harness):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
@@ -160,8 +157,17 @@ def r(settings: Deployment) -> Iterator[redis.Redis]:
 
 
 def cli(settings: Deployment, *args: str) -> str:
-    env = settings_env(settings.as_service(Role.OPERATOR).narrow(CliSettings))
-    result = CliRunner().invoke(app, list(args), env=env)
+    """`ksb` as the operator, who reads everything."""
+    return _ksb(settings.as_service(Role.OPERATOR), *args)
+
+
+def sql(settings: Deployment, statements: str) -> str:
+    """`ksb sql` as the instance's owner: only the catalog's writers change it (issue 38)."""
+    return _ksb(settings.as_principal(owner_of(settings.instance)), "sql", statements)
+
+
+def _ksb(login: Deployment, *args: str) -> str:
+    result = CliRunner().invoke(app, list(args), env=settings_env(login.narrow(CliSettings)))
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -247,15 +253,27 @@ def assert_processed_once(
     assert all(c == (1, 1) for c in receipts.values()), receipts
 
 
-def activation(procedure: str, max_queue_readers: int, **queue: Any) -> dict[str, Any]:
+def activation(
+    settings: Deployment, procedure: str, max_queue_readers: int, **queue: Any
+) -> dict[str, Any]:
+    """The target queue activated with `procedure`, its tasks running as the instance's owner
+    (whose login the tools' activation host holds)."""
     return with_target_queue(
         activation={
             "status": "ON",
             "procedure": f"{_PROCS}:{procedure}",
             "max_queue_readers": max_queue_readers,
+            "execute_as": owner_of(settings.instance),
         },
         **queue,
     )
+
+
+def activate(settings: Deployment, procedure: str, max_queue_readers: int) -> None:
+    """Apply `activation`'s catalog, then the ACLs it calls for (``ksb acl apply`` after a
+    catalog change): the tasks' principal may then write its heartbeats."""
+    secure(settings, parse_catalog(activation(settings, procedure, max_queue_readers)))
+    apply_catalog(settings, parse_catalog(activation(settings, procedure, max_queue_readers)))
 
 
 # --------------------------------------------------------------------------- the tests
@@ -264,7 +282,7 @@ def test_sigkilled_activation_service_counts_surviving_tasks_after_restart(
 ) -> None:
     """Tasks outlive the service; the restarted one counts their heartbeats: never a third."""
     dialogs, per = 40, 6  # 240 messages at 100 ms: about 12 s of work for two readers
-    apply_catalog(fast_settings, parse_catalog(activation("slow_reply", 2)))
+    activate(fast_settings, "slow_reply", 2)
     stop_all.append(ThreadDispatcher(fast_settings))
     first = ServiceProcess("activation", fast_settings, tmp_path / "activation-1.log").start()
     stop_all.append(first)
@@ -275,11 +293,7 @@ def test_sigkilled_activation_service_counts_surviving_tasks_after_restart(
     with KsbClient(fast_settings) as client:
         send_backlog(client, dialogs, per)
         wait_for("two tasks running", lambda: live_tasks(r, fast_settings) == 2, 60)
-        wait_for(
-            "the tasks working",
-            lambda: bool(r.scard(_test_key(fast_settings.instance, "pids"))),
-            30,
-        )
+        wait_for("the tasks working", lambda: bool(_pids(_harness())), 30)
         first.kill()
         # The tasks are their own processes: they keep working and heartbeating.
         time.sleep(1.5)
@@ -320,18 +334,17 @@ def test_a_crashed_task_is_counted_out_and_its_group_is_processed_later(
 
 def _crashed_task_is_counted_out(settings: Deployment, stop_all: list[Any], r: redis.Redis) -> None:
     dialogs, per = 6, 3
-    apply_catalog(settings, parse_catalog(activation("crash_once", 2)))
+    activate(settings, "crash_once", 2)
     stop_all.append(ThreadDispatcher(settings))
     act = ThreadActivation(settings)
     stop_all.append(act)
-    crashed_key = _test_key(settings.instance, "crashed")
     names = Names(settings.instance)
     with KsbClient(settings) as client:
         handles = send_backlog(client, dialogs, per)
         client.send(handles[2], "//t/Request", json.dumps({"conv": 2, "n": per, "crash": True}))
         client.flush()
-        wait_for("a task to crash", lambda: bool(r.exists(crashed_key)), 60)
-        crash = json.loads(r.get(crashed_key) or b"{}")
+        wait_for("a task to crash", lambda: _crashed(_harness()) is not None, 60)
+        crash = _crashed(_harness()) or {}
         # Counted out at once (the supervisor reaps it), not only when its heartbeat expires.
         tasks_key = names.tasks_key(QUEUE)
         counted_out = wait_for(
@@ -367,7 +380,7 @@ def test_a_failing_task_is_started_again_later_and_later_until_the_queue_is_alte
     messages wait untouched, and once the queue names a procedure that works (which clears
     the hold) they are processed, each once."""
     settings = fast_settings.model_copy(update={"activation_retry_ms": 1500})
-    apply_catalog(settings, parse_catalog(activation("no_such_procedure", 2)))
+    activate(settings, "no_such_procedure", 2)
     stop_all.append(ThreadDispatcher(settings))
     act = ThreadActivation(settings)
     stop_all.append(act)
@@ -386,7 +399,7 @@ def test_a_failing_task_is_started_again_later_and_later_until_the_queue_is_alte
         assert len(starts) >= 3, f"{len(starts)} task(s) started in 60 s"
         # Lower bounds only: a slow machine makes the gaps longer, never shorter.
         assert starts[1] - starts[0] >= 1.5 and starts[2] - starts[1] >= 3.0, starts
-        apply_catalog(settings, parse_catalog(activation("slow_reply", 2)))
+        activate(settings, "slow_reply", 2)
         replies = collect_replies(client, 4, 60)
     assert_processed_once(settings, replies, 2, 2)
 
@@ -397,7 +410,7 @@ def test_alter_queue_readers_and_status_take_effect_at_once(
     # No poison handling interference: this test's probing RECEIVEs roll back.
     settings = fast_settings.model_copy(update={"poison_rollbacks": 1000})
     dialogs, per = 30, 6
-    apply_catalog(settings, parse_catalog(activation("slow_reply", 2)))
+    activate(settings, "slow_reply", 2)
     stop_all.append(ThreadDispatcher(settings))
     act = ThreadActivation(settings)
     stop_all.append(act)
@@ -406,7 +419,7 @@ def test_alter_queue_readers_and_status_take_effect_at_once(
     with KsbClient(settings) as client:
         send_backlog(client, dialogs, per)
         wait_for("two tasks running", lambda: live_tasks(r, settings) == 2, 60)
-        cli(settings, "sql", f"ALTER QUEUE {QUEUE} WITH ACTIVATION (MAX_QUEUE_READERS = 3)")
+        sql(settings, f"ALTER QUEUE {QUEUE} WITH ACTIVATION (MAX_QUEUE_READERS = 3)")
         # Takes effect without a restart of anything (the bound is generous: no timed assertions).
         wait_for("a third task", lambda: live_tasks(r, settings) == 3, 30)
         # The view is a snapshot a task handler writes after the monitor acts, so it may trail
@@ -417,7 +430,7 @@ def test_alter_queue_readers_and_status_take_effect_at_once(
             5,
         )
 
-        cli(settings, "sql", f"ALTER QUEUE {QUEUE} WITH STATUS = OFF")
+        sql(settings, f"ALTER QUEUE {QUEUE} WITH STATUS = OFF")
         start = time.monotonic()
         while True:
             tx = client.transaction()
@@ -439,7 +452,7 @@ def test_alter_queue_readers_and_status_take_effect_at_once(
         # Part of the backlog is still there; STATUS = ON resumes it.
         replies = collect_replies(client, dialogs * per, 2)
         assert len(replies) < dialogs * per
-        cli(settings, "sql", f"ALTER QUEUE {QUEUE} WITH STATUS = ON")
+        sql(settings, f"ALTER QUEUE {QUEUE} WITH STATUS = ON")
         replies += collect_replies(client, dialogs * per - len(replies), 90)
     sampler.stop()
     assert sampler.most == 3, f"at most {sampler.most} tasks ran at once"
@@ -457,7 +470,7 @@ def test_poison_message_handling_off_keeps_the_queue_enabled(
     act = ThreadActivation(fast_settings)
     stop_all.append(act)
     names = Names(fast_settings.instance)
-    cli(fast_settings, "sql", f"ALTER QUEUE {QUEUE} WITH POISON_MESSAGE_HANDLING (STATUS = OFF)")
+    sql(fast_settings, f"ALTER QUEUE {QUEUE} WITH POISON_MESSAGE_HANDLING (STATUS = OFF)")
     wait_for(
         "the monitor to see the change",
         lambda: act.service.watches[QUEUE].queue.poison_message_handling == "OFF",

@@ -14,7 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, owner_of
 from ksb.catalog.model import END_DIALOG, Catalog
 from ksb.cli import app
 from ksb.dialog.views import ONE_SIDED_GRACE_MS
@@ -35,10 +35,20 @@ def operator_env(settings: Deployment) -> dict[str, str]:
     return {k: v for k, v in settings_env(operator).items() if k.startswith("KSB_")}
 
 
+def writer_env(settings: Deployment) -> dict[str, str]:
+    """The ``KSB_*`` variables of the test instance's owner, a writer of its catalog."""
+    owner = settings.as_principal(owner_of(settings.instance)).narrow(CliSettings)
+    return {k: v for k, v in settings_env(owner).items() if k.startswith("KSB_")}
+
+
 def ksb(settings: Deployment, *args: str) -> Result:
     """Run `ksb ARGS` with the test instance's settings in the environment, as a user would:
-    the instance's operator."""
-    return CliRunner().invoke(app, list(args), env=operator_env(settings))
+    the instance's operator, or for a change of the catalog its owner (only the catalog's
+    writers change it, issue 38)."""
+    writes = args[:1] == ("sql",) or args[:2] == ("catalog", "apply")
+    return CliRunner().invoke(
+        app, list(args), env=writer_env(settings) if writes else operator_env(settings)
+    )
 
 
 def ok(result: Result) -> str:

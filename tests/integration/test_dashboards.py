@@ -38,7 +38,7 @@ import pytest
 import ksb.runtime.metrics  # noqa: F401  (registers the services' metrics in the default registry)
 import services.dispatcher.gauges
 import services.queue.gauges  # noqa: F401  (their collectors, in the same registry)
-from devtools.deployment import Deployment, process_settings
+from devtools.deployment import Deployment, owner_of, process_settings
 from devtools.local_prometheus import Prometheus
 from devtools.localstack import free_port
 from devtools.queue_services import with_queues
@@ -240,7 +240,7 @@ def running() -> Iterator[list[ServiceProcess | Prometheus | SparkExporter]]:
             item.stop()
 
 
-def _catalog() -> dict[str, Any]:
+def _catalog(instance: str) -> dict[str, Any]:
     cat = copy.deepcopy(BASIC_CATALOG)
     for q in cat["queues"]:
         if q["name"] == "TargetQueue":
@@ -248,6 +248,7 @@ def _catalog() -> dict[str, Any]:
                 "status": "ON",
                 "procedure": "tests.integration.activation_procs:reply",
                 "max_queue_readers": 2,
+                "execute_as": owner_of(instance),  # the tools' activation host holds its login
             }
     # Two levels in the data: the target side at 8, the initiator's replies at the default 5.
     cat["priorities"] = [{"name": "target-hi", "contract": C, "local_service": T, "level": 8}]
@@ -358,7 +359,7 @@ def test_every_dashboard_panel_returns_data_from_a_real_prometheus(
     fast = settings.model_copy(
         update={"tick_ms": 500, "activated_idle_ms": 800, "activation_empty_grace_ms": 1000}
     )
-    apply_catalog(fast, parse_catalog(_catalog()))
+    apply_catalog(fast, parse_catalog(_catalog(fast.instance)))
     # The queue service as a process of its own, with a metrics port, and every client on it.
     queue_port = free_port()
     ports = {"queue": free_port()}

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, owner_of
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import parse_catalog
 from ksb.names import Names
@@ -97,15 +97,25 @@ def test_external_activator_starts_readers_that_reply_never_above_max(
         "tests.integration.activation_procs:reply $ACTIVATED_TASK_ID"
     )
     config = tmp_path / "external_activator.yaml"
+    # The readers log in as the instance's owner (its Kafka login only: the activator keeps
+    # their heartbeats), never as the activator (issue 38).
+    owner = owner_of(fast_settings.instance)
+    login = {"kafka_password_file": fast_settings.as_principal(owner).kafka_password_file}
     config.write_text(
         json.dumps(  # JSON is YAML
             {
                 "queues": {
-                    "TargetQueue": {"command": reader, "min": 0, "max": MAX_READERS},
+                    "TargetQueue": {
+                        "command": reader,
+                        "min": 0,
+                        "max": MAX_READERS,
+                        "execute_as": owner,
+                    },
                     # Not in the catalog, so no events: only `min` keeps it running, and only
                     # SIGTERM to the activator ends it.
                     "IdleQueue": {"command": "exec sleep 600", "min": 1, "max": 1},
-                }
+                },
+                "logins": {owner: login},
             }
         )
     )

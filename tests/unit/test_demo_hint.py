@@ -42,10 +42,12 @@ def _shell(lines: list[str]) -> tuple[dict[str, str], dict[str, str]]:
 def _assert_operator_of(env: dict[str, str], instance: str, credentials: Path) -> None:
     settings = CliSettings.from_env(env)
     operator = service_principal(instance, Role.OPERATOR)
-    password = str(credentials / f"{operator}.password")
+    kafka_password = str(credentials / f"{operator}.password")
+    redis_password = str(credentials / f"{operator}.redis.password")
     assert settings.instance == instance
     assert (settings.kafka_username, settings.redis_username) == (operator, operator)
-    assert (settings.kafka_password_file, settings.redis_password_file) == (password, password)
+    assert settings.kafka_password_file == kafka_password
+    assert settings.redis_password_file == redis_password  # a principal's two passwords differ
 
 
 def test_each_instance_is_given_its_own_operators_login(tmp_path: Path) -> None:

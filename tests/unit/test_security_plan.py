@@ -198,10 +198,45 @@ def test_nobody_but_the_dispatcher_writes_queues_endpoints_or_the_transmission_q
         assert writers == {svc(Role.DISPATCHER)}, topic
 
 
-def test_the_catalog_is_written_by_the_operator_owners_and_the_poison_rule_only() -> None:
+def test_the_catalog_is_written_by_owners_only_and_a_queues_status_by_activation_too() -> None:
+    """Issue 38: the operator and the activation service wrote the catalog (grants, routes,
+    activation commands). Now only the catalog's writers do (``admin``, a super user, and the
+    owners); the activation service disables a poisoned queue by a status record."""
     plan = _plan(owners=["own"])
     writers = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.catalog)}
-    assert writers == {svc(Role.OPERATOR), svc(Role.ACTIVATION), "own"}
+    assert writers == {"own"}
+    status = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.queue_status)}
+    assert status == {svc(Role.ACTIVATION), "own"}
+    assert not _grants(plan, svc(Role.OPERATOR), Operation.CREATE, N.queue("new"))
+
+
+def test_every_service_that_follows_the_catalog_reads_the_queues_status_with_it() -> None:
+    plan = _plan()
+    readers = {p for p in plan.principals if _grants(plan, p, Operation.READ, N.queue_status)}
+    followers = {p for p in plan.principals if _grants(plan, p, Operation.READ, N.catalog)}
+    assert readers == followers - {svc(Role.SPARK)}  # the job reads SLA targets only
+    assert {svc(Role.DISPATCHER), svc(Role.QUEUE), svc(Role.TRANSMITTER)} <= readers
+
+
+def test_a_task_principal_may_write_its_queues_heartbeats_and_nothing_else_in_redis() -> None:
+    activated = _catalog()
+    queues = [
+        q.model_copy(
+            update={
+                "activation": q.activation.model_copy(
+                    update={"status": "ON", "procedure": "m:f", "execute_as": "worker"}
+                )
+            }
+        )
+        if q.name == "QA"
+        else q
+        for q in activated.queues
+    ]
+    plan = _plan(activated.model_copy(update={"queues": tuple(queues)}))
+    assert "worker" in plan.principals
+    rules = plan.redis["worker"]
+    assert rules.keys == frozenset({N.tasks_key("QA")})
+    assert rules.commands >= {"zadd", "zrem"} and not rules.commands & {"set", "get", "evalsha"}
 
 
 def test_only_the_transport_writes_our_inbound_and_only_the_transport_our_acks() -> None:
@@ -232,10 +267,17 @@ def test_transactional_ids_and_groups_belong_to_their_service() -> None:
 def test_no_one_may_create_the_core_topics() -> None:
     plan = _plan(owners=["own"])
     creates = {a.name for a in plan.kafka_acls if a.operation is Operation.CREATE}
-    assert creates == {f"{N.prefix}.queue.", f"{N.prefix}.dlq.", N.external_activator_app}
+    # The catalog's writers create what a new version needs: its queues' topics, and the
+    # inbound topic of a new route's carrier (no one may write it without the peer's grant).
+    assert creates == {
+        f"{N.prefix}.queue.",
+        f"{N.prefix}.dlq.",
+        N.inbound_prefix,
+        N.external_activator_app,
+    }
 
 
-def test_activated_readers_receive_as_the_service_that_starts_them() -> None:
+def test_the_activation_services_look_at_queues_through_the_queue_service() -> None:
     """Through the queue service, which checks the grants: no queue topic of their own."""
     plan = _plan()
     assert plan.accesses_of(svc(Role.ACTIVATION)).receives_all

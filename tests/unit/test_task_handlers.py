@@ -15,7 +15,8 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from ksb.catalog.model import Catalog, CatalogView, parse_catalog
+from ksb.catalog.model import CatalogView, parse_catalog
+from ksb.catalog.queue_status import effective
 from ksb.clock import ManualClock
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.task_handlers import (
@@ -27,6 +28,7 @@ from ksb.runtime.task_handlers import (
 )
 from ksb.runtime.ticker import Ticker
 from ksb.settings import ActivationSettings
+from ksb.wire.queue_status import QueueStatus
 from services.activation import ActivationService, poisoning
 from services.activation.poisoning import Poisoning
 
@@ -361,28 +363,24 @@ def test_a_redis_failure_mirroring_the_catalog_is_mended_on_the_next_monitor_tic
     ]
 
 
-def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
+def test_a_poisoned_queue_stays_in_the_mirror_until_its_status_record_is_read(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The mirror written on every tick must not let a poisoned queue be received from between
-    its catalog write and this service reading that catalog version."""
+    its status record's write and this service reading it back. The record is the queue's own,
+    not a catalog version: the activation service may not write the catalog."""
     settings = ActivationSettings(instance="unit", activation_check_ms=10)
     fake = _MirrorRedis()
     fake.failing = False
     act = _activation(settings, fake)
     on = parse_catalog({"version": 4, "queues": [{"name": "Q"}]})
-    written: list[Catalog] = []
-
-    def apply(_s: object, catalog: Catalog) -> Catalog:
-        stored = catalog.model_copy(update={"version": 5})
-        written.append(stored)
-        return stored
-
-    monkeypatch.setattr(poisoning, "load_catalog", lambda _s: on)
-    monkeypatch.setattr(poisoning, "apply_catalog", apply)
+    written: list[QueueStatus] = []
+    monkeypatch.setattr(poisoning, "write_queue_status", lambda _s, status: written.append(status))
     act._catalog = CatalogView(on)
-    act.poisoning._disabling["Q"] = 0  # as `poisoned` marks it
-    act.poisoning._disable_in_catalog("Q", "5 rollbacks in a row")
+    act.poisoning._disabling["Q"] = False  # as `poisoned` marks it
+    act.poisoning._disable("Q", "5 rollbacks in a row")
+    [status] = written
+    assert status.disabled and status.queue == "Q" and "5 rollbacks in a row" in status.reason
 
     def disabled_now() -> list[str]:
         """The queues the next tick's mirror writes as disabled."""
@@ -393,8 +391,9 @@ def test_a_poisoned_queue_stays_in_the_mirror_until_its_off_catalog_is_read(
 
     flag = act.names.disabled_key("Q")
     assert disabled_now() == [flag]  # written, not yet read back: still disabled
-    act.on_catalog(CatalogView(written[0]))
+    held = {"Q": status.reason}
+    act.on_catalog(CatalogView(effective(on, held), held))
     assert act.poisoning.disabling() == set()
-    assert disabled_now() == [flag]  # the catalog says OFF itself
-    act.on_catalog(CatalogView(on.model_copy(update={"version": 6})))
-    assert disabled_now() == []  # enabled again by a later catalog
+    assert disabled_now() == [flag]  # the status record says OFF
+    act.on_catalog(CatalogView(on))  # enabled again: ALTER QUEUE ... WITH STATUS = ON
+    assert disabled_now() == []

@@ -1,10 +1,12 @@
 """An activated task: `python -m ksb.activation.activated QUEUE module:function TASK_ID`.
 
-The queue monitor starts one per activation. It RECEIVEs in a loop, hands each batch to the
-procedure inside the transaction, commits, and returns when a RECEIVE finds the queue empty for
-``KSB_ACTIVATED_IDLE_MS`` (settings). It heartbeats into the queue's task set in Redis, so the count of running
-tasks survives a restart of the activation service and a crashed task drops out when its heartbeat
-expires. With Redis failing it ends rather than crash (a RECEIVE that cannot lock, a heartbeat or
+The queue monitor starts one per activation, logged in as the principal the queue's ``EXECUTE
+AS`` names (`ksb.activation.host`). It RECEIVEs in a loop, hands each batch to the procedure
+inside the transaction, commits, and returns when a RECEIVE finds the queue empty for
+``KSB_ACTIVATED_IDLE_MS`` (settings). With a Redis login it heartbeats into the queue's task set,
+so the count of running tasks survives a restart of the activation service and a crashed task
+drops out when its heartbeat expires (without one, the activation service that started it keeps
+its heartbeat). With Redis failing it ends rather than crash (a RECEIVE that cannot lock, a heartbeat or
 its removal not written, are logged), and the monitor starts readers again once Redis is back.
 A task whose principal may not RECEIVE from its queue (a grant missing or revoked) ends with one
 line saying so and exit status `EXIT_NOT_AUTHORIZED`, which the activation service logs as a
@@ -29,6 +31,7 @@ from ksb.errors import (
     LockStoreUnavailable,
     NotAuthorized,
     QueueDisabled,
+    SecurityError,
 )
 from ksb.names import Names
 from ksb.runtime.redis_client import best_effort, redis_client
@@ -61,20 +64,23 @@ def resolve(path: str) -> Procedure:
 
 def run_task(
     client: KsbClient,
-    heartbeats: redis.Redis,
+    heartbeats: redis.Redis | None,
     queue: str,
     procedure: Procedure,
     task_id: str,
     settings: ActivatedTaskSettings,
 ) -> int:
     """RECEIVE and process until the queue stays empty; returns the messages processed. The
-    task's heartbeat goes to Redis through `heartbeats` (the activation service counts it)."""
+    task's heartbeat goes to Redis through `heartbeats` (the activation service counts it),
+    unless it has none."""
     names = Names(settings.instance)
     idle_ms = settings.activated_idle_ms
     tasks_key = names.tasks_key(queue)
     stop = threading.Event()
 
     def beat() -> None:
+        if heartbeats is None:
+            return
         with best_effort(log, "task heartbeat not written; the monitor's count misses it"):
             until = int(time.time() * 1000) + settings.activated_heartbeat_ttl_ms
             heartbeats.zadd(tasks_key, {task_id: until})
@@ -120,9 +126,22 @@ def run_task(
     finally:
         stop.set()
         beating.join(2)
-        with best_effort(log, f"task {task_id} not unregistered; its heartbeat lapses"):
-            heartbeats.zrem(tasks_key, task_id)
+        if heartbeats is not None:
+            with best_effort(log, f"task {task_id} not unregistered; its heartbeat lapses"):
+                heartbeats.zrem(tasks_key, task_id)
     return processed
+
+
+def _heartbeats(settings: ActivatedTaskSettings) -> redis.Redis | None:
+    """A Redis client for the task's heartbeats, or None when its principal has no Redis login
+    (the activation service that started it keeps its heartbeat then)."""
+    if settings.kafka_security_protocol != "PLAINTEXT" and not settings.redis_username:
+        return None
+    try:
+        return redis_client(settings)
+    except SecurityError as exc:
+        log.warning("no heartbeats of this task's own: %s", exc.reason)
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task %s: %s", task_id, exc.reason)
         return EXIT_USAGE
     settings = ActivatedTaskSettings.from_env()
-    heartbeats = redis_client(settings)
+    heartbeats = _heartbeats(settings)
     try:
         with KsbClient(settings) as client:
             n = run_task(client, heartbeats, queue, procedure, task_id, settings)
@@ -151,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task %s ends: it may not RECEIVE from %s: %s", task_id, queue, exc.reason)
         return EXIT_NOT_AUTHORIZED
     finally:
-        heartbeats.close()
+        if heartbeats is not None:
+            heartbeats.close()
     log.info("task %s done: %d message(s)", task_id, n)
     return 0
 

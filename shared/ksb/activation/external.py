@@ -14,6 +14,9 @@ and feeds the counts in, so the rules below are unit-tested in milliseconds.
 - ``min`` commands are kept running always: one that exits is restarted. A command that keeps
   failing (non-zero exit) is restarted with exponential back-off, so a broken command line does
   not become a fork loop.
+- A command runs as the principal its queue's ``execute_as`` names, with the login the file
+  holds for it (``logins``, as `ksb.activation.host`'s): never with the activator's own, which
+  no reader inherits. The file is the host's, so its commands are the host's command lines.
 - BROKER_QUEUE_DISABLED stops new starts for the queue (the running readers find RECEIVE refused
   and exit by themselves). The activation service sends no QUEUE_ACTIVATION for a disabled queue,
   and events of one queue share a key and so a partition; a QUEUE_ACTIVATION read after the
@@ -28,6 +31,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from ksb.activation.host import TaskLogin
 from ksb.backoff import Backoff, FailureHold
 from ksb.errors import CatalogError
 from ksb.wire.activation import ActivationEvent, BrokerQueueDisabled
@@ -49,6 +53,9 @@ class QueueReaders(BaseModel):
     command: str = Field(min_length=1)
     min_readers: int = Field(0, ge=0, alias="min")
     max_readers: int = Field(1, ge=1, alias="max")
+    execute_as: str = ""
+    """The principal the command logs in as (its login in the file's ``logins``); empty: none,
+    for a stack without security."""
 
     @model_validator(mode="after")
     def _min_within_max(self) -> QueueReaders:
@@ -58,11 +65,29 @@ class QueueReaders(BaseModel):
 
 
 class ExternalActivatorConfig(BaseModel):
-    """The YAML file: ``queues: {QueueName: {command: ..., min: 0, max: 2}}``."""
+    """The YAML file: ``queues: {QueueName: {command: ..., min: 0, max: 2, execute_as: p}}`` and
+    ``logins: {p: {kafka_password_file: ..., redis_password_file: ...}}``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     queues: dict[str, QueueReaders] = Field(min_length=1)
+    logins: dict[str, TaskLogin] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _logins_known(self) -> ExternalActivatorConfig:
+        for name, q in self.queues.items():
+            if q.execute_as and q.execute_as not in self.logins:
+                raise ValueError(f"queues.{name}.execute_as: no login for {q.execute_as!r}")
+        return self
+
+    def secret_files(self) -> list[str]:
+        """Every secret file the activator holds for its readers."""
+        return [
+            f
+            for login in self.logins.values()
+            for f in (login.kafka_password_file, login.redis_password_file)
+            if f
+        ]
 
 
 def load_config(path: str | Path) -> ExternalActivatorConfig:

@@ -8,7 +8,8 @@ the application handles it. A commit ends the run of rollbacks.
 KSB adds dead-letter policies: a queue with one never gets disabled; instead a message rolled back
 ``max_rollbacks`` times is moved to the queue's dead-letter topic (and its conversation ends with
 an error), so the queue goes on serving everything else. The rules are pure; the activation
-service counts rollbacks (from Redis) and acts on the answer.
+service counts rollbacks (from Redis) and acts on the answer: a disabled queue gets a record of
+its own (`ksb.wire.queue_status`), not a catalog version.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import Enum
 
-from ksb.catalog.model import Catalog, Queue
+from ksb.catalog.model import Queue
 
-__all__ = ["PoisonAction", "disabled", "on_rollbacks", "to_dead_letter"]
+__all__ = ["PoisonAction", "on_rollbacks", "to_dead_letter"]
 
 
 class PoisonAction(str, Enum):
@@ -43,11 +44,3 @@ def on_rollbacks(queue: Queue, rollbacks_in_a_row: int, threshold: int) -> Poiso
 def to_dead_letter(rollbacks_per_message: Mapping[str, int], max_rollbacks: int) -> list[str]:
     """The messages rolled back at least `max_rollbacks` times."""
     return [mid for mid, n in rollbacks_per_message.items() if n >= max_rollbacks]
-
-
-def disabled(catalog: Catalog, queue: str) -> Catalog:
-    """The catalog with `queue` disabled: the next version a poisoned queue gets."""
-    queues = tuple(
-        q.model_copy(update={"status": "OFF"}) if q.name == queue else q for q in catalog.queues
-    )
-    return catalog.model_copy(update={"queues": queues})

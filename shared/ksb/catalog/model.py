@@ -204,7 +204,16 @@ class Contract(_Model):
 
 
 class Activation(_Model):
-    """Internal activation: a Python callable (``module:function``) or a shell command."""
+    """Internal activation: a Python callable (``module:function``) or a named command.
+
+    The catalog names programs, it never holds them: `command` is the name of a command the
+    activation host's own configuration defines (`ksb.activation.host`), as SQL Server's
+    External Activator keeps its command lines in its own configuration file, and `execute_as`
+    the principal the task logs in as, whose login only the host holds. What a new catalog
+    version may say here is `ksb.security.governance`'s rule; an older stored version is still
+    read (a service that skipped it would lose the whole catalog), and its host refuses to start
+    what the rule forbids.
+    """
 
     status: Literal["ON", "OFF"] = "OFF"
     procedure: str | None = None
@@ -306,6 +315,10 @@ class Catalog(_Model):
     version: int = 0
     applied_ms: int | None = None
     """When this version was applied (Unix ms; set by `apply_catalog`): route lifetimes count from it."""
+    written_by: str | None = None
+    """The principal that wrote this version (set by `apply_catalog` from its login; None for a
+    version written before it was recorded, or on a stack without security). Only the catalog's
+    writers may write the topic (`ksb.security.governance`), so the claim is theirs."""
     message_types: tuple[MessageType, ...] = ()
     contracts: tuple[Contract, ...] = ()
     queues: tuple[Queue, ...] = ()
@@ -491,11 +504,17 @@ _BUILTIN_CONTRACT = Contract(
 
 
 class CatalogView:
-    """Fast look-ups over one catalog version, with Service Broker's built-ins added."""
+    """Fast look-ups over one catalog version, with Service Broker's built-ins added.
 
-    def __init__(self, catalog: Catalog) -> None:
+    `held_off` names the queues a queue-status record disables although the catalog says ON
+    (poison-message handling, `ksb.catalog.queue_status`), with the reason; `catalog` then
+    already has them OFF. Two views of one version differ when it does.
+    """
+
+    def __init__(self, catalog: Catalog, held_off: Mapping[str, str] | None = None) -> None:
         self.catalog = catalog
         self.version = catalog.version
+        self.held_off: dict[str, str] = dict(held_off or {})
         self.message_types = {m.name: m for m in catalog.message_types}
         self.message_types.setdefault(DEFAULT_MESSAGE_TYPE, _BUILTIN_TYPE)
         self.contracts = {c.name: c for c in catalog.contracts}

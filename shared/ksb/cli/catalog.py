@@ -1,7 +1,15 @@
-"""`ksb catalog apply|show` and `ksb sql`: the catalog as YAML, and as Service Broker DDL."""
+"""`ksb catalog apply|show` and `ksb sql`: the catalog as YAML, and as Service Broker DDL.
+
+Writing the catalog is for its writers, ``admin`` and the instance's owners (Kafka refuses
+anyone else, and the command says so); every version is checked against the governance rules
+first (`ksb.security.governance`: commands by name, ``EXECUTE AS`` a real principal) and records
+who wrote it. A queue poison-message handling disabled is enabled again by ``ksb sql "ALTER
+QUEUE q WITH STATUS = ON"``, which writes a queue-status record (`ksb.catalog.queue_status`).
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,17 +29,28 @@ from ksb.catalog.model import (
     CatalogView,
     load_catalog_file,
 )
+from ksb.catalog.queue_status import effective, reconcile
 from ksb.cli.app import app, catalog_app, cli_settings, echo_json, make_console, reported
 from ksb.errors import DdlError
-from ksb.runtime.catalog_store import apply_catalog, load_catalog
+from ksb.runtime.catalog_store import (
+    apply_catalog,
+    load_catalog,
+    load_statuses,
+    load_view,
+    write_queue_status,
+)
+from ksb.security.governance import check_version
 from ksb.settings import KsbSettings
+from ksb.wire.queue_status import QueueStatus
 
 __all__ = ["LiteralTable", "catalog_tables", "store_catalog", "table"]
 
 
 def store_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
-    """Apply as the next version, after the checks a service would otherwise fail on at reload."""
+    """Apply as the next version, after the checks a service would otherwise fail on at reload
+    and the governance rules (what a catalog may ask a host to run)."""
     CatalogView(catalog)  # builds the priority table: clashing rules are refused here, not later
+    check_version(catalog, settings.instance)
     return apply_catalog(settings, catalog)
 
 
@@ -52,12 +71,18 @@ def catalog_show(
 ) -> None:
     """The current catalog version and its definitions."""
     settings = cli_settings()
-    current = load_catalog(settings)
+    view = load_view(settings)
+    current = view.catalog
     if as_json:
         echo_json(current.model_dump(mode="json", by_alias=True))
         return
     console = make_console()
-    console.print(Text(f"catalog version {current.version} of instance {settings.instance}"))
+    writer = f", written by {current.written_by}" if current.written_by else ""
+    console.print(
+        Text(f"catalog version {current.version} of instance {settings.instance}{writer}")
+    )
+    for queue, reason in sorted(view.held_off.items()):
+        console.print(Text(f"queue {queue} is disabled outside the catalog: {reason}"))
     for table in catalog_tables(current):
         console.print(table)
 
@@ -185,12 +210,32 @@ def sql(
     parsed = parse(text)
     settings = cli_settings()
     current = load_catalog(settings)
-    changed = apply_script(current, parsed)
-    if _definitions(changed) == _definitions(current):
+    disabled = {q: s.reason for q, s in load_statuses(settings).items() if s.disabled}
+    # The statements see the queues as the services do: one poison handling disabled is OFF.
+    changed, enable = reconcile(
+        current, apply_script(effective(current, disabled), parsed), disabled
+    )
+    if _definitions(changed) == _definitions(current) and not enable:
         typer.echo(f"nothing to change: catalog stays at version {current.version}")
         return
-    applied = store_catalog(settings, changed)
-    typer.echo(f"applied {len(parsed)} statement(s): catalog version {applied.version}")
+    version = current.version
+    if _definitions(changed) != _definitions(current):
+        version = store_catalog(settings, changed).version
+    for queue in enable:
+        write_queue_status(settings, _enabled(settings, queue))
+        typer.echo(f"queue {queue} enabled again (it was disabled: {disabled[queue]})")
+    typer.echo(f"applied {len(parsed)} statement(s): catalog version {version}")
+
+
+def _enabled(settings: KsbSettings, queue: str) -> QueueStatus:
+    return QueueStatus(
+        instance=settings.instance,
+        queue=queue,
+        disabled=False,
+        reason="ALTER QUEUE ... WITH STATUS = ON",
+        event_ms=int(time.time() * 1000),
+        by=settings.acting_principal,
+    )
 
 
 @catalog_app.command("export")
@@ -209,4 +254,6 @@ def catalog_export(
 
 
 def _definitions(catalog: Catalog) -> dict[str, Any]:
-    return catalog.model_dump(mode="json", by_alias=True, exclude={"version", "applied_ms"})
+    return catalog.model_dump(
+        mode="json", by_alias=True, exclude={"version", "applied_ms", "written_by"}
+    )

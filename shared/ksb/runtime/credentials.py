@@ -12,9 +12,11 @@ keyed by the cluster's bootstrap list, exactly the address a route names: the ca
 addresses, never secrets, and the same cluster is the same SCRAM user database whichever route
 leads there, so a login belongs to a cluster, not to a route.
 
-`CredentialStore` is the admin's side: one 0600 file per principal under a 0700 directory, holding
-the password `ksb principal add` generated, which is also the file a process's
-``KSB_KAFKA_PASSWORD_FILE`` names.
+`CredentialStore` is the admin's side: 0600 files under a 0700 directory, two per principal:
+its Kafka password (``<principal>.password``, what ``KSB_KAFKA_PASSWORD_FILE`` names) and its
+Redis password (``<principal>.redis.password``, ``KSB_REDIS_PASSWORD_FILE``), both generated.
+They differ, so that Redis, which keeps only a hash but is reached by fewer processes, and
+Kafka do not share one secret: a password read off one does not open the other.
 """
 
 from __future__ import annotations
@@ -206,24 +208,44 @@ def write_private(path: Path, text: str) -> None:
 
 @dataclass(frozen=True)
 class CredentialStore:
-    """The passwords the admin generated, one 0600 file per principal (``<name>.password``).
-
-    The same file is a process's ``KSB_KAFKA_PASSWORD_FILE`` and ``KSB_REDIS_PASSWORD_FILE``: a
-    principal has one password, for its SCRAM user in Kafka and its ACL user in Redis.
-    """
+    """The passwords the admin generated, 0600 files: ``<name>.password`` (Kafka, a process's
+    ``KSB_KAFKA_PASSWORD_FILE``) and ``<name>.redis.password`` (Redis, its
+    ``KSB_REDIS_PASSWORD_FILE``). A principal's two passwords differ."""
 
     root: Path
 
     def path(self, principal: str) -> Path:
         return self.root / f"{principal}.password"
 
+    def redis_path(self, principal: str) -> Path:
+        """The principal's Redis password file (a principal's name has no dot, so no Kafka
+        password file is ever named so)."""
+        return self.root / f"{principal}.redis.password"
+
     def get(self, principal: str) -> str | None:
         p = self.path(principal)
         return read_secret(str(p), f"password of {principal}") if p.exists() else None
 
+    def get_redis(self, principal: str) -> str | None:
+        p = self.redis_path(principal)
+        return read_secret(str(p), f"Redis password of {principal}") if p.exists() else None
+
     def put(self, principal: str, password: str) -> Path:
         write_private(self.path(principal), password + "\n")
         return self.path(principal)
+
+    def put_redis(self, principal: str, password: str) -> Path:
+        write_private(self.redis_path(principal), password + "\n")
+        return self.redis_path(principal)
+
+    def ensure_redis(self, principal: str) -> str:
+        """The principal's stored Redis password, generated and stored now if it has none."""
+        known = self.get_redis(principal)
+        if known is not None:
+            return known
+        password = generate_password()
+        self.put_redis(principal, password)
+        return password
 
     def lease_key(self, instance: str) -> Path:
         """The instance's lease key (`ksb.security.leases`): for its queue service and its

@@ -238,6 +238,7 @@ def core_topics(names: Names, settings: KsbSettings) -> list[TopicSpec]:
         TopicSpec(names.endpoints, settings.request_partitions, _COMPACT),
         TopicSpec(names.depth, 1, _COMPACT),
         TopicSpec(names.catalog, 1, _COMPACT),
+        TopicSpec(names.queue_status, 1, _COMPACT),
         TopicSpec(names.errors, 1),
         TopicSpec(names.audit, 1),
         TopicSpec(names.transmission, 1),

@@ -1,7 +1,9 @@
 """The one way KSB makes a Redis client: the instance's Redis, logged in as the process's ACL user.
 
 Redis's ACL users carry the same names as the Kafka principals (`ksb.security`), so a process is
-the same principal in both. Without a username the client logs in as Redis's ``default`` user,
+the same principal in both (with a password of its own in each, `ksb.runtime.credentials`). A
+``rediss://`` URL is Redis over TLS: the client verifies the server against
+`KsbSettings.redis_ssl_ca` (the system's CAs without it). Without a username the client logs in as Redis's ``default`` user,
 which the secured stack turns off: only a development stack started without security has one.
 
 With ``redis_cluster`` the client is redis-py's `RedisCluster`, typed as `redis.Redis` (`redis_url`
@@ -39,6 +41,8 @@ def redis_client(settings: KsbSettings, **options: Any) -> redis.Redis:
         options["username"] = username
     if password is not None:
         options["password"] = password
+    if settings.redis_ssl_ca and settings.redis_url.startswith("rediss://"):
+        options.setdefault("ssl_ca_certs", settings.redis_ssl_ca)
     if settings.redis_cluster:
         first, *others = cluster_urls(settings.redis_url)
         seeds = [_node(u) for u in others]

@@ -5,7 +5,9 @@ sends them over gRPC to the first replica of `ClientSettings.queue_addresses` th
 its principal's login in every call's metadata. A replica that does not answer (UNAVAILABLE, or
 no answer within the call's time) is left for the next one: every call carries all it needs (the
 lease, what the transaction received), so a transaction goes on on another replica. Locks its
-open transactions hold are renewed from a thread of its own every `lock_renew_ms`.
+open transactions hold are renewed from a thread of its own every `lock_renew_ms`. With
+`QueueClientSettings.queue_ssl_ca` the channels are TLS and the replicas are verified against
+that CA: the login in each call's metadata then never crosses the network in clear.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -161,9 +164,21 @@ class QueueServiceClient:
         with self._lock:
             at = self._current
             if at not in self._channels:
-                channel = grpc.insecure_channel(self._addresses[at], options=self._options)
+                channel = self._channel(self._addresses[at])
                 self._channels[at] = (channel, pb_grpc.QueueServiceStub(channel))
             return self._channels[at][1], at
+
+    def _channel(self, address: str) -> grpc.Channel:
+        """A TLS channel verified against `queue_ssl_ca` when it is set, else a plain one."""
+        ca = self.settings.queue_ssl_ca
+        if not ca:
+            return grpc.insecure_channel(address, options=self._options)
+        try:
+            roots = Path(ca).read_bytes()
+        except OSError as exc:
+            raise QueueServiceUnavailable(f"KSB_QUEUE_SSL_CA: cannot read {ca}: {exc}") from None
+        credentials = grpc.ssl_channel_credentials(root_certificates=roots)
+        return grpc.secure_channel(address, credentials, options=self._options)
 
     def _move_on(self, at: int, exc: grpc.RpcError) -> None:
         """Leave replica `at` for the next (once, however many calls saw it fail)."""

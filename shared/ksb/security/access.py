@@ -17,10 +17,13 @@ Choices the issue left open, made here:
 * RECEIVE needs nothing at the ACL level either: an application RECEIVEs through the queue
   service, which checks the grant; it reads no queue topic and has no Redis user, so no lock
   key or queue flag is within reach of anything it may call.
-* Activated tasks run as the activation service that starts them, and the external activator's
-  readers as the external activator (their ``EXECUTE AS`` is not mapped to other principals):
-  the activation principal may RECEIVE from any queue, the external activator from the queues
-  with an event notification.
+* An activated task logs in as the principal its queue's ``EXECUTE AS`` names
+  (`ksb.security.governance`), never as the activation service; it needs the grants any
+  application needs (RECEIVE on the queue, SEND for what it sends), which the catalog gives
+  like any other, and a Redis user that may only write its queues' task heartbeats. The
+  external activator's readers log in as the principal the activator's configuration names
+  for their queue. The activation principal itself RECEIVEs from any queue only to look at
+  it; the external activator from the queues with an event notification.
 * An owner (a deployment's choice, like SQL Server's ``db_owner``) may do what the operator does
   and RECEIVE from every queue: the tests, the demo and the benchmarks drive an instance as one.
 * A grant to PUBLIC is refused: Kafka's ``User:*`` would reach every principal of the cluster,
@@ -30,13 +33,22 @@ Choices the issue left open, made here:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ksb.catalog.model import Catalog
-from ksb.errors import SecurityError
+from ksb.errors import CatalogError, SecurityError
+from ksb.security.governance import task_principal
 from ksb.security.principals import PEER_PREFIX, Role, check_principal, service_principals
 
-__all__ = ["ALL_QUEUES", "Access", "Peer", "access_of", "applications", "peers_of"]
+__all__ = [
+    "ALL_QUEUES",
+    "Access",
+    "Peer",
+    "access_of",
+    "applications",
+    "peers_of",
+    "task_principals",
+]
 
 ALL_QUEUES = "*"
 """In `Access.receives`: every queue of the instance, present and future."""
@@ -55,6 +67,9 @@ class Access:
     """Queues it may RECEIVE from (`ALL_QUEUES` for all), through the queue service: the
     service checks the grant, and only the queue service reads queue topics and lock keys."""
     owner: bool = False
+    heartbeats: frozenset[str] = field(default_factory=frozenset)
+    """Queues whose activated tasks run as it (``EXECUTE AS``): the tasks write their heartbeat
+    into the queue's task set in Redis."""
 
     @property
     def receives_all(self) -> bool:
@@ -121,7 +136,25 @@ def access_of(instance: str, catalog: Catalog, owners: Iterable[str] = ()) -> li
             found[name] = Access(name, sends=True, receives=queues)
         else:  # a service or an owner granted more: it keeps its role and gains the queues
             found[name] = Access(name, known.role, True, known.receives | queues, owner=known.owner)
+    for name, queues in task_principals(instance, catalog).items():
+        known = found.get(name) or Access(name)
+        found[name] = replace(known, heartbeats=known.heartbeats | queues)
     return sorted(found.values(), key=lambda a: a.principal)
+
+
+def task_principals(instance: str, catalog: Catalog) -> dict[str, frozenset[str]]:
+    """Principal -> queues whose activated tasks log in as it (activation ON and an ``EXECUTE
+    AS`` that names one; a stored version with SELF or OWNER maps to nobody)."""
+    out: dict[str, set[str]] = {}
+    for q in catalog.queues:
+        if q.activation.status != "ON":
+            continue
+        try:
+            name = task_principal(q.activation, instance)
+        except CatalogError:
+            continue
+        out.setdefault(name, set()).add(q.name)
+    return {p: frozenset(q) for p, q in out.items()}
 
 
 def peers_of(instance: str, catalog: Catalog) -> list[Peer]:

@@ -12,6 +12,8 @@ the same plan twice changes nothing the second time.
 * Redis: each principal's rules for this instance are kept in Redis (``ksb-acl:user:<p>``, one
   field per instance, readable by ``admin`` only), and the user is set to the union over its
   instances, since one Redis user serves an application granted on several instances.
+  A Redis user's password is the principal's Redis password (``<p>.redis.password`` in the
+  store, generated there if new), never its Kafka one.
   ``ACL SETUSER`` with ``resetkeys``/``-@all`` replaces keys and commands in one call, so a
   connection never sees a half-applied rule set; a connection already open keeps its login and
   is checked against the new rules on its next command. The users are then saved (``ACL
@@ -387,7 +389,7 @@ def _sync_redis(
         for raw in cast(list[bytes], r.hvals(_user_key(p))):
             union |= _decode(raw)
         login = ["on"] if not union.empty else ["off"]
-        password = store.get(p) if store is not None else None
+        password = store.ensure_redis(p) if store is not None and not union.empty else None
         if password is not None:
             login += ["resetpass", f"#{_sha256(password)}"]
         _acl_command(r, "SETUSER", p, *login, *union.acl())
@@ -437,12 +439,12 @@ def add_principal(admin: KsbSettings, store: CredentialStore, name: str) -> tupl
         password, _ = store.ensure(name)
         _upsert(client, {name: password})
         created = True
-    password_now = store.get(name)
-    if password_now is None:
+    if store.get(name) is None:
         raise SecurityError(f"{name} exists in Kafka but its password is not in {store.root}")
+    redis_password = store.ensure_redis(name)
     r = redis_client(admin)
     try:
-        _acl_command(r, "SETUSER", name, "on", "resetpass", f"#{_sha256(password_now)}")
+        _acl_command(r, "SETUSER", name, "on", "resetpass", f"#{_sha256(redis_password)}")
         _save_users(r)
     finally:
         r.close()
@@ -450,19 +452,20 @@ def add_principal(admin: KsbSettings, store: CredentialStore, name: str) -> tupl
 
 
 def rotate_password(admin: KsbSettings, store: CredentialStore, name: str) -> str:
-    """A new password for `name`, in Kafka, Redis and the store (in that order). New
-    connections need the new one at once; open ones keep working (docs/security.md)."""
+    """New passwords for `name`, Kafka's and Redis's, in Kafka and Redis, then the store. New
+    connections need the new ones at once; open ones keep working (docs/security.md)."""
     check_principal(name)
     client = kafka.admin(admin)
     if name not in _existing_users(client, [name]):
         raise SecurityError(f"principal {name} does not exist (ksb principal add {name})")
-    password = generate_password()
+    password, redis_password = generate_password(), generate_password()
     _upsert(client, {name: password})
     r = redis_client(admin)
     try:
         if any(user is not None for user in _acl_command(r, "GETUSER", name)):
-            _acl_command(r, "SETUSER", name, "resetpass", f"#{_sha256(password)}")
+            _acl_command(r, "SETUSER", name, "resetpass", f"#{_sha256(redis_password)}")
             _save_users(r)
+            store.put_redis(name, redis_password)
     finally:
         r.close()
     return str(store.put(name, password))

@@ -5,16 +5,20 @@ transactional ids it uses, read off the services (`ksb.names` has every name):
 
 | role | reads | writes | groups, transactional ids |
 |---|---|---|---|
-| dispatcher | requests (all), relay, inbound (all), endpoints, catalog, queues, dead letters (a replay's) | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own; far peers' mailboxes) | group and txn id ``ksb.<i>.dispatcher*`` |
-| transmitter | transmission, acks, links, catalog | outbound, audit | — |
-| transport | outbound, catalog | links, audit, acks (relayed), ``inbound.<i>`` (its own, and, granted by their plans, ``inbound.<i>`` of its next hops) | group ``ksb.<i>.transport`` |
-| forwarder | inbound (all), catalog | ``inbound.<i>`` of its next hops and peers' acks (granted by their plans) | — |
-| queue service | queues, catalog | requests (dead letters), audit | — |
-| activation | catalog | catalog (poison), activation, audit, requests | — |
+| dispatcher | requests (all), relay, inbound (all), endpoints, catalog, queue status, queues, dead letters (a replay's) | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own; far peers' mailboxes) | group and txn id ``ksb.<i>.dispatcher*`` |
+| transmitter | transmission, acks, links, catalog, queue status | outbound, audit | — |
+| transport | outbound, catalog, queue status | links, audit, acks (relayed), ``inbound.<i>`` (its own, and, granted by their plans, ``inbound.<i>`` of its next hops) | group ``ksb.<i>.transport`` |
+| forwarder | inbound (all), catalog, queue status | ``inbound.<i>`` of its next hops and peers' acks (granted by their plans) | — |
+| queue service | queues, dead letters, catalog, queue status | requests (dead letters), audit | — |
+| activation | catalog, queue status | queue status (poison), activation, audit, requests | — |
 | external activator | activation | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
 | spark | audit, catalog | sla | group ``ksb.<i>.spark*`` |
-| operator | everything of the instance | catalog, requests; creates queue and dead-letter topics | — |
+| operator | everything of the instance | requests | — |
+| owner | everything of the instance | catalog, queue status, requests; creates queue, dead-letter and inbound topics | — |
 | application | its errors topic, depth | its requests topic | DESCRIBE group ``ksb.<i>.dispatcher`` (back-pressure reads its offsets) |
+
+Only ``admin`` and the owners write the catalog (`ksb.security.governance`): not the operator,
+not the activation service, which disables a poisoned queue through the queue-status topic.
 
 Applications read no queue topic: they RECEIVE through the queue service (`services.queue`),
 which checks their grants. They write no audit record either: what they do is recorded by the
@@ -127,6 +131,7 @@ def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
         yield _acl(p, R, names.depth)
     if a.owner:
         yield from _role_acls(names, p, Role.OPERATOR)
+        yield from _writer_acls(names, p)
     if a.role is not None:
         yield from _role_acls(names, p, a.role)
 
@@ -134,7 +139,7 @@ def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
 def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
     n = names
     if role is Role.DISPATCHER:
-        yield from (_acl(p, R, t) for t in (n.relay, n.endpoints, n.catalog))
+        yield from (_acl(p, R, t) for t in (n.relay, n.endpoints, *_catalog(n)))
         yield _acl(p, R, n.inbound_prefix, prefixed=True)
         # The unsuffixed topic too (one regex subscription, secured or not); no one writes it.
         yield from (_acl(p, R, f"{n.prefix}.requests.", prefixed=True), _acl(p, R, n.requests))
@@ -156,26 +161,29 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         yield _acl(p, R, n.dispatcher_group, prefixed=True, kind=Resource.GROUP)
         yield _acl(p, W, n.dispatcher_group, prefixed=True, kind=Resource.TRANSACTIONAL_ID)
     elif role is Role.TRANSMITTER:
-        yield from (_acl(p, R, t) for t in (n.transmission, n.acks, n.links, n.catalog))
+        yield from (_acl(p, R, t) for t in (n.transmission, n.acks, n.links, *_catalog(n)))
         yield from (_acl(p, W, t) for t in (n.outbound, n.audit))
     elif role is Role.TRANSPORT:
-        yield from (_acl(p, R, t) for t in (n.outbound, n.catalog))
+        yield from (_acl(p, R, t) for t in (n.outbound, *_catalog(n)))
         yield from (_acl(p, W, t) for t in (n.links, n.audit, n.acks, n.inbound_from(n.instance)))
         yield _acl(p, R, n.transport_group, kind=Resource.GROUP)
     elif role is Role.FORWARDER:
-        yield from (_acl(p, R, n.inbound_prefix, prefixed=True), _acl(p, R, n.catalog))
+        yield _acl(p, R, n.inbound_prefix, prefixed=True)
+        yield from (_acl(p, R, t) for t in _catalog(n))
         # Its idempotent producer starts before it has a route to write to, and Kafka then asks
         # for IDEMPOTENT_WRITE (WRITE on any topic would do instead): the right to obtain a
         # producer id, no right to write anything.
         yield _acl(p, Operation.IDEMPOTENT_WRITE, CLUSTER_NAME, kind=Resource.CLUSTER)
     elif role is Role.QUEUE:
-        yield from (_acl(p, R, f"{n.prefix}.queue.", prefixed=True), _acl(p, R, n.catalog))
+        yield _acl(p, R, f"{n.prefix}.queue.", prefixed=True)
+        yield from (_acl(p, R, t) for t in _catalog(n))
         # It counts each queue's dead letters for operators (`services.queue.dead_letters`).
         yield _acl(p, R, f"{n.prefix}.dlq.", prefixed=True)
         yield _acl(p, W, n.audit)
     elif role is Role.ACTIVATION:
-        yield from (_acl(p, W, t) for t in (n.catalog, n.activation, n.audit))
-        yield _acl(p, R, n.catalog)
+        # Not the catalog: a poisoned queue is disabled by a status record of its own.
+        yield from (_acl(p, W, t) for t in (n.queue_status, n.activation, n.audit))
+        yield from (_acl(p, R, t) for t in _catalog(n))
     elif role is Role.EXTERNAL_ACTIVATOR:
         yield from (_acl(p, R, n.activation), _acl(p, W, n.audit))
         app = n.external_activator_app
@@ -188,9 +196,21 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         yield _acl(p, R, f"{n.prefix}.spark", prefixed=True, kind=Resource.GROUP)
     elif role is Role.OPERATOR:
         yield _acl(p, R, f"{n.prefix}.", prefixed=True)
-        yield _acl(p, W, n.catalog)
-        yield _acl(p, C, f"{n.prefix}.queue.", prefixed=True)
-        yield _acl(p, C, f"{n.prefix}.dlq.", prefixed=True)
+
+
+def _catalog(n: Names) -> tuple[str, str]:
+    """What a service that follows the catalog reads (`ksb.runtime.catalog_store`)."""
+    return (n.catalog, n.queue_status)
+
+
+def _writer_acls(n: Names, p: str) -> Iterator[KafkaAcl]:
+    """A catalog writer's (an owner's; ``admin`` is a super user): the catalog, a queue enabled
+    again after poison handling, and the topics a new catalog version's queues need."""
+    yield from (_acl(p, W, n.catalog), _acl(p, W, n.queue_status))
+    yield _acl(p, C, f"{n.prefix}.queue.", prefixed=True)
+    yield _acl(p, C, f"{n.prefix}.dlq.", prefixed=True)
+    # A new route's carrier (`apply_catalog`); writing into it is the peer's plan's to grant.
+    yield _acl(p, C, n.inbound_prefix, prefixed=True)
 
 
 def _peer_acls(names: Names, peer: Peer) -> Iterator[KafkaAcl]:

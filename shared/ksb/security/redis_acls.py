@@ -17,7 +17,8 @@ on Redis 7.0):
   non-atomically: who uses transactions (the activation service, for its dead-letter
   policies) gets them; the views are plain pipelines (`ksb.runtime.redis_view`).
 
-The dispatcher and the Spark job do not use Redis and get no Redis user.
+The dispatcher and the Spark job do not use Redis and get no Redis user. The principal an
+activated task logs in as (``EXECUTE AS``) may write its queues' task heartbeats and nothing else.
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ def rules_of(instance: str, a: Access) -> RedisRules:
         rules |= RedisRules(
             read_keys=frozenset({f"{prefix}*"}), commands=frozenset((*CONNECT, *READER))
         )
+    if a.heartbeats:  # the principal of activated tasks: their heartbeats, nothing else
+        keys = {names.tasks_key(q) for q in a.heartbeats}
+        rules |= RedisRules(frozenset(keys), commands=frozenset((*CONNECT, *HEARTBEAT)))
     return rules
 
 
