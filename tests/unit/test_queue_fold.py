@@ -90,3 +90,16 @@ def test_the_store_keeps_what_it_is_given_and_starts_empty(tmp_path: Path) -> No
     again = BodyStore(tmp_path / "s", max_bytes=1 << 24, readers=4)  # a restart rebuilds
     assert len(again) == 0
     again.close()
+
+
+def test_a_restart_empties_the_store_in_the_same_directory(tmp_path: Path) -> None:
+    """The directory itself is kept (its inode): a confined queue service may read beneath the
+    directory it was given, not one made again in its place (`ksb.runtime.confinement`)."""
+    path = tmp_path / "s"
+    path.mkdir()
+    (path / "leftover").write_text("x")
+    inode = path.stat().st_ino
+    store = BodyStore(path, max_bytes=1 << 24, readers=4)
+    assert path.stat().st_ino == inode and not (path / "leftover").exists()
+    assert len(store) == 0 and path.stat().st_mode & 0o777 == 0o700
+    store.close()

@@ -36,14 +36,26 @@ def store_key(queue_id: int, position: int) -> bytes:
     return _KEY.pack(queue_id, position)
 
 
+def _wipe(path: Path) -> None:
+    """Empty `path`, keeping the directory itself: a process confined to its own files
+    (`ksb.runtime.confinement`) may read beneath the directory it was given, which is that
+    inode; one made again in its place, beside the stack's private directory, it could not."""
+    path.mkdir(parents=True, mode=0o700, exist_ok=True)
+    path.chmod(0o700)
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
 class BodyStore:
     """The records of ready messages of every queue, by `store_key`."""
 
     def __init__(self, path: Path, *, max_bytes: int, readers: int) -> None:
         """Wipe `path` and open an empty store there that may grow to `max_bytes` (the file is
         sparse: it takes what the backlog takes); `readers` threads may read at once."""
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True, mode=0o700)
+        _wipe(path)
         self._env = lmdb.open(
             str(path),
             map_size=max_bytes,
