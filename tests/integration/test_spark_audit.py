@@ -27,7 +27,7 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.kafka import client_security
 from ksb.sdk.client import KsbClient
-from ksb.security.principals import Role
+from ksb.security.principals import ADMIN, Role
 from ksb.spark.report import load_outputs
 from ksb.wire.audit import AuditEvent, AuditKind
 from tests.conftest import Stack
@@ -76,8 +76,10 @@ def _topics(settings: Deployment) -> None:
 
 def _produce(settings: Deployment, events: list[AuditEvent]) -> None:
     """Odd-numbered runs of five events one record each (as the SDK writes them), even-numbered
-    runs as batch records (as the dispatcher does): the job must read both, in order."""
-    login = client_security(settings, settings.kafka_bootstrap)
+    runs as batch records (as the dispatcher does): the job must read both, in order. Written
+    as the stack's admin: only KSB's services may write the audit topic."""
+    admin = settings.as_principal(ADMIN)
+    login = client_security(admin, admin.kafka_bootstrap)
     p = Producer(
         {"bootstrap.servers": settings.kafka_bootstrap, "enable.idempotence": True, **login}
     )
