@@ -112,6 +112,7 @@ class ComposeRun:
     def __init__(self, workdir: Path, *, network: str, say: Callable[[str], None] = print) -> None:
         self.workdir, self.network, self.say = workdir, network, say
         self.env_file = workdir / ".env"
+        self.secrets_dir = workdir / "secrets"
         self._config: dict[str, Any] | None = None
         self.timings: dict[str, float] = {}
 
@@ -219,9 +220,11 @@ class ComposeRun:
 
     # ----------------------------------------------------------------- lifecycle
     def prepare(self) -> None:
-        """The run's passwords (`devtools.compose_env`) and its internal network."""
+        """The run's secrets (`devtools.compose_env`) and its internal network."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        compose_env_main(["--out", str(self.env_file), "--force"])
+        compose_env_main(
+            ["--out", str(self.env_file), "--secrets-dir", str(self.secrets_dir), "--force"]
+        )
         podman("network", "rm", "-f", self.network, check=False)
         podman("network", "create", "--internal", self.network)
 
