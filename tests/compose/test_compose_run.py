@@ -234,8 +234,8 @@ def _secrets_needed(svc: dict[str, Any], every: set[str], instance: str) -> set[
     return set()
 
 
-def _mounted_secrets(container: str) -> set[str]:
-    (info,) = inspect(container)
+def _mounted_secrets(info: dict[str, Any]) -> set[str]:
+    """The secrets compose mounted into a container (from its `inspect`)."""
     return {
         m["Destination"].removeprefix("/run/secrets/")
         for m in info.get("Mounts") or []
@@ -250,19 +250,43 @@ def _as_owner_of_pid_1(container: str, *command: str) -> str:
     return podman("exec", "--user", uid, container, *command).stdout
 
 
-def _everything_visible(container: str) -> Iterator[str]:
+READ_PID_1 = "<pid 1 read>"
+"""Printed once the first process's environment was read: the reads below are not vacuous."""
+
+
+def _processes(container: str) -> tuple[str, list[list[str]], list[str]]:
+    """As root, in one call: the first process's user, the users of every process, and the
+    KSB secrets' copies (name, owner, mode)."""
+    # Each process's real uid from its status, with shell builtins only, so that this shell
+    # (skipped) is the one process of the call.
+    uids = (
+        'for p in /proc/[0-9]*; do [ "$p" = /proc/$$ ] && continue; '
+        'while read -r k v _; do [ "$k" = Uid: ] && echo "$v"; done < "$p/status"; '
+        "done 2>/dev/null; "
+    )
+    script = (
+        f"stat -c %u /proc/1; {uids}echo --; "
+        "stat -c '%n %U %a' /run/ksb/secrets/* 2>/dev/null; true"
+    )
+    out = podman("exec", "--user", "0", container, "sh", "-c", script).stdout
+    head, _, copies = out.partition("--\n")
+    first, *owners = head.split()
+    return first, [line.split() for line in copies.splitlines() if line], sorted(set(owners))
+
+
+def _everything_visible(info: dict[str, Any], owners: list[str], first: str) -> Iterator[str]:
     """What `docker inspect` and the container's processes show: its configured environment,
     then (running) every process's environment and command line, read as each user that runs
     one (a process's environment is readable by its own user only)."""
-    (info,) = inspect(container)
     yield "\n".join(info["Config"].get("Env") or [])
     if not info["State"]["Running"]:
         return
-    yield _as_owner_of_pid_1(container, "cat", "/proc/1/environ")  # fails if not readable
-    owners = podman("exec", "--user", "0", container, "sh", "-c", "stat -c %u /proc/[0-9]*")
     script = "cat /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null; true"
-    for uid in sorted(set(owners.stdout.split())):
-        yield podman("exec", "--user", uid, container, "sh", "-c", script).stdout
+    for uid in owners:
+        check = f"cat /proc/1/environ > /dev/null && echo '{READ_PID_1}'; " if uid == first else ""
+        seen = podman("exec", "--user", uid, info["Name"], "sh", "-c", check + script).stdout
+        assert uid != first or READ_PID_1 in seen, f"{info['Name']}: pid 1's environment unread"
+        yield seen
 
 
 def test_secrets_are_files_and_each_container_holds_only_its_own(stack: ComposeRun) -> None:
@@ -277,24 +301,24 @@ def test_secrets_are_files_and_each_container_holds_only_its_own(stack: ComposeR
         assert path.stat().st_mode & 0o777 == 0o600, path
     instance = stack.services()[CLIENT]["environment"]["KSB_INSTANCE"]
     services = stack.services()
+    containers = stack.containers()
+    infos = {i["Name"]: i for i in inspect(*(c.name for c in containers))}
+    ksb_uid = stack.exec(_one(stack, CLIENT), "id", "-u", KSB_USER).strip()
     holders: dict[str, set[str]] = {}
-    for c in stack.containers():
-        svc = services[c.service]
-        mounted = _mounted_secrets(c.name)
+    for c in containers:
+        svc, info = services[c.service], infos[c.name]
+        mounted = _mounted_secrets(info)
         assert mounted == _secrets_needed(svc, set(values), instance), c.name
         for name in mounted:
             holders.setdefault(name, set()).add(c.service)
-        for seen in _everything_visible(c.name):
+        first, copies, owners = _processes(c.name) if c.running else ("", [], [])
+        for seen in _everything_visible(info, owners, first):
             leaked = sorted(name for name, value in values.items() if value in seen)
             assert not leaked, f"{c.name} shows the value of {leaked}"
         if c.running and svc.get("entrypoint") == ["sh", "/app/infra/compose/entrypoint.sh"]:
-            listing = stack.exec(
-                c.name, "sh", "-c", "stat -c '%n %U %a' /run/ksb/secrets/*; stat -c %U /proc/1"
-            ).split("\n")
-            copies = [line.split() for line in listing if line.startswith("/run/ksb/")]
             assert {f[0].rsplit("/", 1)[1] for f in copies} == mounted, (c.name, copies)
             assert all(f[1:] == [KSB_USER, "400"] for f in copies), (c.name, copies)
-            assert listing[len(copies)].strip() == KSB_USER, (c.name, listing)
+            assert owners == [ksb_uid] == [first], (c.name, owners)  # every process is ksb's
     lease_holders = {"dispatcher", *_queue_replicas(stack)}
     assert holders[LEASE_KEY] == lease_holders, holders[LEASE_KEY]
     say(
