@@ -15,11 +15,13 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 # The dependencies first, read from pyproject alone, so that a change to the code rebuilds the
 # layers below in seconds instead of installing pyspark again.
+# Every extra but dev's: the services, the `ksb` CLI (security-init), Spark and faust.
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
-print('\n'.join(p['dependencies'] + p['optional-dependencies']['spark'] + p['optional-dependencies']['faust']))" \
+o = p['optional-dependencies']; \
+print('\n'.join(p['dependencies'] + o['services'] + o['cli'] + o['spark'] + o['faust']))" \
         > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt

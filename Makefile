@@ -16,7 +16,7 @@ STAMP_FUZZ := $(VENV)/.fuzz-installed
 STAMP_CONTAINERS := $(CACHE)/.containers
 FUZZ_RUNS ?= 10000
 
-.PHONY: setup run test test-unit test-integration fuzz chaos bench lint fmt up down report clean proto go \
+.PHONY: setup run test test-unit test-integration test-alerts fuzz chaos bench lint fmt up down report clean proto go \
 	images compose-test test-py313
 
 setup: $(STAMP_PY) $(STAMP_KAFKA) $(STAMP_APT)
@@ -95,8 +95,13 @@ test-py313: setup $(STAMP_CONTAINERS)
 run: setup $(STAMP_SPARK)
 	$(PY) -m devtools.demo
 
-test: setup $(STAMP_SPARK)
+test: setup $(STAMP_SPARK) test-alerts
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# KSB's Prometheus alert rules against their unit tests (promtool comes with Debian's prometheus).
+test-alerts: $(STAMP_APT)
+	promtool check rules infra/prometheus/alerts.yml
+	promtool test rules infra/prometheus/alerts.test.yml
 
 test-unit: $(STAMP_PY)
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -265,9 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging("orders")
     stop = threading.Event()
-    with stop_on_signals(stop), KsbClient(ClientSettings.from_env()) as client:
+    settings = ClientSettings.from_env()
+    with stop_on_signals(stop), KsbClient(settings) as client:
         app = OrderClient(client, args.dialogs, args.lines, args.round_timeout_s)
-        serve_metrics(args.port, {"/stats": app.stats}, host="0.0.0.0")
+        serve_metrics(args.port, {"/stats": app.stats}, host="0.0.0.0", instance=settings.instance)
         while not stop.is_set() and (args.rounds == 0 or app.totals.rounds < args.rounds):
             try:
                 app.run_round(stop)

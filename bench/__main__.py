@@ -14,7 +14,10 @@ from bench.activation import ActivationOptions
 from bench.backlog import BacklogOptions
 from bench.cross_instance import CrossOptions
 from bench.failover import FailoverOptions
+from bench.peer import PeerOptions
 from bench.priorities import PriorityOptions
+from bench.queues import DEFAULT_REPLICAS
+from bench.readers import ReaderOptions
 from bench.report import format_table, write_json
 from bench.scaling import ScalingOptions
 from bench.security import SecurityOptions
@@ -78,7 +81,20 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         help="dispatcher counts run again with --max-queue-depth (default 2; '' for none)",
     )
     g.add_argument("--probes", type=int, help="one-at-a-time round trips (default 100)")
+    g.add_argument(
+        "--queue-replicas",
+        type=int,
+        default=DEFAULT_REPLICAS,
+        help="queue service replicas (child processes) of every instance that RECEIVEs; its "
+        f"clients list them all (default {DEFAULT_REPLICAS})",
+    )
     g = parser.add_argument_group("sections (each on by default)")
+    g.add_argument("--no-peer", action="store_true", help="skip the exactly-once peer without KSB")
+    g.add_argument("--peer-runs", type=int, help="loaded runs of the peer (default 3, 1 quick)")
+    g.add_argument("--no-readers", action="store_true", help="skip the reader processes section")
+    g.add_argument(
+        "--reader-processes", type=int, default=4, help="reader processes on one queue (4)"
+    )
     g.add_argument("--no-failover", action="store_true", help="skip the failover section")
     g.add_argument("--failover-messages", type=int, help="messages per failover run (60000)")
     g.add_argument(
@@ -95,6 +111,12 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
     )
     g.add_argument(
         "--backlog-drain-timeout", type=float, help="seconds the drain may take (default 900)"
+    )
+    g.add_argument(
+        "--backlog-interleaved",
+        type=int,
+        help="messages of the interleaved drain (sent one at a time in turn over the dialogs) "
+        "and of the dialog-by-dialog drain it is set against (default 200000; 0: skip)",
     )
     g.add_argument("--no-security", action="store_true", help="skip the security on/off section")
     g.add_argument("--no-activation", action="store_true", help="skip the activation section")
@@ -131,6 +153,7 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         warmup_messages=0 if a.quick else 40_000,
         settle_jit=not a.quick,
         runs=a.ksb_runs or (1 if a.quick else 3),
+        queue_replicas=a.queue_replicas,
     )
     opts = Options(
         raw_messages=a.raw_messages or messages,
@@ -141,13 +164,44 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         log_dir=a.out.parent,
         scaling=scaling,
         redis_nodes=a.redis_nodes,
+        peer=None
+        if a.no_peer
+        else PeerOptions(
+            messages=messages,
+            keys=dialogs,
+            body_bytes=a.body_bytes,
+            partitions=a.shards,
+            probes=probes,
+            runs=a.peer_runs or (1 if a.quick else 3),
+            timeout_s=timeout_s,
+            settle_jit=not a.quick,
+        ),
+        readers=None
+        if a.no_readers
+        else ReaderOptions(
+            processes=a.reader_processes,
+            messages=messages,
+            dialogs=dialogs,
+            body_bytes=a.body_bytes,
+            window=max(1, a.window * a.receivers // a.reader_processes),
+            shards=a.shards,
+            partitions=a.partitions or a.shards,
+            queue_replicas=a.queue_replicas,
+            runs=a.ksb_runs or (1 if a.quick else 3),
+            timeout_s=timeout_s,
+            settle_jit=not a.quick,
+        ),
         failover=None if a.no_failover else _failover_options(a),
         backlog=None if a.no_backlog else _backlog_options(a),
         security=None if a.no_security else _security_options(a.quick),
         activation=None
         if a.no_activation
-        else ActivationOptions(rounds=1 if a.quick else 3, dialogs=a.activation_dialogs or 200),
-        priorities=None if a.no_priority else _priority_options(a.quick),
+        else ActivationOptions(
+            rounds=1 if a.quick else 3,
+            dialogs=a.activation_dialogs or 200,
+            queue_replicas=a.queue_replicas,
+        ),
+        priorities=None if a.no_priority else _priority_options(a.quick, a.queue_replicas),
         spark=None if a.no_spark else _spark_options(a.quick),
         cross_instance=None if a.no_cross_instance else _cross_options(a),
     )
@@ -163,6 +217,7 @@ def _failover_options(a: argparse.Namespace) -> FailoverOptions:
         receivers=a.receivers,
         window=a.window,
         limits=_counts(a.failover_limits) if a.failover_limits else ((0,) if a.quick else d.limits),
+        queue_replicas=a.queue_replicas,
     )
 
 
@@ -175,6 +230,12 @@ def _backlog_options(a: argparse.Namespace) -> BacklogOptions:
         burst=a.backlog_burst,
         timeout_s=600.0 if a.quick else d.timeout_s,
         drain_timeout_s=a.backlog_drain_timeout or (300.0 if a.quick else 900.0),
+        queue_replicas=a.queue_replicas,
+        compare_interleaved=(
+            a.backlog_interleaved
+            if a.backlog_interleaved is not None
+            else (1_000 if a.quick else 200_000)
+        ),
     )
 
 
@@ -185,11 +246,12 @@ def _security_options(quick: bool) -> SecurityOptions:
     return SecurityOptions(starts=1)
 
 
-def _priority_options(quick: bool) -> tuple[PriorityOptions, SchedulerOptions]:
+def _priority_options(quick: bool, replicas: int) -> tuple[PriorityOptions, SchedulerOptions]:
     if not quick:
-        return PriorityOptions(), SchedulerOptions()
+        return PriorityOptions(queue_replicas=replicas), SchedulerOptions()
     return (
         PriorityOptions(
+            queue_replicas=replicas,
             idle_probes=20,
             backlog=500,
             backlog_groups=50,
@@ -218,6 +280,7 @@ def _cross_options(a: argparse.Namespace) -> CrossOptions:
         "partitions": a.partitions or 4,
         "receivers": a.receivers,
         "window": a.window,
+        "queue_replicas": a.queue_replicas,
     }
     if not a.quick:
         return CrossOptions(**shape)
@@ -244,13 +307,27 @@ def main(argv: list[str] | None = None) -> int:
 def verified(results: dict[str, Any]) -> bool:
     """Every run delivered exactly once and in order, and no section failed."""
     ok = all(r["verified_exactly_once_in_order"] for r in results["scaling"]["runs"])
-    for key in ("failover", "activation", "cross_instance", "priorities", "spark_audit"):
+    for key in (
+        "peer",
+        "readers",
+        "failover",
+        "activation",
+        "cross_instance",
+        "priorities",
+        "spark_audit",
+    ):
         section = results[key]
         if section is not None and "error" in section:
             ok = False
     failover = results["failover"]
     if failover is not None and "runs" in failover:
         ok = ok and all(r["verified_exactly_once_in_order"] for r in failover["runs"])
+    peer = results.get("peer")
+    if peer is not None and not peer.get("verified_exactly_once_in_order", False):
+        ok = False
+    readers = results.get("readers")
+    if readers is not None and not readers.get("verified_exactly_once_in_order", False):
+        ok = False
     activation = results["activation"]
     if activation is not None and not activation.get("verified_exactly_once", False):
         ok = False
@@ -259,6 +336,9 @@ def verified(results: dict[str, Any]) -> bool:
         ok = False
     backlog = results["backlog"]
     if backlog is not None and not backlog.get("verified_exactly_once_in_order", False):
+        ok = False
+    interleaved = (backlog or {}).get("interleaved")
+    if interleaved is not None and not interleaved.get("verified_exactly_once_in_order", False):
         ok = False
     security = results["security"]
     return ok and not (security is not None and "error" in security)

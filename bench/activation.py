@@ -1,7 +1,8 @@
 """Activation benchmark: how fast internal activation reacts to a burst, and how it winds down.
 
 A burst of ``dialogs`` x ``per_dialog`` messages (one conversation group per dialog) lands on a queue
-with internal activation: the procedure `work` takes ``WORK_MS`` per message, MAX_QUEUE_READERS is 4.
+with internal activation: the procedure `bench.activation_task.work` takes ``WORK_MS`` per message,
+MAX_QUEUE_READERS is 4.
 The activation service runs as a child process (``python -m bench.activation service``) with one
 addition: it records in Redis when it started each task, why, and when it reaped it. Each task's
 procedure records its first RECEIVE, its last finished message and how many it processed. From those:
@@ -24,7 +25,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -37,6 +37,8 @@ from typing import Any
 import redis
 from confluent_kafka import Message
 
+from bench.activation_task import HARNESS_LOGIN, WORK_MS, Keys, harness_redis, now_ms
+from bench.queues import DEFAULT_REPLICAS, running_queues
 from devtools.deployment import Deployment, process_settings, secure_instance
 from devtools.runner import REPO_ROOT, ServiceProcess
 from ksb.activation.monitor import Decision
@@ -45,10 +47,9 @@ from ksb.names import Names
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_client import redis_client
-from ksb.sdk.client import KsbClient, Transaction
+from ksb.sdk.client import KsbClient
 from ksb.security.principals import ADMIN
-from ksb.settings import ActivatedTaskSettings, ActivationSettings, KsbSettings, settings_env
-from ksb.wire.protocol import QueueMessage
+from ksb.settings import ActivationSettings, settings_env
 from services.activation.launcher import ActivationHooks
 from services.activation.service import ActivationService
 from services.activation.watch import QueueWatch
@@ -60,7 +61,6 @@ __all__ = [
     "activation_catalog",
     "format_lines",
     "run_activation",
-    "work",
 ]
 
 log = logging.getLogger("bench.activation")
@@ -68,7 +68,6 @@ log = logging.getLogger("bench.activation")
 INITIATOR, TARGET, CONTRACT = "//bench/act/Initiator", "//bench/act/Target", "//bench/act/Contract"
 MESSAGE_TYPE = "//bench/act/Job"
 INITIATOR_QUEUE, TARGET_QUEUE = "ActBenchInitiatorQueue", "ActBenchTargetQueue"
-WORK_MS = 5
 MAX_QUEUE_READERS = 4
 
 
@@ -81,95 +80,9 @@ class ActivationOptions:
     partitions: int = 4
     timeout_s: float = 45.0
     """How long all the rounds may take; a round that would not fit is skipped."""
-
-
-# --------------------------------------------------------------------------- Redis records
-@dataclass(frozen=True)
-class _Keys:
-    """The bench's own Redis keys (not KSB's), under the instance's name."""
-
-    instance: str
-
-    def _k(self, what: str) -> str:
-        return f"bench:{self.instance}:activation:{what}"
-
-    @property
-    def activated(self) -> str:
-        """Hash task id -> JSON {ms, reason, running}: written by the monitor when it starts one."""
-        return self._k("activated")
-
-    @property
-    def exited(self) -> str:
-        """Hash task id -> ms the monitor reaped it."""
-        return self._k("exited")
-
-    @property
-    def first(self) -> str:
-        """Hash task id -> ms of the task's first RECEIVE that returned messages."""
-        return self._k("first")
-
-    @property
-    def last(self) -> str:
-        """Hash task id -> ms the task finished its latest message."""
-        return self._k("last")
-
-    @property
-    def processed(self) -> str:
-        """Hash task id -> messages the task processed."""
-        return self._k("processed")
-
-    @property
-    def seen(self) -> str:
-        """Hash "dialog:seq" -> times the procedure processed that message."""
-        return self._k("seen")
-
-    @property
-    def total(self) -> str:
-        return self._k("total")
-
-    def all(self) -> list[str]:
-        return [self.activated, self.exited, self.first, self.last, self.processed, self.seen]
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-HARNESS_LOGIN = "KSBBENCH_REDIS_ADMIN_PASSWORD_FILE"
-"""The bench's own keys (``bench:``, outside KSB's namespace) are written with the harness's
-login, the stack's admin, handed to its processes in this variable; their KSB work stays their
-own principal's."""
-
-
-def _harness_redis(settings: KsbSettings) -> redis.Redis:
-    if HARNESS_LOGIN in os.environ:
-        settings = settings.model_copy(
-            update={"redis_username": ADMIN, "redis_password_file": os.environ[HARNESS_LOGIN]}
-        )
-    return redis_client(settings)
-
-
-# --------------------------------------------------------------------------- the procedure (in tasks)
-@functools.cache
-def _task_redis() -> tuple[redis.Redis, _Keys]:
-    settings = ActivatedTaskSettings.from_env()
-    return _harness_redis(settings), _Keys(settings.instance)
-
-
-def work(tx: Transaction, messages: list[QueueMessage]) -> None:
-    """The activation procedure: ``WORK_MS`` per message, with the task's records around it."""
-    del tx  # nothing to send: the commit of the RECEIVE is the whole effect
-    r, keys = _task_redis()
-    task = os.environ.get("ACTIVATED_TASK_ID", "?")
-    r.hsetnx(keys.first, task, _now_ms())
-    time.sleep(WORK_MS * len(messages) / 1000)
-    pipe = r.pipeline(transaction=False)
-    for m in messages:
-        pipe.hincrby(keys.seen, m.message_body.decode(), 1)
-    pipe.hincrby(keys.processed, task, len(messages))
-    pipe.incrby(keys.total, len(messages))
-    pipe.hset(keys.last, task, _now_ms())
-    pipe.execute()
+    queue_replicas: int = DEFAULT_REPLICAS
+    """Queue service replicas of the section's instance (its activation service and its tasks
+    RECEIVE through them)."""
 
 
 # --------------------------------------------------------------------------- the recording monitor
@@ -182,16 +95,16 @@ class RecordingHooks(ActivationHooks):
 
     @functools.cached_property
     def bench_redis(self) -> redis.Redis:
-        return _harness_redis(self._settings)
+        return harness_redis(self._settings)
 
     def started(self, w: QueueWatch, task_id: str, decision: Decision) -> None:
-        row = {"ms": _now_ms(), "reason": decision.reason, "running": len(w.tasks)}
-        keys = _Keys(self._settings.instance)
+        row = {"ms": now_ms(), "reason": decision.reason, "running": len(w.tasks)}
+        keys = Keys(self._settings.instance)
         self.bench_redis.hset(keys.activated, task_id, json.dumps(row))
 
     def exited(self, w: QueueWatch, task_ids: list[str]) -> None:
-        keys = _Keys(self._settings.instance)
-        self.bench_redis.hset(keys.exited, mapping=dict.fromkeys(task_ids, _now_ms()))
+        keys = Keys(self._settings.instance)
+        self.bench_redis.hset(keys.exited, mapping=dict.fromkeys(task_ids, now_ms()))
 
 
 def _serve() -> None:
@@ -245,7 +158,7 @@ def activation_catalog(partitions: int) -> Catalog:
                     "partitions": partitions,
                     "activation": {
                         "status": "ON",
-                        "procedure": "bench.activation:work",
+                        "procedure": "bench.activation_task:work",
                         "max_queue_readers": MAX_QUEUE_READERS,
                     },
                 },
@@ -412,9 +325,14 @@ def _ticks(ms: int | None, tick_ms: int) -> float | None:
 def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
     """The whole section on the running stack: its own instance, dispatcher and activation service."""
     settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}act"}))
-    keys = _Keys(settings.instance)
-    r = redis_client(settings.as_principal(ADMIN))  # the bench's keys and KSB's, read as admin
     apply_catalog(settings, activation_catalog(opts.partitions))
+    with running_queues(settings, log_dir / "act-queue", opts.queue_replicas) as (settings, _q):
+        return _run(settings, opts, log_dir)
+
+
+def _run(settings: Deployment, opts: ActivationOptions, log_dir: Path) -> ActivationResult:
+    keys = Keys(settings.instance)
+    r = redis_client(settings.as_principal(ADMIN))  # the bench's keys and KSB's, read as admin
     procs: list[ServiceProcess] = []
     try:
         dispatcher = ServiceProcess("dispatcher", settings, log_dir / "act-dispatcher.log")
@@ -436,12 +354,12 @@ def run_activation(base: Deployment, opts: ActivationOptions, log_dir: Path) -> 
             for i in range(opts.rounds):
                 if rounds and deadline - time.monotonic() < opts.timeout_s / opts.rounds:
                     break  # keep the section bounded: fewer rounds on a slow machine
-                burst_ms = _now_ms()
+                burst_ms = now_ms()
                 for seq in range(opts.per_dialog):
                     for d, h in enumerate(handles):
                         _send(client, h, f"{i}:{d}:{seq}")
                 client.flush(60)
-                rounds.append(_Round(burst_ms, _now_ms()))
+                rounds.append(_Round(burst_ms, now_ms()))
                 expected = len(rounds) * opts.dialogs * opts.per_dialog
                 most = max(most, _wait_round(r, settings, keys, expected, deadline, problems))
                 if problems:
@@ -465,7 +383,7 @@ def _send(client: KsbClient, handle: str, body: str) -> None:
 def _wait_round(
     r: redis.Redis,
     settings: Deployment,
-    keys: _Keys,
+    keys: Keys,
     expected: int,
     deadline: float,
     problems: list[str],
@@ -476,7 +394,7 @@ def _wait_round(
     done = False
     while True:
         pipe = r.pipeline(transaction=False)
-        pipe.zcount(tasks_key, _now_ms(), "+inf")
+        pipe.zcount(tasks_key, now_ms(), "+inf")
         pipe.get(keys.total)
         pipe.hlen(keys.activated)
         pipe.hlen(keys.exited)
@@ -515,7 +433,7 @@ def _result(
     r: redis.Redis,
     opts: ActivationOptions,
     settings: Deployment,
-    keys: _Keys,
+    keys: Keys,
     rounds: list[_Round],
     most: int,
     problems: list[str],

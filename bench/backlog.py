@@ -1,15 +1,24 @@
-"""Backlog: N x 1 KB messages queued through a dispatcher, one reader indexing them all, then the
+"""Backlog: N x 1 KB messages queued through a dispatcher, held by the queue service, then the
 queue drained; what each process holds per waiting message.
 
 `python -m bench.backlog [--messages 1000000]` starts its own stack; `run_backlog` runs the same
 on a stack that is already up (bench/suite.py, `make bench`). A pool of dispatcher processes shares
-the instance's shards. The sender BEGINs ``dialogs`` dialogs and SENDs round-robin over them (every
-conversation spread over its whole partition, the hard case for a reader that reads bodies back)
-through the SDK, back-pressure on, and waits until the dispatchers have applied every request. Then a reader in a process of its own (bench/backlog_reader.py)
-follows the queue until its index holds every message, and drains it with RECEIVE + commit,
-checking exactly-once and per-dialog order. Peak RSS is VmHWM; bytes per queued message is the
-peak's growth over the process's resident size before the backlog, divided by the messages it
-holds (a dispatcher: those of its shards' dialogs; the reader: all N).
+the instance's shards, and the instance's queue service replicas (bench/queues.py) follow its
+queues as they fill. The sender BEGINs ``dialogs`` dialogs and SENDs to them in turn, ``burst``
+messages to each (0: all of a dialog's messages before the next, dialog by dialog; 1: one at a time
+in turn, every conversation spread over its whole partition, the hard case for a store that reads
+bodies back in the order they were written) through the SDK, back-pressure on, and waits until the
+dispatchers have applied every request. Then a reader in a process of its own
+(bench/backlog_reader.py) waits until the queue service says every message is ready, and drains it
+with RECEIVE + commit, checking exactly-once and per-dialog order.
+
+Memory per queued message: a dispatcher's is its peak RSS's (VmHWM) growth over its resident size
+before the backlog, over the messages of its shards' dialogs. A queue service replica's is its
+anonymous resident memory's (``RssAnon``: what the process itself holds, the index) growth over
+the same, over all N; the store's pages are the kernel's page cache (file-backed, ``RssFile``) and
+its file's allocated bytes, reported apart (bench/queues.py). With `BacklogOptions.compare_interleaved`
+the section also drains a backlog of that size sent one at a time in turn and the same sent dialog
+by dialog, each on an instance of its own, and sets the two drains' rates side by side.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -32,8 +42,9 @@ from typing import Any
 from confluent_kafka import TopicPartition
 
 from bench.e2e import CONTRACT, INITIATOR, MESSAGE_TYPE, TARGET, bench_catalog
+from bench.queues import DEFAULT_REPLICAS, ReplicaMemory, replica_memory, running_queues
 from bench.scaling import sharded_instance
-from bench.stats import make_body, now_ns, peak_rss_kb, rss_kb
+from bench.stats import fmt_x, make_body, now_ns, peak_rss_kb, ratio, rss_kb
 from devtools.deployment import Deployment, stack_fields
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import start_stack
@@ -46,7 +57,15 @@ from ksb.sdk.client import KsbClient
 from ksb.settings import ClientSettings, settings_env
 from ksb.wire.partitioning import shard_of
 
-__all__ = ["BacklogOptions", "format_lines", "main", "run_backlog"]
+__all__ = [
+    "BacklogOptions",
+    "backlog_run",
+    "compare_interleaved",
+    "format_lines",
+    "main",
+    "replica_figures",
+    "run_backlog",
+]
 
 log = logging.getLogger("bench.backlog")
 
@@ -58,10 +77,11 @@ class BacklogOptions:
     body_bytes: int = 1024
     burst: int = 0
     """Messages SENT to one dialog before the next; 0: all of them (dialog by dialog). RECEIVE
-    drains the group that became ready first until it is empty, so dialog by dialog each RECEIVE
-    reads on where the last one stopped; with smaller bursts each conversation is spread over its
-    whole partition and every RECEIVE seeks to read its bodies back (far slower: 1 is the hard
-    case)."""
+    drains the group that became ready first until it is empty, so dialog by dialog a RECEIVE's
+    messages lie side by side in the topic; with smaller bursts each conversation is spread over
+    its whole partition (1 is the hard case: when the client read bodies back from Kafka, a seek
+    per message, 0.013x the dialog-by-dialog drain; the queue service reads them by key from its
+    store)."""
     dispatchers: int = 2
     """Dispatcher processes sharing the backlog (each holds its shards' share)."""
     shards: int = 4
@@ -77,28 +97,79 @@ class BacklogOptions:
     """How long the dispatchers may take to apply the backlog, and the reader to index it."""
     drain_timeout_s: float = 3600.0
     """How long the drain may take before it stops and reports how far it got."""
+    queue_replicas: int = DEFAULT_REPLICAS
+    """Queue service replicas; each holds the whole backlog (its index and its store)."""
+    compare_interleaved: int = 0
+    """Beside the backlog, drain this many messages sent one at a time in turn over the dialogs
+    and as many sent dialog by dialog, and compare the two rates (0: not)."""
 
 
 def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
-    """The backlog on a running stack: an instance of its own with ``opts.shards`` shards, a pool
-    of ``opts.dispatchers`` dispatcher processes and one reader process."""
+    """The backlog on a running stack (`backlog_run`), then, with `opts.compare_interleaved`,
+    the interleaved drain beside the dialog-by-dialog drain of that size (``interleaved``)."""
+    result = backlog_run(base, opts, workdir, "bl")
+    if opts.compare_interleaved:
+        result["interleaved"] = compare_interleaved(base, opts, workdir)
+    return result
+
+
+def compare_interleaved(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[str, Any]:
+    """`opts.compare_interleaved` messages sent one at a time in turn over the dialogs, drained;
+    then as many sent dialog by dialog, drained: each on an instance of its own, one after the
+    other on the same stack. The ratio is the interleaved drain's rate over the other's."""
+    n = opts.compare_interleaved
+    one = replace(opts, messages=n, burst=1, compare_interleaved=0)
+    whole = replace(opts, messages=n, burst=0, compare_interleaved=0)
+    interleaved = backlog_run(base, one, workdir, "bli")
+    dialog_by_dialog = backlog_run(base, whole, workdir, "blw")
+    rate_i = interleaved["drain"]["per_s"]
+    rate_w = dialog_by_dialog["drain"]["per_s"]
+    return {
+        "messages": interleaved["config"]["messages"],
+        "interleaved": interleaved,
+        "dialog_by_dialog": dialog_by_dialog,
+        "ratio_interleaved_over_dialog_by_dialog": ratio(rate_i, rate_w),
+        "verified_exactly_once_in_order": interleaved["verified_exactly_once_in_order"]
+        and dialog_by_dialog["verified_exactly_once_in_order"],
+    }
+
+
+def backlog_run(
+    base: Deployment, opts: BacklogOptions, workdir: Path, suffix: str
+) -> dict[str, Any]:
+    """One backlog on a running stack: an instance of its own (``suffix`` after the base's name)
+    with ``opts.shards`` shards, a pool of ``opts.dispatchers`` dispatcher processes, the queue
+    service's replicas and one reader process."""
     load_at_start = round(os.getloadavg()[0], 2)
-    settings = sharded_instance(base, "bl", opts.shards)
+    settings = sharded_instance(base, suffix, opts.shards)
     apply_catalog(settings, bench_catalog(opts.partitions))
     per_dialog = max(1, opts.messages // opts.dialogs)
     n = per_dialog * opts.dialogs
-    with DispatcherPool(settings, workdir / "backlog") as pool:
+    logs = workdir / f"backlog-{suffix}"
+    memory: dict[str, dict[str, ReplicaMemory]] = {}
+
+    def look(phase: str) -> None:
+        for name in queues.members:
+            memory.setdefault(name, {})[phase] = replica_memory(queues, name)
+
+    with (
+        running_queues(settings, logs, opts.queue_replicas) as (settings, queues),
+        DispatcherPool(settings, logs) as pool,
+    ):
         pool.start(opts.dispatchers)
         owned = pool.owned()
         pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
         base_kb = {name: rss_kb(pid) or 0 for name, pid in pids.items()}
+        look("base")
         started = time.monotonic()
         handles = _push(settings, opts.dialogs, per_dialog, opts.body_bytes, opts.burst)
         sent_s = time.monotonic() - started
         _wait_applied(settings, opts.timeout_s)
         applied_s = time.monotonic() - started
         queued_kb = {name: peak_rss_kb(pid) or 0 for name, pid in pids.items()}
-        reader = _read_and_drain(settings, opts, n)
+        reader = _read_and_drain(
+            settings, opts, n, on_phase=lambda p: look(p) if p in ("indexed", "drained") else None
+        )
         peak_kb = {name: peak_rss_kb(pid) or 0 for name, pid in pids.items()}
     shard = [shard_of(h, opts.shards) for h in handles]
     dispatchers = {}
@@ -117,7 +188,6 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
     indexed = reader.get("indexed", {})
     # A reader that died while draining leaves its last progress report: how far it got.
     drained = reader.get("drained") or reader.get("draining", {})
-    reader_peak = indexed.get("peak_rss_kb", 0)
     return {
         "config": {**asdict(opts), "messages": n, "cpus": len(os.sched_getaffinity(0))},
         "load_average_1m": {"start": load_at_start, "end": round(os.getloadavg()[0], 2)},
@@ -127,22 +197,11 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
             "applied_per_s": n / applied_s if applied_s else None,
         },
         "dispatchers": dispatchers,
+        "queue_service": {name: replica_figures(m, n) for name, m in sorted(memory.items())},
         "reader": {
+            "ready_seconds": indexed.get("seconds"),
             "base_rss_kb": indexed.get("base_rss_kb"),
-            "peak_rss_kb_indexed": reader_peak,
             "peak_rss_kb": drained.get("peak_rss_kb"),
-            "index_seconds": indexed.get("seconds"),
-            "bytes_per_queued_message": (reader_peak - indexed.get("base_rss_kb", 0)) * 1024 / n
-            if indexed
-            else None,
-            "cache_bytes": indexed.get("cache_bytes"),
-            "bytes_per_queued_message_without_cache": (
-                reader_peak - indexed.get("base_rss_kb", 0) - indexed.get("cache_bytes", 0) / 1024
-            )
-            * 1024
-            / n
-            if indexed
-            else None,
         },
         "drain": {
             "seconds": drained.get("seconds"),
@@ -152,13 +211,31 @@ def run_backlog(base: Deployment, opts: BacklogOptions, workdir: Path) -> dict[s
             "refused": drained.get("refused"),
             "receive_errors": drained.get("receive_errors"),
             "last_receive_error": drained.get("last_receive_error"),
-            "seeks": drained.get("seeks"),
-            "records_read_back": drained.get("records_read_back"),
             "problems": drained.get(
                 "problems", reader.get("failed", ["the reader ended before its drain did"])
             ),
         },
         "verified_exactly_once_in_order": "drained" in reader and not drained.get("problems"),
+    }
+
+
+def replica_figures(m: dict[str, ReplicaMemory], n: int) -> dict[str, Any]:
+    """A replica's memory before the backlog, with it all ready and after the drain, and what
+    the backlog added per queued message: anonymous memory (the process's own), file-backed
+    pages (the store's, in the page cache) and the store's disk bytes, each apart."""
+    base, full = m.get("base"), m.get("indexed")
+
+    def per_message(field: str, scale: int) -> float | None:
+        if base is None or full is None or not n:
+            return None
+        now, before = getattr(full, field), getattr(base, field)
+        return None if now is None or before is None else (now - before) * scale / n
+
+    return {
+        **{phase: look.as_json() for phase, look in m.items()},
+        "bytes_per_queued_message": per_message("rss_anon_kb", 1024),
+        "file_bytes_per_queued_message": per_message("rss_file_kb", 1024),
+        "store_bytes_per_queued_message": per_message("store_disk_bytes", 1),
     }
 
 
@@ -208,8 +285,14 @@ def _wait_applied(settings: Deployment, timeout_s: float) -> None:
         offsets.close()
 
 
-def _read_and_drain(settings: Deployment, opts: BacklogOptions, expected: int) -> dict[str, Any]:
-    """Run bench/backlog_reader.py; its JSON lines by phase."""
+def _read_and_drain(
+    settings: Deployment,
+    opts: BacklogOptions,
+    expected: int,
+    on_phase: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run bench/backlog_reader.py; its JSON lines by phase (`on_phase` is called with each
+    phase's name as its line arrives)."""
     argv = [
         sys.executable,
         "-m",
@@ -229,8 +312,11 @@ def _read_and_drain(settings: Deployment, opts: BacklogOptions, expected: int) -
     try:
         for line in proc.stdout:
             record = json.loads(line)
-            phases[record.pop("phase")] = record
+            phase = record.pop("phase")
+            phases[phase] = record
             log.info("backlog reader: %s", line.strip())
+            if on_phase is not None:
+                on_phase(phase)
         proc.wait(60)
     finally:
         if proc.poll() is None:
@@ -247,15 +333,35 @@ def _pattern(burst: int) -> str:
     return "dialog by dialog" if not burst else f"{burst:,} to a dialog in turn"
 
 
+def _kb_per(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:,.0f}"
+
+
+def _head(r: dict[str, Any]) -> str:
+    cfg = r["config"]
+    return (
+        f"{cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs "
+        f"({_pattern(cfg['burst'])}), {cfg['dispatchers']} dispatchers over {cfg['shards']} "
+        f"shards, {cfg['partitions']} queue partitions, "
+        f"{cfg.get('queue_replicas', 0)} queue service replicas"
+    )
+
+
+def _drained(r: dict[str, Any]) -> str:
+    cfg, dr = r["config"], r["drain"]
+    return (
+        f"drained {dr.get('delivered') or 0:,} in {dr['seconds'] or 0:,.1f} s "
+        f"({dr['per_s'] or 0:,.0f} msg/s, TOP {cfg['top'] or 'all'}, "
+        f"{dr.get('receive_errors') or 0} RECEIVEs failed and retried); exactly once in order: "
+        + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}")
+    )
+
+
 def format_lines(r: dict[str, Any]) -> list[str]:
-    cfg, rd, dr, push = r["config"], r["reader"], r["drain"], r["push"]
-    bpm = rd["bytes_per_queued_message"]
+    cfg, rd, push = r["config"], r["reader"], r["push"]
     lines = [
-        f"backlog: {cfg['messages']:,} x {cfg['body_bytes']} B over {cfg['dialogs']:,} dialogs "
-        f"({_pattern(cfg['burst'])}), "
-        f"{cfg['dispatchers']} dispatchers over {cfg['shards']} shards, {cfg['partitions']} queue "
-        f"partitions, {cfg['cpus']} CPUs, load average {r['load_average_1m']['start']} at start, "
-        f"{r['load_average_1m']['end']} at end",
+        f"backlog: {_head(r)}, {cfg['cpus']} CPUs, load average "
+        f"{r['load_average_1m']['start']} at start, {r['load_average_1m']['end']} at end",
         f"  {'':16}{'queued':>10}{'base RSS':>10}{'peak RSS':>10}{'bytes/queued msg':>18}"
         f"{'peak draining':>15}",
     ]
@@ -263,27 +369,44 @@ def format_lines(r: dict[str, Any]) -> list[str]:
         per = d["bytes_per_queued_message"]
         lines.append(
             f"  {'dispatcher ' + name:16}{d['queued_messages']:>10,}{_mb(d['base_rss_kb']):>10}"
-            f"{_mb(d['peak_rss_kb_queued']):>10}{'n/a' if per is None else f'{per:,.0f}':>18}"
-            f"{_mb(d['peak_rss_kb']):>15}"
+            f"{_mb(d['peak_rss_kb_queued']):>10}{_kb_per(per):>18}{_mb(d['peak_rss_kb']):>15}"
         )
-    lines += [
-        f"  {'reader':16}{cfg['messages']:>10,}{_mb(rd['base_rss_kb']):>10}"
-        f"{_mb(rd['peak_rss_kb_indexed']):>10}{'n/a' if bpm is None else f'{bpm:,.0f}':>18}"
-        f"{_mb(rd['peak_rss_kb']):>15}",
-        f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s']:,.0f} msg/s); "
-        f"reader indexed all in {rd['index_seconds'] or 0:,.1f} s; drained "
-        f"{dr.get('delivered') or 0:,} in {dr['seconds'] or 0:,.0f} s ({dr['per_s'] or 0:,.0f} "
-        f"msg/s, TOP {cfg['top'] or 'all'}, "
-        f"{dr['seeks']} seeks, {dr['records_read_back']} records read back, "
-        f"{dr.get('receive_errors') or 0} RECEIVEs failed and retried); exactly once in order: "
-        + ("yes" if r["verified_exactly_once_in_order"] else f"NO {dr['problems']}"),
-    ]
-    if rd.get("cache_bytes") is not None and rd.get("bytes_per_queued_message_without_cache"):
+    replicas = r.get("queue_service", {})
+    if replicas:
         lines.append(
-            f"  the reader's peak includes its body cache ({rd['cache_bytes'] / 2**20:,.0f} MB, "
-            "bounded by KSB_READER_CACHE_BYTES): without it "
-            f"{rd['bytes_per_queued_message_without_cache']:,.0f} bytes per queued message"
+            f"  {'':16}{'queued':>10}{'RssAnon':>10}{'queued':>10}{'bytes/queued msg':>18}"
+            f"{'drained':>10}{'RssFile':>10}{'store':>10}{'store B/msg':>12}"
         )
+    for name, q in replicas.items():
+        b, full, after = q.get("base", {}), q.get("indexed", {}), q.get("drained", {})
+        store = full.get("store_disk_bytes")
+        lines.append(
+            f"  {'queue ' + name:16}{cfg['messages']:>10,}{_mb(b.get('rss_anon_kb')):>10}"
+            f"{_mb(full.get('rss_anon_kb')):>10}{_kb_per(q['bytes_per_queued_message']):>18}"
+            f"{_mb(after.get('rss_anon_kb')):>10}{_mb(full.get('rss_file_kb')):>10}"
+            f"{_mb(None if store is None else store / 1024):>10}"
+            f"{_kb_per(q['store_bytes_per_queued_message']):>12}"
+        )
+    if replicas:
+        lines.append(
+            "  (a replica's RssAnon is the memory it holds itself; RssFile and the store are the "
+            "store's pages, file-backed page cache and disk, counted apart)"
+        )
+    lines.append(
+        f"  queued in {push['applied_seconds']:,.0f} s ({push['applied_per_s'] or 0:,.0f} msg/s); "
+        f"all ready to the reader {rd.get('ready_seconds') or 0:,.1f} s later; {_drained(r)}"
+    )
+    cmp = r.get("interleaved")
+    if cmp is not None:
+        one, whole = cmp["interleaved"], cmp["dialog_by_dialog"]
+        lines += [
+            f"interleaved backlog: {_head(one)}, against the same sent dialog by dialog "
+            "(each on an instance of its own): drain "
+            f"{fmt_x(cmp['ratio_interleaved_over_dialog_by_dialog'])} of dialog by dialog",
+            f"  interleaved: queued in {one['push']['applied_seconds']:,.0f} s; {_drained(one)}",
+            f"  dialog by dialog: queued in {whole['push']['applied_seconds']:,.0f} s; "
+            f"{_drained(whole)}",
+        ]
     return lines
 
 
@@ -308,6 +431,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--receivers", type=int, default=d.receivers)
     parser.add_argument("--timeout", type=float, default=d.timeout_s)
     parser.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
+    parser.add_argument("--queue-replicas", type=int, default=d.queue_replicas)
+    parser.add_argument(
+        "--compare-interleaved",
+        type=int,
+        default=d.compare_interleaved,
+        help="also drain this many sent one at a time in turn and as many dialog by dialog",
+    )
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     a = parser.parse_args(argv)
     opts = BacklogOptions(
@@ -323,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         receivers=a.receivers,
         timeout_s=a.timeout,
         drain_timeout_s=a.drain_timeout,
+        queue_replicas=a.queue_replicas,
+        compare_interleaved=a.compare_interleaved,
     )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     signal.signal(signal.SIGTERM, _terminate)

@@ -1,9 +1,10 @@
 """The reader of the backlog bench, in a process of its own so that its memory is only its own.
 
 `python -m bench.backlog_reader --messages N --dialogs D ...` (settings from ``KSB_*`` as for any
-SDK program) opens one `KsbClient`, follows the target queue until its index holds all N
-messages, reports its memory, then drains the queue with RECEIVE + commit and checks that every
-dialog's messages came exactly once and in order. Each phase is one JSON line on stdout.
+SDK program) opens one `KsbClient`, waits until the queue service says all N messages are ready
+(the ``indexed`` phase: the bench measures the queue service's replicas then), then drains the
+queue with RECEIVE + commit and checks that every dialog's messages came exactly once and in
+order. Each phase is one JSON line on stdout.
 """
 
 from __future__ import annotations

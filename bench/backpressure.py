@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import bench_catalog, run_ksb
+from bench.queues import DEFAULT_REPLICAS, running_queues
 from bench.stats import fmt_ms
-from devtools.deployment import Deployment
+from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.localstack import start_stack
 from devtools.runner import ServiceProcess
 from ksb.runtime.catalog_store import apply_catalog
@@ -47,7 +48,8 @@ class BackpressureOptions:
 
 
 def run_backpressure(settings: Deployment, opts: BackpressureOptions) -> dict[str, Any]:
-    """One e2e run per limit on `settings`' instance (its dispatcher must be running)."""
+    """One e2e run per limit on `settings`' instance (its dispatcher and queue service must be
+    running)."""
     runs = []
     for limit in opts.limits:
         limited = settings.model_copy(update={"max_inflight_requests": limit})
@@ -91,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--messages", type=int, default=d.messages)
     parser.add_argument("--dialogs", type=int, default=d.dialogs)
     parser.add_argument("--probes", type=int, default=d.probes)
+    parser.add_argument("--queue-replicas", type=int, default=DEFAULT_REPLICAS)
     parser.add_argument("--out", type=Path, help="also write the figures as JSON here")
     a = parser.parse_args(argv)
     opts = BackpressureOptions(
@@ -104,15 +107,22 @@ def main(argv: list[str] | None = None) -> int:
         stack = start_stack(Path(tmp) / "stack")
         dispatcher: ServiceProcess | None = None
         try:
-            settings = Deployment(
-                instance=f"bp{uuid.uuid4().hex[:8]}",
-                kafka_bootstrap=stack.kafka_bootstrap,
-                redis_url=stack.redis_url,
+            settings = secure_instance(
+                Deployment.model_validate(
+                    {
+                        "instance": f"bp{uuid.uuid4().hex[:8]}",
+                        "kafka_bootstrap": stack.kafka_bootstrap,
+                        "redis_url": stack.redis_url,
+                        **stack_fields(stack.security),
+                    }
+                )
             )
             apply_catalog(settings, bench_catalog(4))
-            dispatcher = ServiceProcess("dispatcher", settings, Path(tmp) / "dispatcher.log")
-            dispatcher.start().wait_ready("dispatcher ready")
-            result = run_backpressure(settings, opts)
+            with running_queues(settings, Path(tmp), a.queue_replicas) as (settings, _queues):
+                dispatcher = ServiceProcess("dispatcher", settings, Path(tmp) / "dispatcher.log")
+                dispatcher.start().wait_ready("dispatcher ready")
+                result = run_backpressure(settings, opts)
+                dispatcher.stop()
         finally:
             if dispatcher is not None:
                 dispatcher.stop()

@@ -29,6 +29,7 @@ the figure: both are short here (`INTERVALS`) and printed with it.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,7 @@ from bench.e2e import (
     run_ksb,
     start_receivers,
 )
+from bench.queues import DEFAULT_REPLICAS, running_queues
 from bench.stats import fmt_ms, fmt_x, now_ns, run_ratios
 from devtools.deployment import Deployment, secure_instance
 from devtools.runner import ServiceProcess
@@ -62,6 +64,7 @@ from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_client import redis_client
 from ksb.runtime.redis_view import read_transmission_view
 from ksb.sdk.client import KsbClient
+from ksb.security.principals import peer_principal
 from ksb.settings import TransmitterSettings, TransportSettings
 
 __all__ = [
@@ -106,6 +109,8 @@ class CrossOptions:
     backlog_dialogs: int = 50
     timeout_s: float = 90.0
     """Seconds each wait may take."""
+    queue_replicas: int = DEFAULT_REPLICAS
+    """Queue service replicas of each receiving instance (the local one and B)."""
 
     def __post_init__(self) -> None:
         if self.messages < self.dialogs or self.backlog < self.backlog_dialogs:
@@ -135,6 +140,7 @@ def cross_catalogs(a: str, b: str, address: str, partitions: int) -> tuple[Catal
         "queues": [{"name": TARGET_QUEUE, "partitions": partitions}],
         "services": [{"name": TARGET, "queue": TARGET_QUEUE, "contracts": [CONTRACT]}],
         "routes": [{"name": "to-init", "service_name": INITIATOR, "broker_instance": a}],
+        "grants": [{"permission": "SEND", "target": TARGET, "principal": peer_principal(a)}],
     }
     return parse_catalog(ca), parse_catalog(cb)
 
@@ -320,6 +326,7 @@ def run_cross_instance(
     sa = base.model_copy(update={"instance": f"{base.instance}xa"})
     sb = base.model_copy(update={"instance": f"{base.instance}xb"})
     procs: list[ServiceProcess] = []
+    local_queues, queues = contextlib.ExitStack(), contextlib.ExitStack()
 
     def start(p: ServiceProcess, marker: str) -> None:
         procs.append(p)
@@ -327,16 +334,21 @@ def run_cross_instance(
 
     try:
         apply_catalog(sl, bench_catalog(o.partitions))
+        sl, _ = local_queues.enter_context(
+            running_queues(sl, log_dir / "xi-local", o.queue_replicas)
+        )
         local_dispatcher = ServiceProcess("dispatcher", sl, log_dir / LOG_NAMES[0])
         start(local_dispatcher, "dispatcher ready")
         phase("local_start")
         local = _deliver(sl, sl, o)
         local_dispatcher.stop()  # idle from here on: keep it out of the cross figures
+        local_queues.close()
         phase("local")
         ca, cb = cross_catalogs(sa.instance, sb.instance, "LOCAL", o.partitions)
         sa, sb = secure_instance(sa, ca), secure_instance(sb, cb)  # each grants the other's route
         apply_catalog(sa, ca)
         apply_catalog(sb, cb)
+        sb, _ = queues.enter_context(running_queues(sb, log_dir / "xi-b", o.queue_replicas))
         start(ServiceProcess("dispatcher", sb, log_dir / LOG_NAMES[2]), "dispatcher ready")
         start(ServiceProcess("dispatcher", sa, log_dir / LOG_NAMES[1]), "dispatcher ready")
         fast = sa.model_copy(update=INTERVALS)
@@ -350,6 +362,8 @@ def run_cross_instance(
     finally:
         for p in reversed(procs):
             p.stop()
+        queues.close()
+        local_queues.close()
     local_j, cross_j = local.as_json(), cross.as_json()
     return {
         "config": {

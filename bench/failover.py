@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import Tally, bench_catalog, fault_at, run_ksb
+from bench.queues import DEFAULT_REPLICAS, running_queues
 from bench.scaling import sharded_instance
 from bench.stats import now_ns
 from devtools.deployment import Deployment
@@ -65,6 +66,7 @@ class FailoverOptions:
     limits: tuple[int, ...] = (0, 2_000)
     """`max_inflight_requests` of each run (0: back-pressure off)."""
     timeout_s: float = 300.0
+    queue_replicas: int = DEFAULT_REPLICAS
 
 
 def run_failover(base: Deployment, opts: FailoverOptions, workdir: Path) -> dict[str, Any]:
@@ -77,7 +79,11 @@ def _run_one(base: Deployment, opts: FailoverOptions, limit: int, workdir: Path)
     apply_catalog(settings, bench_catalog(opts.shards))
     tally = Tally(expected=opts.messages, keep_times=True)
     kill: dict[str, Any] = {}
-    with DispatcherPool(settings, workdir / f"failover-{limit}") as pool:
+    logs = workdir / f"failover-{limit}"
+    with (
+        running_queues(settings, logs, opts.queue_replicas) as (settings, _queues),
+        DispatcherPool(settings, logs) as pool,
+    ):
         pool.start(opts.dispatchers)
 
         def kill_victim(_tally: Tally) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.queues import DEFAULT_REPLICAS, running_queues
 from bench.stats import Phases, fmt_ms, fmt_x, make_body, now_ns, parse_body
 from devtools.deployment import Deployment, secure_instance
 from devtools.runner import ServiceProcess
@@ -72,6 +73,7 @@ class PriorityOptions:
     """Commits in flight for the one reader."""
     partitions: int = 4
     timeout_s: float = 120.0
+    queue_replicas: int = DEFAULT_REPLICAS
     """How long one phase may take (fill, probes, drain)."""
 
 
@@ -452,10 +454,12 @@ def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> di
     """The RECEIVE part of the section on the running stack: its own instance and dispatcher."""
     settings = secure_instance(base.model_copy(update={"instance": f"{base.instance}prio"}))
     apply_catalog(settings, priority_catalog(opts.partitions))
+    queues = running_queues(settings, log_dir / "prio-queue", opts.queue_replicas)
     dispatcher = ServiceProcess("dispatcher", settings, log_dir / "prio-dispatcher.log")
     phase = Phases()
 
-    try:
+    with queues as (settings, _replicas), contextlib.ExitStack() as stop:
+        stop.callback(dispatcher.stop)
         dispatcher.start().wait_ready("dispatcher ready")
         phase("dispatcher_start")
         with KsbClient(settings) as sender, KsbClient(settings) as receiver:
@@ -467,8 +471,6 @@ def run_priorities(base: Deployment, opts: PriorityOptions, log_dir: Path) -> di
             phase("throughput")
             saturated = _saturated(sender, receiver, highs, opts)
             phase("saturated")
-    finally:
-        dispatcher.stop()
     idle_tiq, sat_tiq = idle["time_in_queue"], saturated["level10_time_in_queue"]
     problems = []
     if saturated["redelivered"]:

@@ -12,9 +12,11 @@ from bench.backlog import format_lines as backlog_lines
 from bench.cross_instance import format_lines as cross_lines
 from bench.failover import format_lines as failover_lines
 from bench.priorities import format_lines as priority_lines
+from bench.readers import format_lines as reader_lines
 from bench.scaling import format_lines as scaling_lines
 from bench.security import format_lines as security_lines
 from bench.spark_audit import format_lines as spark_lines
+from bench.targets import format_lines as target_lines
 from bench.transmission import format_lines as scheduler_lines
 from bench.txn_hop import format_lines as hop_lines
 
@@ -30,6 +32,7 @@ def _priorities(p: dict[str, Any]) -> list[str]:
 
 
 _SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
+    ("readers", "reader processes", reader_lines),
     ("failover", "failover", failover_lines),
     ("activation", "activation", activation_lines),
     ("cross_instance", "cross-instance", cross_lines),
@@ -50,7 +53,7 @@ def format_table(r: dict[str, Any]) -> str:
         f"bench: {cfg['cpus']} CPUs, Python {cfg['python']}, {redis}; load average (1/5/15 min) "
         f"{'/'.join(map(str, start))} at start, {'/'.join(map(str, end))} at end "
         "(other work on the machine skews every figure)",
-        *scaling_lines(r["scaling"], r["raw"]),
+        *scaling_lines(r["scaling"], r["raw"], r.get("peer")),
     ]
     if r.get("txn_hop") is not None:
         lines.extend(hop_lines(r["txn_hop"], r["scaling"]))
@@ -62,6 +65,8 @@ def format_table(r: dict[str, Any]) -> str:
             lines.append(f"{title}: FAILED: {section['error']}")
         else:
             lines.extend(format_lines(section))
+    if r.get("targets"):
+        lines.extend(target_lines(r["targets"]))
     rss = r["peak_rss_kb"]
     lines.append("peak RSS: " + ", ".join(f"{name} {_mb(kb)}" for name, kb in rss.items()))
     lines.append(

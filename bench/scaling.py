@@ -40,6 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import KsbResult, Tally, bench_catalog, run_ksb
+from bench.peer import COLUMN, table_column
+from bench.peer import format_lines as peer_lines
+from bench.queues import DEFAULT_REPLICAS, replica_pids, running_queues
 from bench.raw_kafka import median_run
 from bench.stats import CpuMeter, fmt_ms, jit_settle, peak_rss_kb, ratio, run_ratios
 from devtools.deployment import Deployment, secure_instance
@@ -85,6 +88,8 @@ class ScalingOptions:
     timeout_s: float = 180.0
     warmup_messages: int = 40_000
     """Messages through KSB (one dispatcher) before the first count, unmeasured (0: none)."""
+    queue_replicas: int = DEFAULT_REPLICAS
+    """Queue service replicas of each run's instance (the receivers' clients list them all)."""
     runs: int = 3
     """Loaded runs per dispatcher count, each on an instance of its own; the table shows the
     median one by throughput, as raw Kafka's column is its median of `Options.raw_runs`. One run
@@ -150,7 +155,11 @@ def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | N
         return None
     settings = _instance(base, "w", opts, 0)
     started = time.monotonic()
-    with DispatcherPool(settings, workdir / "scaling-warmup") as pool:
+    logs = workdir / "scaling-warmup"
+    with (
+        running_queues(settings, logs, opts.queue_replicas) as (settings, _queues),
+        DispatcherPool(settings, logs) as pool,
+    ):
         pool.start(1)
         _load(settings, opts, opts.warmup_messages, Tally(expected=opts.warmup_messages), probes=0)
     took = time.monotonic() - started
@@ -207,18 +216,24 @@ def _run_one(
 ) -> dict[str, Any]:
     settings = _instance(base, f"x{count}d{depth}r{attempt}", opts, depth)
     tally = Tally(expected=opts.messages)
-    with DispatcherPool(settings, workdir / f"scaling-{count}-d{depth}-r{attempt}") as pool:
+    logs = workdir / f"scaling-{count}-d{depth}-r{attempt}"
+    with (
+        running_queues(settings, logs, opts.queue_replicas) as (settings, queues),
+        DispatcherPool(settings, logs) as pool,
+    ):
         started = time.monotonic()
         pool.start(count)
         start_s = time.monotonic() - started
         owned = pool.owned()
         pids = {name: p.proc.pid for name, p in pool.members.items() if p.proc is not None}
+        qpids = replica_pids(queues)
         meter = CpuMeter(
-            {**pids, **stack_pids, "client": None}, jvm="kafka", librdkafka=tuple(pids)
+            {**pids, **qpids, **stack_pids, "client": None}, jvm="kafka", librdkafka=tuple(pids)
         )
         log.info("scaling: %d dispatcher(s) own %s", count, owned)
         result = _load(settings, opts, opts.messages, tally, probes=opts.probes, on_load=meter.mark)
         rss = {name: peak_rss_kb(pid) for name, pid in pids.items()}
+        queue_rss = {name: peak_rss_kb(pid) for name, pid in qpids.items()}
         pool.stop()
         applied = pool.applied()
     delivered = result.rate.messages
@@ -236,14 +251,18 @@ def _run_one(
         for name, shards in sorted(owned.items())
     }
     dispatcher_cpu = {n: s for n, s in meter.spent_s.items() if n in pids}
+    queue_cpu = {n: s for n, s in meter.spent_s.items() if n in qpids}
     return {
         "dispatchers": count,
         "max_queue_depth": depth,
+        "queue_replicas": len(qpids),
         "pool_start_s": start_s,
         **result.as_json(),
         "cpu_s": meter.spent_s,
+        "queue_service_peak_rss_kb": queue_rss,
         "cpu_ms_per_message": {
             "dispatchers": cpu_ms_per_message(dispatcher_cpu, delivered),
+            "queue_service": cpu_ms_per_message(queue_cpu, delivered),
             "dispatchers_librdkafka": meter.librdkafka_ms_per_message(delivered),
             **{
                 n: meter.spent_s[n] * 1000 / delivered
@@ -326,8 +345,11 @@ def _table(rows: list[list[str]]) -> list[str]:
     ]
 
 
-def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
-    """The table: raw Kafka, then each dispatcher count, every figure with its ratio to raw."""
+def format_lines(
+    s: dict[str, Any], raw: dict[str, Any], peer: dict[str, Any] | None = None
+) -> list[str]:
+    """The table: raw Kafka, the exactly-once peer (bench/peer.py) when it ran, then each
+    dispatcher count, every figure with its ratio to raw; then each over the peer."""
     cfg, runs = s["config"], s["runs"]
     rx = [ratios(r, raw) for r in runs]
     raw_cpu = raw.get("cpu_ms_per_message", {})
@@ -398,6 +420,7 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     for part, label in (
         ("kafka", "  of which Kafka broker"),
         ("kafka_jit", "    of which its JIT compiler"),
+        ("queue_service", "  of which queue service"),
         ("client", "  of which SDK clients"),
     ):
         rows.append(
@@ -419,16 +442,25 @@ def format_lines(s: dict[str, Any], raw: dict[str, Any]) -> list[str]:
             ),
         ]
     )
+    if peer is not None and "error" not in peer:
+        cells = table_column(peer)
+        rows = [
+            [r[0], r[1], COLUMN if i == 0 else cells.get(r[0], ""), *r[2:]]
+            for i, r in enumerate(rows)
+        ]
     lines = [
         f"raw Kafka and KSB by dispatcher count: {cfg['messages']:,} x {cfg['body_bytes']} B over "
         f"{cfg['dialogs']:,} dialogs, {cfg['shards']} shards, target queue "
         f"{cfg['queue_partitions']} partitions, {cfg['receivers']} receiver threads x window "
-        f"{cfg['window']}, back-pressure {cfg['max_inflight_requests']:,} requests in flight"
+        f"{cfg['window']}, {cfg.get('queue_replicas', 0)} queue service replicas, back-pressure "
+        f"{cfg['max_inflight_requests']:,} requests in flight"
         " (and, where the column says so, a target queue depth at which SENDs wait)"
         + _warmed(cfg, s.get("warmup_s"))
         + raw_runs_note(raw),
         *_table(rows),
         *ksb_runs_lines(runs),
+        *(peer_lines(peer, runs, run_label) if peer is not None and "error" not in peer else []),
+        *([f"{COLUMN}: FAILED: {peer['error']}"] if peer is not None and "error" in peer else []),
         "messages per dispatcher (those of its shards' dialogs; records applied from its log, "
         "warm-up and probes included; CPU over the loaded phase):",
     ]

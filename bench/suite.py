@@ -1,6 +1,6 @@
 """One benchmark run: its own stack, the raw baseline, KSB through 1, 2 and 4 dispatcher
-processes, failover, the other sections on the same stack, the backlog; then, with that stack
-stopped, security on and off on stacks of its own.
+processes, the exactly-once peer without KSB, failover, the other sections on the same stack, the
+backlog; then, with that stack stopped, security on and off on stacks of its own.
 
 Every process started here is stopped on the way out, including after an error or a SIGTERM
 (`__main__` turns SIGTERM into SystemExit so these `finally` blocks run).
@@ -24,12 +24,15 @@ from bench.activation import ActivationOptions, run_activation
 from bench.backlog import BacklogOptions, run_backlog
 from bench.cross_instance import CrossOptions, run_cross_instance
 from bench.failover import FailoverOptions, run_failover
+from bench.peer import PeerOptions, ratios_over_peer, run_peer
 from bench.priorities import PriorityOptions, run_priorities
 from bench.raw_kafka import run_raw
+from bench.readers import ReaderOptions, run_readers
 from bench.scaling import ScalingOptions, cpu_ms_per_message, ratios, run_label, run_scaling
 from bench.security import SecurityOptions, run_security
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import CpuMeter, Phases, jit_settle, peak_rss_kb
+from bench.targets import issue39
 from bench.transmission import SchedulerOptions, run_scheduler
 from bench.txn_hop import run_txn_hops
 from devtools.deployment import Deployment, secure_instance, stack_fields
@@ -54,6 +57,10 @@ class Options:
     """Raw Kafka's peer: KSB through 1, 2 and 4 dispatchers (bench/scaling.py)."""
     redis_nodes: int = 1
     """Above 1, the stack's Redis is a Redis Cluster of that many primaries."""
+    peer: PeerOptions | None = None
+    """The exactly-once pipeline without KSB beside raw Kafka (bench/peer.py); None skips it."""
+    readers: ReaderOptions | None = None
+    """The load RECEIVEd by several reader processes on one queue (bench/readers.py)."""
     failover: FailoverOptions | None = None
     """One of three dispatchers SIGKILLed under load (bench/failover.py); None skips it."""
     backlog: BacklogOptions | None = None
@@ -79,7 +86,9 @@ def run(opts: Options) -> dict[str, Any]:
     rss_kb: dict[str, int | None] = {}
     phase = Phases(log)
 
+    peer: dict[str, Any] | None = None
     sections: dict[str, dict[str, Any] | None] = {
+        "readers": None,
         "failover": None,
         "activation": None,
         "cross_instance": None,
@@ -152,6 +161,16 @@ def run(opts: Options) -> dict[str, Any]:
                 timeout_s=opts.timeout_s,
             )
             phase("txn_hop")
+            if opts.peer is not None:  # after the scaling runs too: on as warm a broker
+                peer_opts = opts.peer
+                peer = _section(lambda: run_peer(admin, peer_opts, workdir, stack_pids))
+                phase("peer")
+            if opts.readers is not None:
+                reader_opts = opts.readers
+                sections["readers"] = _section(
+                    lambda: run_readers(settings, reader_opts, workdir, stack_pids)
+                )
+                phase("readers")
             if opts.failover is not None:
                 failover_opts = opts.failover
                 sections["failover"] = _section(
@@ -202,7 +221,7 @@ def run(opts: Options) -> dict[str, Any]:
     rss_kb["bench"] = peak_rss_kb()
     load_at_end = os.getloadavg()
     s = opts.scaling
-    return {
+    results: dict[str, Any] = {
         "config": {
             "raw_messages": opts.raw_messages,
             "raw_runs": opts.raw_runs,
@@ -220,11 +239,17 @@ def run(opts: Options) -> dict[str, Any]:
         "txn_hop": txn_hop,
         "scaling": scaling,
         "ratio_ksb_over_raw": {run_label(r): ratios(r, raw_j) for r in scaling["runs"]},
+        "peer": peer,
+        "ratio_ksb_over_peer": {run_label(r): ratios_over_peer(r, peer) for r in scaling["runs"]}
+        if peer is not None and "error" not in peer
+        else None,
         **sections,
         "peak_rss_kb": rss_kb,
         "phase_seconds": phase.seconds,
         "wall_seconds": time.monotonic() - started,
     }
+    results["targets"] = [t.as_json() for t in issue39(results)]
+    return results
 
 
 def _keep_logs(workdir: Path, log_dir: Path) -> None:

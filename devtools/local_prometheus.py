@@ -1,6 +1,8 @@
 """A real Prometheus on loopback (Debian's binary, a temp dir, a free port, 1 s scrapes).
 
-The dashboard test and the Spark audit benchmark both use it to read what the services export.
+The dashboard test and the Spark audit benchmark both use it to read what the services export. It
+loads KSB's alert rules (infra/prometheus/alerts.yml), as compose's Prometheus does, so the
+dashboard test sees them evaluate against what the services export.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from devtools.localstack import free_port
 __all__ = ["PROMETHEUS", "Prometheus"]
 
 PROMETHEUS = "/usr/bin/prometheus"
+ALERT_RULES = Path(__file__).resolve().parents[1] / "infra" / "prometheus" / "alerts.yml"
 
 
 class Prometheus:
@@ -32,6 +35,7 @@ class Prometheus:
                 "scrape_interval": f"{scrape_s:g}s",
                 "evaluation_interval": f"{scrape_s:g}s",
             },
+            "rule_files": [str(ALERT_RULES)],
             "scrape_configs": [
                 {"job_name": name, "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}
                 for name, port in jobs.items()
@@ -90,6 +94,13 @@ class Prometheus:
             raise RuntimeError(f"prometheus query {expr!r}: {body.get('error')}")
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every rule Prometheus loaded, with its health and last evaluation (/api/v1/rules)."""
+        url = f"http://127.0.0.1:{self.port}/api/v1/rules"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body: dict[str, Any] = json.load(resp)
+        return [rule for group in body["data"]["groups"] for rule in group["rules"]]
 
     def wait_targets_up(self, timeout_s: float = 30) -> None:
         deadline = time.monotonic() + timeout_s

@@ -11,7 +11,6 @@ that needs the cluster's ``admin`` asks the stack for it (`Stack.admin`).
 
 from __future__ import annotations
 
-import os
 import sys
 import uuid
 from collections.abc import Iterator
@@ -55,35 +54,13 @@ class Stack:
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """One Kafka + Redis for the whole session, stopped at the end even after failures.
-
-    Local processes by default (this machine has no Docker engine); ``KSB_TEST_STACK=containers``
-    runs the same Kafka (KRaft) and Redis as testcontainers on a machine that has one.
-    """
-    if os.environ.get("KSB_TEST_STACK") == "containers":
-        yield from _container_stack()
-        return
+    """One Kafka + Redis for the whole session, as local processes, stopped at the end even
+    after failures (docs/operations.md says why there is no container variant)."""
     running = start_stack(tmp_path_factory.mktemp("stack"))
     try:
         yield Stack(running.kafka_bootstrap, running.redis_url, running.security)
     finally:
         running.stop()
-
-
-def _container_stack() -> Iterator[Stack]:
-    """Plaintext: the containers are started by testcontainers' own images, without ACLs."""
-    from testcontainers.community.kafka import KafkaContainer
-    from testcontainers.community.redis import RedisContainer
-
-    kafka_image = KafkaContainer("confluentinc/cp-kafka:7.6.0").with_kraft()
-    with kafka_image as kafka_c, RedisContainer("redis:7") as redis_c:
-        host = redis_c.get_container_host_ip()
-        port = redis_c.get_exposed_port(6379)
-        yield Stack(
-            kafka_c.get_bootstrap_server(),
-            f"redis://{host}:{port}/0",
-            StackSecurity("plaintext", Path("/nonexistent")),
-        )
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,7 @@ from enum import Enum
 from typing import Any
 
 from ksb.catalog.model import DIALOG_TIMER, END_DIALOG, ERROR, Catalog, parse_catalog
+from ksb.security.principals import peer_principal
 
 __all__ = [
     "CONTRACT",
@@ -259,6 +260,11 @@ def catalogs(a: str, b: str, f: str, target_partitions: int) -> tuple[Catalog, C
         "routes": [
             {"name": "to-init", "service_name": INITIATOR, "broker_instance": a},
             {"name": "to-init-fwd", "service_name": INITIATOR_FWD, "broker_instance": a, "via": f},
+        ],
+        # A may begin dialogs with B's targets (directly and through F): the peer's grant.
+        "grants": [
+            {"permission": "SEND", "target": TARGET, "principal": peer_principal(a)},
+            {"permission": "SEND", "target": TARGET_FWD, "principal": peer_principal(a)},
         ],
     }
     cf = {

@@ -19,6 +19,7 @@ too, the dispatcher recovers as from any failed transaction.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -79,20 +80,51 @@ one-at-a-time traffic after every transaction that came right after another."""
 
 class JournaledProducer(Producer):
     """A transactional producer that remembers what the open transaction produced and the
-    offsets it sent (None until it sends some)."""
+    offsets it sent (None until it sends some), and which consumed record each output came
+    from, so that a record Kafka refuses is pinned on the record that asked for it
+    (`services.dispatcher.isolation`)."""
 
     def __init__(self, conf: dict[str, Any]) -> None:
-        super().__init__(conf)
+        super().__init__(
+            {**conf, "on_delivery": self._delivered, "delivery.report.only.error": True}
+        )
         self.journal: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.offsets: list[TopicPartition] | None = None
+        self.source: Any = None
+        """The consumed record whose outputs are being produced (None: the transaction's own,
+        such as timers, endpoint records and audit events)."""
+        self._sources: dict[tuple[str, bytes | None], Any] = {}
+        self.refused: list[tuple[Any, KafkaError]] = []
+        """The sources of the open transaction's outputs Kafka refused, with its reason."""
+        self.opened_at: float | None = None
+        """When the open transaction began (`time.monotonic`), None when none is open: a commit
+        that failed leaves it open until its abort (`services.dispatcher.gauges` exports it)."""
 
     def begin_transaction(self, *args: Any) -> None:
         self.journal, self.offsets = [], None
+        self._sources, self.refused = {}, []
+        self.opened_at = time.monotonic()
         super().begin_transaction(*args)
+
+    def commit_transaction(self, timeout: float = -1) -> None:
+        super().commit_transaction(timeout)
+        self.opened_at = None
+
+    def abort_transaction(self, timeout: float = -1) -> None:
+        super().abort_transaction(timeout)
+        self.opened_at = None
 
     def produce(self, *args: Any, **kwargs: Any) -> None:
         self.journal.append((args, kwargs))
+        if self.source is not None:
+            key = kwargs.get("key")
+            self._sources[(args[0], key if isinstance(key, bytes) else None)] = self.source
         super().produce(*args, **kwargs)
+
+    def _delivered(self, err: KafkaError | None, msg: Any) -> None:
+        """Only failures are reported (``delivery.report.only.error``)."""
+        if err is not None:
+            self.refused.append((self._sources.get((msg.topic(), msg.key())), err))
 
     def send_offsets_to_transaction(
         self, offsets: list[TopicPartition], group_metadata: Any, *args: Any

@@ -14,23 +14,33 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from confluent_kafka import Consumer, Message
+from confluent_kafka import Consumer, KafkaException, Message
 
 from ksb.audit import Audit
 from ksb.clock import Clock
 from ksb.dialog.engine import Engine
 from ksb.dialog.outputs import Outputs
 from ksb.dialog.sources import Source
-from ksb.errors import ProtocolError
+from ksb.errors import PoisonRecord, ProtocolError
 from ksb.names import Names
 from ksb.runtime import kafka
-from ksb.runtime.metrics import COMMITS, ERRORS, RELAYED, REQUESTS, TXN_SECONDS, Children
+from ksb.runtime.metrics import (
+    COMMITS,
+    ERRORS,
+    POISON_RECORDS,
+    RELAYED,
+    REQUESTS,
+    TXN_SECONDS,
+    Children,
+)
 from ksb.settings import DispatcherSettings
 from ksb.wire.fragments import Reassembler
 from ksb.wire.protocol import AnyRequest, CommitRequest, FragmentRecord, dumps
 from ksb.wire.relay import RelayRequest
+from services.dispatcher.isolation import Coord, Isolation, Verdict
 from services.dispatcher.journal import TXN_CALL_TIMEOUT_S, JournaledProducer
 from services.dispatcher.queue_metrics import QueueMetrics
 from services.dispatcher.rebalance import ShardKeeper
@@ -70,11 +80,15 @@ class Pipeline:
     watchdog: Watchdog
     queue_metrics: QueueMetrics
     counts: Counts
+    isolation: Isolation
     consumer: Consumer | None = None
     pieces: Reassembler = field(default_factory=Reassembler)
     """Fragments of large inbound messages (memory only: the origin resends what is lost)."""
     batch: int = 0
     """Records in the open transaction (counted as applied once it commits)."""
+    open_records: list[Coord] = field(default_factory=list)
+    """Where the open transaction's records are: a failure counts against them
+    (`services.dispatcher.isolation`)."""
     _requests: Children = field(default_factory=lambda: Children(REQUESTS))
     _errors: Children = field(default_factory=lambda: Children(ERRORS))
     _commits: Children = field(default_factory=lambda: Children(COMMITS))
@@ -82,7 +96,7 @@ class Pipeline:
 
     # ----------------------------------------------------------------- membership
     def subscribe(self) -> None:
-        """Join the dispatchers' group: every requests topic, the relay and ``inbound``."""
+        """Join the dispatchers' group: every requests topic, the relay and every inbound one."""
         s = self.settings
         self.consumer = kafka.group_consumer(
             s,
@@ -92,7 +106,7 @@ class Pipeline:
             **{"client.id": f"dispatcher-{self.member}"},
         )
         self.consumer.subscribe(
-            [self.names.requests_pattern, self.names.relay, self.names.inbound],
+            [self.names.requests_pattern, self.names.relay, self.names.inbound_pattern],
             on_assign=self.shards.on_assign,
             on_revoke=self.shards.on_revoke,
             on_lost=self.shards.on_lost,
@@ -123,17 +137,86 @@ class Pipeline:
         deadline = self.engine.next_deadline_ms()
         if not records and (deadline is None or deadline > now):
             return 0
-        self._transaction(records, now)
+        coords = [_coord(m) for m in records]
+        if self.isolation.suspect(coords):
+            self._isolated(records, now)
+        else:
+            self._around_poison(records, coords, now)
         return len(records)
 
-    def _transaction(self, records: list[Message], now: int) -> None:
+    def _around_poison(self, records: list[Message], coords: list[Coord], now: int) -> None:
+        """The batch in one transaction, or, when it holds records to set aside, the records
+        between them in transactions of their own, in their order (`isolation`)."""
+        start = 0
+        for i, where in enumerate(coords):
+            verdict = self.isolation.verdict(where)
+            if verdict is Verdict.APPLY:
+                continue
+            if i > start:
+                self._transaction(records[start:i], now)
+            self._set_aside(records[i], verdict, now)
+            start = i + 1
+        if start < len(records) or start == 0:
+            self._transaction(records[start:], now)
+
+    def _isolated(self, records: list[Message], now: int) -> None:
+        """The records of a batch Kafka refused, one transaction each, so that the one it
+        refuses is found and set aside and the others are applied (`isolation`)."""
+        for m in records:
+            verdict = self.isolation.verdict(_coord(m))
+            if verdict is Verdict.APPLY:
+                self._transaction([m], now, timers=False)
+            else:
+                self._set_aside(m, verdict, now)
+
+    def _set_aside(self, m: Message, verdict: Verdict, now: int) -> None:
+        """A poison record: refused with an error record (or only skipped, when writing that
+        failed too), in a transaction that commits its offset and nothing it asked for."""
+        topic, partition, offset = where = _coord(m)
+        reason = self.isolation.reason(where)
+        POISON_RECORDS.labels(verdict.value).inc()
+        log.error(
+            "record %s[%d]@%d %s: its transaction failed alone (%s)",
+            topic, partition, offset, verdict.value, reason,
+        )  # fmt: skip
+        out = Outputs()
+        if verdict is Verdict.REFUSE:
+            exc = PoisonRecord(
+                f"this record's transaction failed twice, alone, so it was not applied: {reason}"
+            )
+            out = Engine.malformed(
+                exc, topic=topic, partition=partition, offset=offset, raw=m.value()
+            )
+            out.principal = self.router.principal_of(topic)
+            self._errors[exc.code].inc()
+        self._transaction([m], now, timers=False, outputs=lambda _m, _now: out)
+
+    def _transaction(
+        self,
+        records: list[Message],
+        now: int,
+        *,
+        timers: bool = True,
+        outputs: Callable[[Message, int], Outputs] | None = None,
+    ) -> None:
+        """`records` (their `outputs`: the engine's by default) and, with `timers`, the due
+        timers, in one transaction with the records' offsets."""
         assert self.consumer is not None
         started = time.perf_counter()
+        handle = outputs or self._handle
+        self.open_records = [_coord(m) for m in records]
         p = self.producer
         p.begin_transaction()
         for m in records:
-            self._write(self._handle(m, now), now)
-        self._write(self.engine.tick(now), now)
+            p.source = _coord(m)
+            try:
+                self._write(handle(m, now), now)
+            except KafkaException as exc:  # an output refused before it was sent: too large
+                p.refused.append((p.source, exc.args[0]))
+                raise
+        p.source = None
+        if timers:
+            self._write(self.engine.tick(now), now)
         self.writer.flush(self.engine.changed_depths(now))
         offsets = self.shards.transaction_offsets(self.consumer, records)
         self.batch = len(records)
@@ -146,6 +229,7 @@ class Pipeline:
                 )
         with self.watchdog.guard("commit_transaction"):
             p.commit_transaction(TXN_CALL_TIMEOUT_S)
+        self.isolation.applied(self.open_records)
         self.counts.applied += len(records)
         self.counts.transactions += 1
         TXN_SECONDS.observe(time.perf_counter() - started)
@@ -186,9 +270,15 @@ class Pipeline:
             return out
         self._requests[request.kind].inc()
         permissions = self.engine.permissions
-        source = Source.PEER if incoming.peer else permissions.source_of(incoming.principal)
+        peer = incoming.peer
+        source = Source.PEER if peer is not None else permissions.source_of(incoming.principal)
         out = self.engine.handle(
-            request, now, sent_ms=incoming.sent_ms, principal=incoming.principal, source=source
+            request,
+            now,
+            sent_ms=incoming.sent_ms,
+            principal=incoming.principal,
+            source=source,
+            peer=peer,
         )
         for e in out.errors:
             self._errors[e.code].inc()
@@ -208,8 +298,13 @@ class Pipeline:
         except ValueError as exc:
             raise ProtocolError(f"fragments of {piece.message_id} do not join: {exc}") from exc
         if whole is not None and self.router.elsewhere(whole.key, m.partition() or 0):
-            return self.router.to_owner(whole.key, dumps(whole), "inbound", None, None)
+            writer = (m.topic() or "")[len(self.names.inbound_prefix) :]
+            return self.router.to_owner(whole.key, dumps(whole), "inbound", writer, None)
         return whole
+
+
+def _coord(m: Message) -> Coord:
+    return (m.topic() or "", m.partition() or 0, m.offset() or 0)
 
 
 def _is_record(m: Message) -> bool:

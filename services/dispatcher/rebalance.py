@@ -43,6 +43,7 @@ from confluent_kafka.admin import AdminClient
 from ksb.catalog.model import CatalogView
 from ksb.dialog.engine import Engine
 from ksb.names import Names
+from services.dispatcher.gauges import rebalanced
 from services.dispatcher.rebuild import ShardRebuild, Spawn, load_shard
 
 __all__ = [
@@ -114,6 +115,7 @@ class ShardKeeper:
         """The rebalance callback: take the partitions at once, paused until their shards are
         rebuilt (`take_pending`)."""
         log.info("partitions %s given; taking them", _named(partitions))
+        rebalanced("assigned", partitions)
         consumer.incremental_assign(partitions)
         rebuilding = set(self._rebuild.shards) if self._rebuild is not None else set()
         waiting = rebuilding | {tp.partition for tp in self._pending} | self._new_shards(partitions)
@@ -256,6 +258,7 @@ class ShardKeeper:
             time.monotonic() - rebuild.started,
             rebuild.read_s,
             sorted(self.owned),
+            extra={"shards": new},
         )
         return True
 
@@ -297,9 +300,11 @@ class ShardKeeper:
         return {tp.partition for tp in partitions if tp.topic == self._names.relay} - self.owned
 
     def on_revoke(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        rebalanced("revoked", partitions)
         self._drop(partitions, "revoked")
 
     def on_lost(self, _consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        rebalanced("lost", partitions)
         self._drop(partitions, "lost (this member was fenced)")
 
     def fencing_offsets(self, positions: list[TopicPartition]) -> list[TopicPartition]:
@@ -332,7 +337,9 @@ class ShardKeeper:
         for shard in gone:
             self._engine.drop_shard(shard)
         if gone:
-            log.info("shards %s %s; owning %s", gone, why, sorted(self.owned))
+            log.info(
+                "shards %s %s; owning %s", gone, why, sorted(self.owned), extra={"shards": gone}
+            )
 
     def _stop_rebuild(self, dropped: set[tuple[str, int]]) -> None:
         """A partition of the running rebuild's shards was taken back: stop it; the partitions

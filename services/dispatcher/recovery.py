@@ -39,6 +39,7 @@ def recover(p: Pipeline, exc: KafkaException, *, rebuilt: Callable[[], None]) ->
     producer. `rebuilt` is called once the owned shards were rebuilt from Kafka."""
     err = exc.args[0]
     log.warning("transaction failed (%s); its work is dropped and redone from Kafka", err)
+    _count_against_records(p, err)
     p.writer.discard()
     if err.fatal() or not _abort(p):
         return False
@@ -55,6 +56,22 @@ def recover(p: Pipeline, exc: KafkaException, *, rebuilt: Callable[[], None]) ->
         _reset(p)
         rebuilt()
     return True
+
+
+def _count_against_records(p: Pipeline, err: KafkaError) -> None:
+    """A failure a record can cause counts against the records whose outputs Kafka refused, as
+    its delivery reports name them, or against every record of the transaction when none does
+    (`services.dispatcher.isolation`)."""
+    named = [(src, e) for src, e in p.producer.refused if src is not None]
+    if named:
+        for src, e in named:
+            if p.isolation.failed([src], e.code(), e.str(), named=True):
+                log.warning("record %s[%d]@%d: Kafka refused its output (%s)", *src, e.str())
+        return
+    if p.isolation.failed(p.open_records, err.code(), err.str(), named=False):
+        log.warning(
+            "its %d record(s) are applied one by one until it is found", len(p.open_records)
+        )
 
 
 def rejoin(p: Pipeline) -> None:

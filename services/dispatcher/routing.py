@@ -3,8 +3,9 @@
 Three kinds of topic feed a dispatcher, all with the instance's shard count of partitions and
 co-partitioned by the consumer group: the requests topics (``requests`` for clients without a
 principal, ``requests.<principal>`` for each principal, whose ACL lets only that principal write
-it: the topic names the sender), the relay (work other dispatchers handed over), and ``inbound``
-(messages from other instances). A client request or an inbound record is keyed by the group it
+it: the topic names the sender), the relay (work other dispatchers handed over), and the
+``inbound.<writer>`` topics (messages from other instances, each written only by the instance
+that carried them here: the topic names the carrier, as a requests topic names the sender). A client request or an inbound record is keyed by the group it
 acts on; one that sits in a partition that is not its key's shard (a client whose partitioner is
 not librdkafka's CRC-32) is relayed, unchanged and in order, to the owner of that shard.
 """
@@ -41,9 +42,9 @@ class Incoming:
     elsewhere: RelayRequest | None = None
     principal: str | None = None
     sent_ms: int | None = None
-    peer: bool = False
-    """Read from ``inbound`` (directly or relayed): written by another instance's transport or
-    forwarder, whatever its kind says (`ksb.dialog.sources`)."""
+    peer: str | None = None
+    """Read from ``inbound.<peer>`` (directly or relayed): written by that broker instance's
+    transport or forwarder, whatever its kind says (`ksb.dialog.sources`)."""
 
 
 class Router:
@@ -65,11 +66,13 @@ class Router:
             return self._relayed(parse_relay(raw))
         sent = _sent_ms(m)
         partition = m.partition() or 0
-        if topic == self.names.inbound:
+        if topic.startswith(self.names.inbound_prefix):
+            writer = topic[len(self.names.inbound_prefix) :]
             inbound = parse_inbound(raw)
             if isinstance(inbound, InboundMessage) and self._elsewhere(inbound.key, partition):
-                return Incoming(elsewhere=self.to_owner(inbound.key, raw, "inbound", None, sent))
-            return Incoming(request=inbound, sent_ms=sent, peer=True)
+                relay = self.to_owner(inbound.key, raw, "inbound", writer, sent)
+                return Incoming(elsewhere=relay)
+            return Incoming(request=inbound, sent_ms=sent, peer=writer)
         principal = self.principal_of(topic)
         key = m.key()
         if (
@@ -89,7 +92,8 @@ class Router:
         principal: str | None,
         sent_ms: int | None,
     ) -> RelayRequest:
-        """A record for the owner of `key`'s shard, relayed unchanged."""
+        """A record for the owner of `key`'s shard, relayed unchanged (`principal`: its
+        requests topic's, or, for an inbound record, the instance that carried it)."""
         return RelayRequest(
             key=key, raw=raw or b"", source=source, principal=principal, sent_ms=sent_ms
         )
@@ -102,7 +106,8 @@ class Router:
         if not isinstance(record, RelayRequest):
             return Incoming(relayed=record)
         if record.source == "inbound":
-            return Incoming(request=parse_inbound(record.raw), sent_ms=record.sent_ms, peer=True)
+            inbound = parse_inbound(record.raw)
+            return Incoming(request=inbound, sent_ms=record.sent_ms, peer=record.principal)
         return Incoming(
             request=parse_request(record.raw), principal=record.principal, sent_ms=record.sent_ms
         )

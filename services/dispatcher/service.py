@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from confluent_kafka import KafkaException
 
@@ -30,6 +31,7 @@ from ksb.dialog.engine import Engine
 from ksb.runtime.metrics import HEALTHY
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import DispatcherSettings
+from services.dispatcher import gauges
 from services.dispatcher.notifications import BCN_FLUSH_S, kafka_answers
 from services.dispatcher.pipeline import Counts, Pipeline
 from services.dispatcher.queue_metrics import QueueMetrics
@@ -92,7 +94,19 @@ class Dispatcher(Service):
     # ----------------------------------------------------------------- the shell's calls
     def open(self) -> None:
         """Try to start the broker at once; a failure is reported and retried on the ticks."""
+        gauges.watch(self.member, self.look)
         self.try_start(0)
+
+    def look(self) -> gauges.MemberLook:
+        """This member for the metrics' scrape (`services.dispatcher.gauges`); read from the
+        scrape's thread, so only whole values are read (the owned set is copied in one step)."""
+        p = self.pipeline
+        if p is None:
+            return gauges.MemberLook(0, frozenset(), 0.0)
+        opened = p.producer.opened_at
+        open_s = 0.0 if opened is None else max(0.0, time.monotonic() - opened)
+        ownership = p.engine.ownership
+        return gauges.MemberLook(ownership.shards, frozenset(ownership.owned), open_s)
 
     def tick_tasks(self) -> Iterable[TickTask]:
         return (
@@ -102,6 +116,9 @@ class Dispatcher(Service):
 
     def health(self) -> str | None:
         return self.broker.problem()
+
+    def log_fields(self) -> dict[str, Any]:
+        return {**super().log_fields(), "member": self.member}
 
     def on_catalog(self, view: CatalogView) -> None:
         """A running broker takes a new catalog version at once (a stopped one retries on its
@@ -133,6 +150,7 @@ class Dispatcher(Service):
 
     def close(self) -> None:
         HEALTHY.labels("dispatcher").set(0)
+        gauges.unwatch(self.member)
         log.info(
             "dispatcher %s: %d applied in %d transactions",
             self.member,

@@ -41,6 +41,7 @@ from ksb.runtime.task_handlers import TaskHandlers
 from ksb.security.leases import read_lease_key
 from ksb.settings import DispatcherSettings
 from ksb.wire.protocol import BrokerNotification
+from services.dispatcher.isolation import Isolation
 from services.dispatcher.journal import TXN_PRODUCER, JournaledProducer
 from services.dispatcher.notifications import BcnPublisher, KafkaProbe
 from services.dispatcher.pipeline import Counts, Pipeline
@@ -91,6 +92,9 @@ class Startup:
         self._watchdog = watchdog
         self._queue_metrics = queue_metrics
         self._counts = counts
+        self._isolation = Isolation(refuse_after=settings.poison_failures)
+        """Failures counted against records outlive a start-over (a new producer and consumer
+        redo the same records)."""
         self._catalog_probe: Consumer | None = None
         self._catalog_end: int | None = None
 
@@ -153,6 +157,7 @@ class Startup:
             view,
             instance=s.instance,
             max_body_bytes=s.max_body_bytes,
+            max_output_bytes=s.max_output_bytes,
             ownership=Ownership(shards, owned=()),
         )
         engine.permissions = permissions_of(s, view)
@@ -182,6 +187,7 @@ class Startup:
             watchdog=self._watchdog,
             queue_metrics=self._queue_metrics,
             counts=self._counts,
+            isolation=self._isolation,
         )
         self._queue_metrics.declare(view)
         pipeline.subscribe()
@@ -192,7 +198,8 @@ class Startup:
         ``inbound`` must have as many; a mismatch is a broker that cannot start)."""
         topics = admin.list_topics(timeout=START_TIMEOUT_S).topics
         shards = len(topics[self.names.relay].partitions)
-        for name in (self.names.requests, self.names.inbound, self.names.endpoints):
+        own_inbound = self.names.inbound_from(self.names.instance)
+        for name in (self.names.requests, own_inbound, self.names.endpoints):
             if name in topics and len(topics[name].partitions) != shards:
                 raise BrokerNotStarted(
                     StartFailure(

@@ -32,6 +32,7 @@ def activation_partitions(settings: ExternalActivatorSettings) -> int:
 def main() -> None:
     configure_logging("external_activator")
     settings = ExternalActivatorSettings.from_env()
+    configure_logging("external_activator", settings.log_format, {"instance": settings.instance})
     if not settings.external_activator_config:
         raise SettingsError("KSB_EXTERNAL_ACTIVATOR_CONFIG names no file")
     planner = ActivationPlanner(
@@ -40,7 +41,12 @@ def main() -> None:
         backoff=Backoff(initial_ms=settings.restart_initial_ms, max_ms=settings.restart_max_ms),
     )
     supervisor = ReaderSupervisor(settings, planner)
-    serve_metrics(settings.metrics_port, {"/readers": supervisor.view}, host=settings.metrics_host)
+    serve_metrics(
+        settings.metrics_port,
+        {"/readers": supervisor.view},
+        host=settings.metrics_host,
+        instance=settings.instance,
+    )
     partitions = activation_partitions(settings)
     with tempfile.TemporaryDirectory(prefix="ksb-external-activator-") as datadir:
         app = build_app(settings, supervisor, partitions=partitions, datadir=datadir)

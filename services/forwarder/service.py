@@ -1,12 +1,16 @@
-"""The forwarder service: passes on ``inbound`` records addressed to other broker instances.
+"""The forwarder service: passes on inbound records addressed to other broker instances.
 
-A sender whose route names this instance as its next hop (``via``) writes to our ``inbound``
-topic records whose ``to_instance`` is someone else; our dispatcher leaves those alone and this
-service picks them up. It reads ``inbound`` from its end (what arrived while it was down is not
-ours to recover: nobody acknowledged it, so the origin sends it again), holds records in memory
-only (`ksb.transmission.forwarding.ForwardQueue`), and copies each one unchanged to the next hop's ``inbound``
-topic on the cluster our own route names, first in first out at priority 5. Every 5th tick it
-drops what it could not forward within ``forwarder_stale_ms`` (60 s by default).
+A sender whose route names this instance as its next hop (``via``) writes to our
+``inbound.<sender>`` topic records whose ``to_instance`` is someone else; our dispatcher leaves
+those alone and this service picks them up. It reads every ``inbound.<writer>`` topic our routes
+bring messages through, from its end (what arrived while it was down is not ours to recover:
+nobody acknowledged it, so the origin sends it again), believes a record's origin only when our
+routes let its writer carry that instance's messages (as the dispatcher does,
+`ksb.dialog.remote`), holds records in memory only (`ksb.transmission.forwarding.ForwardQueue`),
+and copies each one unchanged to ``inbound.<this instance>`` of the next hop, on the cluster our
+own route names, first in first out at priority 5: the next hop believes it because its routes
+go through us. Every 5th tick it drops what it could not forward within ``forwarder_stale_ms``
+(60 s by default).
 
 The acks of what it forwarded to another cluster are written there, where the origin may not
 reach: the forwarder relays them onto its own cluster (`ksb.transmission.ack_relay`), the cluster the origin's
@@ -31,6 +35,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from ksb.catalog.model import CatalogView
 from ksb.clock import Clock
 from ksb.errors import ProtocolError
 from ksb.names import Names
@@ -65,6 +70,8 @@ class Forwarder(Service):
         self._pieces = Reassembler()  # fragments of large messages passing through
         self.relay = AckRelay(settings, batch=settings.batch, clock=self.clock)
         self._inbound: Consumer | None = None
+        self._reading: set[str] = set()
+        """The ``inbound.<writer>`` topics assigned."""
         self._redis: redis.Redis | None = None
         self._view: RedisView | None = None
 
@@ -73,12 +80,31 @@ class Forwarder(Service):
         kafka.ensure_topics(kafka.admin(s), kafka.core_topics(self.names, s))
         self.shell.read_catalog()
         self._inbound = kafka.consumer(s, read_committed=False)
-        topic = self.names.inbound
-        md = self._inbound.list_topics(topic, timeout=10).topics[topic]
-        self._inbound.assign([TopicPartition(topic, p, OFFSET_END) for p in sorted(md.partitions)])
+        self._read_new_topics(self._inbound)
         self._redis = redis_client(s)
         self._view = RedisView("forwarded", self._redis, self.handlers, s.view_every_ms)
         export_transport_defaults("forwarder")
+
+    def on_catalog(self, view: CatalogView) -> None:
+        if self._inbound is not None:
+            self._read_new_topics(self._inbound)
+
+    def _read_new_topics(self, c: Consumer) -> None:
+        """Read, from their ends, the ``inbound.<writer>`` topics of writers our routes bring
+        messages through that are not read yet (a topic not made yet is tried again with the
+        next catalog)."""
+        writers = {w for ws in self.catalog.carriers.values() for w in ws}
+        wanted = {self.names.inbound_from(w) for w in writers} - self._reading
+        added: list[TopicPartition] = []
+        for topic in sorted(wanted):
+            md = c.list_topics(topic, timeout=10).topics.get(topic)
+            if md is None or md.error is not None or not md.partitions:
+                log.warning("no topic %s yet: its records are read once it exists", topic)
+                continue
+            added += [TopicPartition(topic, p, OFFSET_END) for p in sorted(md.partitions)]
+            self._reading.add(topic)
+        if added:
+            c.incremental_assign(added)
 
     def tick_tasks(self) -> Iterable[TickTask]:
         every = self.settings.stale_check_every_ticks
@@ -119,6 +145,14 @@ class Forwarder(Service):
                 got = parse_inbound(m.value())
                 if got.to_instance == self.settings.instance:
                     continue  # ours: the dispatcher's
+                writer = (m.topic() or "")[len(self.names.inbound_prefix) :]
+                if not self.catalog.carries(writer, got.from_instance):
+                    log.warning(
+                        "dropped a record of %s written by %s, which our routes do not carry",
+                        got.from_instance,
+                        writer,
+                    )
+                    continue
                 record = self._pieces.offer(got, now) if isinstance(got, FragmentRecord) else got
             except (ProtocolError, ValueError):
                 continue  # the dispatcher reports unreadable records
@@ -150,7 +184,7 @@ class Forwarder(Service):
             report = self._report(record.message_id, len(values))
             for value in values:
                 self._producer(address).produce(
-                    Names(hop.next_hop).inbound,
+                    Names(hop.next_hop).inbound_from(self.settings.instance),
                     key=record.key.encode(),
                     value=value,
                     on_delivery=report,

@@ -31,6 +31,7 @@ from ksb.errors import (
     QueueDisabled,
 )
 from ksb.queue.outcomes import Outcomes
+from ksb.runtime.log_format import log_fields
 from ksb.wire.partitioning import partition_for
 from services.queue.fencing import Fencing
 from services.queue.logins import Logins, Unauthenticated
@@ -122,7 +123,9 @@ class QueueApi(pb_grpc.QueueServiceServicer):
                 token=granted.claims.token,
             )
 
-        return self._serve(context, call, f"RECEIVE on {request.queue} locked no group")
+        handle = request.conversation_handle or None
+        with log_fields(queue=request.queue, conversation=handle):
+            return self._serve(context, call, f"RECEIVE on {request.queue} locked no group")
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitReply:
         def call() -> pb.CommitReply:

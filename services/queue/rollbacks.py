@@ -87,7 +87,12 @@ class Rollbacks:
             self._producer.produce(
                 self._topic, key=m.conversation_group_id.encode(), value=dumps(req)
             )
-            log.warning("dead-lettering %s from %s", m.message_id, claims.queue)
+            log.warning(
+                "dead-lettering %s from %s",
+                m.message_id,
+                claims.queue,
+                extra={"conversation": m.conversation_handle, "group": m.conversation_group_id},
+            )
         self._producer.flush(DEAD_LETTER_WAIT_S)
         deadline = time.monotonic() + DEAD_LETTER_WAIT_S
         with self._queues.cond:

@@ -8,6 +8,9 @@ queue's own priority order; the group locks are in Redis, one holder per group w
 took it. The calls are `services.queue.api`; the rules of RECEIVE, of leases and of rollbacks are
 `services.queue.receiving` and `services.queue.rollbacks`.
 
+What operators watch (the age of the oldest message, ready and locked groups, the longest held
+lock, dead letters) is `services.queue.gauges`, computed at each scrape from this replica's state.
+
 The loop here is the follower: a batch of queue records is folded into the indexes and written to
 the store under one lock, commit outcomes release the locks they answer and wake the commits
 waiting for them, and every RECEIVE waiting for work is woken. A new queue in the catalog is read
@@ -18,6 +21,7 @@ topics in order, never by seeking per message.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,10 +40,12 @@ from ksb.queue.outcomes import Outcomes
 from ksb.runtime import kafka
 from ksb.runtime.metrics import HEALTHY
 from ksb.runtime.redis_client import redis_client
-from ksb.runtime.service import Service
+from ksb.runtime.service import Service, TickTask
 from ksb.security.leases import read_lease_key
 from ksb.settings import MIN_QUEUE_TIMEOUT_MS, QueueServiceSettings
+from services.queue import gauges
 from services.queue.api import QueueApi
+from services.queue.dead_letters import DeadLetters
 from services.queue.fencing import Fencing
 from services.queue.logins import Logins
 from services.queue.queues import Queues
@@ -77,6 +83,7 @@ class QueueService(Service):
         self._producer: Producer | None = None
         self._redis: redis.Redis | None = None
         self._server: grpc.Server | None = None
+        self._dead_letters = DeadLetters(self.names, lambda: kafka.consumer(settings))
 
     @property
     def queues(self) -> Queues:
@@ -126,6 +133,17 @@ class QueueService(Service):
                 ("grpc.http2.max_ping_strikes", 0),
             ],
         )
+        gauges.watch(
+            gauges.QueueGauges(
+                self._receiving.replica,
+                self.queues,
+                self._receiving.held,
+                self.clock,
+                disabled=lambda: [q.name for q in self.catalog.catalog.queues if q.disabled],
+                dead_letters=self._dead_letters.counts,
+                sla_targets_ms=lambda: self.catalog.catalog.sla_targets_ms,
+            )
+        )
         pb_grpc.add_QueueServiceServicer_to_server(api, self._server)
         self.port = self._server.add_insecure_port(f"{s.queue_host}:{s.queue_port}")
         self._server.start()
@@ -139,6 +157,7 @@ class QueueService(Service):
         """New queues are read from their beginning; the grants are the new version's."""
         s = self.settings
         self._permissions = Permissions.of(view.catalog, s.instance, s.owner_names)
+        self._dead_letters.watch(view.catalog.queues)
         if self._consumer is None:
             return
         added = []
@@ -149,6 +168,9 @@ class QueueService(Service):
         if added:
             self._consumer.incremental_assign(added)
         log.info("catalog v%d applied (%d new queue partitions to read)", view.version, len(added))
+
+    def tick_tasks(self) -> Iterable[TickTask]:
+        return (TickTask(1, "dead_letters", self._dead_letters.poll),)
 
     def step(self) -> None:
         """Fold one batch of queue records; wait up to ~50 ms for one."""
@@ -181,6 +203,9 @@ class QueueService(Service):
 
     def close(self) -> None:
         HEALTHY.labels(self.name).set(0)
+        if self._receiving is not None:
+            gauges.unwatch(self._receiving.replica)
+        self._dead_letters.close()
         if self._server is not None:
             self._server.stop(STOP_GRACE_S).wait(STOP_GRACE_S + 1)
         if self._receiving is not None:

@@ -225,7 +225,8 @@ class Transmitter(Service):
         route = self._route(destination)
         if route is None:
             return None
-        return Packet(destination, route.address, Names(route.next_hop).inbound, now)
+        inbound = Names(route.next_hop).inbound_from(self.settings.instance)
+        return Packet(destination, route.address, inbound, now)
 
     def _reclassify(self) -> None:
         """Catalog or route change: re-resolve every message's route (the transport follows the

@@ -270,7 +270,7 @@ class Transport(Service):
             own = self.settings.kafka_bootstrap
             if route is None or (
                 bootstrap_of(route.address, own),
-                Names(route.next_hop).inbound,
+                Names(route.next_hop).inbound_from(self.settings.instance),
             ) != (
                 conn.address,
                 conn.topic,

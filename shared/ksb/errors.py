@@ -41,6 +41,21 @@ class ProtocolError(KsbError):
     code = "malformed_record"
 
 
+class RequestFailed(KsbError):
+    """A request a rule failed on (a defect, not the request's fault, or a record no rule foresaw):
+    refused with the failure's text, so that one record never stops a dispatcher."""
+
+    code = "request_failed"
+
+
+class PoisonRecord(KsbError):
+    """A record whose transaction Kafka refused twice, alone (an output it cannot write: a
+    record past a topic's size limit, a topic that is gone or not writable): refused and
+    skipped so the records behind it go on."""
+
+    code = "poison_record"
+
+
 class CatalogError(KsbError):
     """A catalog definition that is invalid, or a name the catalog does not know."""
 

@@ -81,9 +81,22 @@ class Names:
     def transmission(self) -> str:
         return f"{self.prefix}.transmission"
 
+    def inbound_from(self, writer: str) -> str:
+        """Messages for this instance from other instances, as written by broker instance
+        `writer`'s transport (or forwarder): only `writer` may write it, so the topic says which
+        instance carried each record (`ksb.dialog.remote`), as a requests topic says who sent a
+        request. ``inbound.<this instance>`` holds its own transport's local messages that waited
+        in the transmission queue."""
+        return f"{self.prefix}.inbound.{writer}"
+
     @property
-    def inbound(self) -> str:
-        return f"{self.prefix}.inbound"
+    def inbound_prefix(self) -> str:
+        return f"{self.prefix}.inbound."
+
+    @property
+    def inbound_pattern(self) -> str:
+        """Every ``inbound.<writer>`` topic: the dispatchers subscribe to them all."""
+        return rf"^{re.escape(self.prefix)}\.inbound\..+$"
 
     @property
     def acks(self) -> str:
@@ -123,6 +136,10 @@ class Names:
 
     def dead_letters(self, queue_name: str) -> str:
         return f"{self.prefix}.dlq.{queue_name}"
+
+    def dead_letter_queue_of(self, topic: str) -> str:
+        """The queue whose dead-letter topic `topic` is (the inverse of `dead_letters`)."""
+        return topic.removeprefix(f"{self.prefix}.dlq.")
 
     @property
     def external_activator_app(self) -> str:

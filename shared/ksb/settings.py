@@ -43,10 +43,10 @@ __all__ = [
 ]
 
 PREFIX = "KSB_"
-TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_TEST_STACK", "KSB_STACK_SECURITY"})
-"""Variables of the development tools (where the Kafka jars are, which test stack, whether the
-local stack is secured), not of a process's settings: a service started from a shell that has
-them still starts."""
+TOOLING_VARIABLES = frozenset({"KSB_KAFKA_LIBS", "KSB_STACK_SECURITY"})
+"""Variables of the development tools (where the Kafka jars are, whether the local stack is
+secured), not of a process's settings: a service started from a shell that has them still
+starts."""
 
 S = TypeVar("S", bound="KsbSettings")
 
@@ -265,6 +265,9 @@ class ServiceSettings(KsbSettings):
     """The periodic timer: housekeeping runs every tick, every 2nd and every 5th."""
     task_handlers: int | None = Field(None, ge=1)
     """Threads for asynchronous tasks; unset means 2 x CPUs."""
+    log_format: Literal["text", "json"] = "text"
+    """One line of text per record, or one JSON object with the service, instance and, where
+    known, shard, conversation, group, queue (`ksb.runtime.log_format`), for log pipelines."""
 
 
 class QueueServiceSettings(ServiceSettings, AuthoritySettings):
@@ -299,6 +302,10 @@ class QueueServiceSettings(ServiceSettings, AuthoritySettings):
 
 class DispatcherSettings(ServiceSettings, AuthoritySettings):
     max_body_bytes: int = Field(1_048_576, ge=0)
+    max_output_bytes: int = Field(16 * 1_048_576, ge=0)
+    """The message bytes one request may put in queues and transmissions: a SEND on many
+    conversations, or a commit's SENDs, is refused past it (``request_too_large``), so no request
+    makes a transaction of any size."""
     txn_timeout_ms: int = Field(4_000, ge=1000)
     """Kafka aborts a transaction open this long. Kept under the consumer group's session timeout
     (6 s in the local stack, Kafka's default 45 s), as Kafka Streams keeps its own: a member that
@@ -306,6 +313,9 @@ class DispatcherSettings(ServiceSettings, AuthoritySettings):
     new owners wait for its session alone (with 10 s they waited up to 5 s more)."""
     batch_max: int = Field(500, ge=1)
     """Requests applied in one Kafka transaction at most."""
+    poison_failures: int = Field(2, ge=1)
+    """A record whose transaction Kafka refused this many times, for a reason a record can
+    cause, is refused and skipped (`services.dispatcher.isolation`)."""
     depth_every_ms: int = Field(100, ge=0)
     """How often at most the queue depths that changed are written (`ksb.wire.depth`): senders
     with a queue-depth limit see a count this much later at worst (0: with every transaction)."""

@@ -28,7 +28,9 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     # than this run's time limit allows; the audit job has its own tests (marker `spark`). The
     # cross-instance section has its own smoke test below; priorities and security their own
     # tests and `python -m bench.security`. Left: raw Kafka, 1 and 2 dispatchers, failover, a
-    # small backlog and one activation burst. Its stack's Redis is a Redis Cluster of two
+    # small backlog (and a smaller one sent interleaved, beside the same dialog by dialog), one
+    # activation burst, the exactly-once peer and four reader processes, each instance with two
+    # queue service replicas. Its stack's Redis is a Redis Cluster of two
     # primaries, which no other test runs the activation service on (its monitors, task
     # heartbeats and the disabled flags and policies it mirrors).
     result = subprocess.run(
@@ -87,7 +89,39 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     (failover,) = figures["failover"]["runs"]
     assert failover["verified_exactly_once_in_order"] is True
     assert failover["lost_shards"]["resumed_after_kill_s"] > 0
-    assert figures["backlog"]["verified_exactly_once_in_order"] is True
+    backlog = figures["backlog"]
+    assert backlog["verified_exactly_once_in_order"] is True
+    # the queue service's replicas hold the backlog: each measured, its own memory apart from
+    # its store's pages; and the interleaved drain ran beside the dialog-by-dialog one
+    assert set(backlog["queue_service"]) == {"q1", "q2"}
+    for replica in backlog["queue_service"].values():
+        full = replica["indexed"]
+        assert full["rss_anon_kb"] > 0 and full["rss_file_kb"] > 0, replica
+        assert full["store_disk_bytes"] > 0 and replica["store_bytes_per_queued_message"] > 0
+    interleaved = backlog["interleaved"]
+    assert interleaved["verified_exactly_once_in_order"] is True
+    assert interleaved["interleaved"]["config"]["burst"] == 1
+    assert interleaved["dialog_by_dialog"]["config"]["burst"] == 0
+    assert interleaved["ratio_interleaved_over_dialog_by_dialog"] > 0
+    assert any(line.startswith("interleaved backlog") for line in lines), result.stdout
+    # every run RECEIVEs through two queue service replicas, whose CPU is counted
+    assert all(r["queue_replicas"] == 2 for r in runs)
+    assert all(r["cpu_ms_per_message"]["queue_service"] > 0 for r in runs)
+    # the exactly-once peer ran beside raw Kafka, acknowledged every message once and in order,
+    # and every KSB column is set against it
+    peer = figures["peer"]
+    assert peer["verified_exactly_once_in_order"] is True, peer["problems"]
+    assert peer["throughput"]["messages"] == runs[0]["throughput"]["messages"]
+    assert peer["latency_unloaded"]["count"] == figures["config"]["probes"]
+    assert set(figures["ratio_ksb_over_peer"]) == set(figures["ratio_ksb_over_raw"])
+    assert "EOS peer" in next(line for line in lines if "raw kafka" in line)
+    readers = figures["readers"]
+    assert readers["verified_exactly_once_in_order"] is True, readers["problems"]
+    assert len(readers["messages_per_reader"]) == 4 and readers["cpu_ms_per_message"]["readers"] > 0
+    # each of issue 39's targets is read from the run, the skipped sections' as not measured
+    assert len(figures["targets"]) == 5 and any(
+        line.startswith("issue 39 targets") for line in lines
+    )
     activation = figures["activation"]
     assert activation["verified_exactly_once"] is True, activation["problems"]
     assert activation["activations"] > 0 and activation["rounds_completed"] == 1

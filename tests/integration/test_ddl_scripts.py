@@ -17,8 +17,8 @@ import yaml
 from devtools.deployment import Deployment, secure_instance
 from ksb.catalog.model import END_DIALOG, ERROR
 from ksb.sdk.client import KsbClient
-from tests.integration.conftest import ThreadDispatcher
-from tests.integration.support import receive_all, wait_endpoint
+from tests.integration.conftest import ThreadDispatcher, secure
+from tests.integration.support import receive_all, wait_endpoint, wait_error
 from tests.integration.test_cli import ksb, ok, refused, shown
 
 pytestmark = pytest.mark.integration
@@ -132,7 +132,8 @@ def test_expense_scripts_with_activation_route_and_grants(
             "sql",
             "CREATE QUEUE ExpenseClientQueue;\n"
             f"CREATE SERVICE [{EXPENSES}/Client] ON QUEUE ExpenseClientQueue;\n"
-            "CREATE QUEUE StoreFrontQueue; CREATE SERVICE Ordering ON QUEUE StoreFrontQueue;",
+            "CREATE QUEUE StoreFrontQueue; CREATE SERVICE StoreFront ON QUEUE StoreFrontQueue;\n"
+            "CREATE QUEUE OrderingQueue; CREATE SERVICE Ordering ON QUEUE OrderingQueue ([DEFAULT]);",
         )
     )
     apply_files(settings, "local-service-permissions.sql")
@@ -166,8 +167,27 @@ def test_expense_scripts_with_activation_route_and_grants(
             (f"{EXPENSES}/SubmitExpense", "<expense amount='12.50'/>"),
             (f"{EXPENSES}/ExpenseApprovedOrDenied", "<approved/>"),
         )
+        _grants_mean_what_sql_server_means(settings, client)
     finally:
         d.stop()
+
+
+def _grants_mean_what_sql_server_means(settings: Deployment, client: KsbClient) -> None:
+    """The pasted grants, as SQL Server means them: BrokerApplicationUser, which may RECEIVE
+    from StoreFrontQueue, acts as StoreFront, and SEND on Ordering lets it begin dialogs with
+    Ordering; it does not let it act as Ordering."""
+    if not settings.secured:
+        return
+    app = secure(settings).as_principal("BrokerApplicationUser")
+    with KsbClient(app) as store_front:
+        handle = store_front.begin_dialog("StoreFront", "Ordering", "DEFAULT")
+        store_front.send(handle, "DEFAULT", "order 1")
+        posing = store_front.begin_dialog("Ordering", "StoreFront", "DEFAULT")
+        store_front.flush()
+        err = wait_error(app, lambda r: r.get("handle") == posing)
+        assert err["code"] == "not_authorized" and "as service 'Ordering'" in err["reason"], err
+    [order] = receive_all(client, "OrderingQueue", 1)
+    assert order.message_body.decode() == "order 1" and order.conversation_id == handle
 
 
 def expense_report(total: str) -> str:

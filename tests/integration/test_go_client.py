@@ -157,16 +157,18 @@ def test_go_dialogs_are_received_once_in_order_and_answered(
     client: KsbClient,
 ) -> None:
     dispatcher.wait_owning_every_shard()
-    initiator = make_application(
-        settings, "go-initiator", [Grant(permission="SEND", target=I, principal="go-initiator")]
+    initiator = make_application(  # the initiator's service (its queue), SEND on the target
+        settings,
+        "go-initiator",
+        [
+            Grant(permission="RECEIVE", target="InitiatorQueue", principal="go-initiator"),
+            Grant(permission="SEND", target=T, principal="go-initiator"),
+        ],
     )
     target = make_application(
         settings,
         "go-target",
-        [
-            Grant(permission="SEND", target=T, principal="go-target"),
-            Grant(permission="RECEIVE", target="TargetQueue", principal="go-target"),
-        ],
+        [Grant(permission="RECEIVE", target="TargetQueue", principal="go-target")],
     )
     began, _ = run_ksbgo(
         ksbgo, initiator, "initiate", "--dialogs", str(DIALOGS), "--messages", str(MESSAGES)
@@ -334,7 +336,7 @@ def test_a_refused_commit_record_leaves_anothers_lock_held(
 ) -> None:
     # A principal with no RECEIVE grant at all: its commit is refused not_authorized.
     stranger = make_application(
-        settings, "go-stranger", [Grant(permission="SEND", target=I, principal="go-stranger")]
+        settings, "go-stranger", [Grant(permission="SEND", target=T, principal="go-stranger")]
     )
     _one_dialog(client, 2)
     victim = client.transaction()

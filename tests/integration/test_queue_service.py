@@ -125,7 +125,7 @@ def test_no_anonymous_or_wrong_login_and_no_receive_without_the_grant(
     wrong = _login(settings, password="not-the-password")
     assert _code(lambda: stub.Receive(receive, metadata=wrong)) is grpc.StatusCode.UNAUTHENTICATED
     sender = make_application(
-        settings, "senderonly", [Grant(permission="SEND", target=I, principal="senderonly")]
+        settings, "senderonly", [Grant(permission="SEND", target=T, principal="senderonly")]
     )
     only_send = _login(sender)
     assert (
@@ -148,7 +148,6 @@ def test_a_lease_is_only_its_principals_and_cannot_be_forged(
         "thief",
         [
             Grant(permission="RECEIVE", target="TargetQueue", principal="thief"),
-            Grant(permission="SEND", target=T, principal="thief"),
         ],
     )
     owner_settings = replicas.client_settings(settings)

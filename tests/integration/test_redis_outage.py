@@ -9,7 +9,6 @@ it restarts empty. The dispatcher needs no Redis; the reader does for its group 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -64,8 +63,6 @@ class RedisNode:
 
 @pytest.fixture
 def redis_node(stack: Stack, tmp_path: Path) -> Iterator[RedisNode]:
-    if os.environ.get("KSB_TEST_STACK") == "containers":
-        pytest.skip("starts a redis-server of its own, which the containers' stack does not have")
     node = RedisNode(tmp_path / "redis", free_port(), stack)
     node.start()
     try:

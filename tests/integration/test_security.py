@@ -141,13 +141,14 @@ def _login_errors(conf: dict[str, Any]) -> tuple[KafkaException, list[KafkaError
 
 @pytest.fixture
 def alice(settings: Deployment, catalog: Catalog) -> Deployment:
-    """An application that may SEND to the initiator's service and RECEIVE from its queue only."""
+    """An application that is the initiator's service (RECEIVE on its queue) and may begin
+    dialogs with the target (SEND on it), as SQL Server grants them."""
     return make_application(
         settings,
         "alice",
         [
-            Grant(permission="SEND", target=I, principal="alice"),
             Grant(permission="RECEIVE", target=INITIATOR_QUEUE, principal="alice"),
+            Grant(permission="SEND", target=T, principal="alice"),
         ],
     )
 
@@ -371,9 +372,9 @@ def test_a_begin_from_a_service_not_granted_is_refused_to_its_sender_only(
 ) -> None:
     _catalog_taken(dispatcher, settings)
     with KsbClient(alice) as client:
-        handle = client.begin_dialog(T, I, C)  # alice may SEND for I only
+        handle = client.begin_dialog(T, I, C)  # alice is I's, not T's
         client.flush()
-        _not_authorized(alice, handle, repr(T), "SEND on SERVICE::")
+        _not_authorized(alice, handle, f"as service {T!r}", "RECEIVE ON [TargetQueue]")
         granted = client.begin_dialog(I, T, C)
         client.send(granted, "//t/Request", json.dumps({"n": "alice"}))
         client.flush()
@@ -397,7 +398,7 @@ def test_a_send_on_another_services_endpoint_is_refused(
         target = _target_of(settings, handle)
         client.send(target, "//t/Request", json.dumps({"n": "forged"}))
         client.flush()
-        _not_authorized(alice, target, repr(T), "SEND on SERVICE::")
+        _not_authorized(alice, target, f"as service {T!r}")
     assert _receive_on(flow.client, target) == ["question"]
     flow.check()
 
@@ -422,22 +423,29 @@ def test_a_receipt_on_a_queue_without_receive_is_refused(
     flow.check()  # every message the receipt named is still there for the owner
 
 
-def test_a_revoked_send_grant_is_refused_by_the_running_dispatcher(
+def test_revoked_grants_are_refused_by_the_running_dispatcher(
     settings: Deployment, alice: Deployment, dispatcher: ThreadDispatcher, flow: Flow
 ) -> None:
+    """SEND on the target revoked: no new dialog with it (the one begun goes on, as in SQL
+    Server, where SEND is checked when a dialog begins); RECEIVE on the initiator's queue
+    revoked: alice no longer acts as the initiator, not even on her own dialog."""
     _catalog_taken(dispatcher, settings)
+    receive_iq = Grant(permission="RECEIVE", target=INITIATOR_QUEUE, principal="alice")
     with KsbClient(alice) as client:
         before = client.begin_dialog(I, T, C)
         client.flush()
-        make_application(
-            settings,
-            "alice",
-            [Grant(permission="RECEIVE", target=INITIATOR_QUEUE, principal="alice")],
-        )
+        make_application(settings, "alice", [receive_iq])
+        _catalog_taken(dispatcher, settings)
+        late = client.begin_dialog(I, T, C)
+        client.send(before, "//t/Request", json.dumps({"n": "on a dialog begun before"}))
+        client.flush()
+        _not_authorized(alice, late, f"to service {T!r}", "SEND on SERVICE::")
+        make_application(settings, "alice", [Grant(permission="SEND", target=T, principal="alice")])
         _catalog_taken(dispatcher, settings)
         client.send(before, "//t/Request", json.dumps({"n": "after revoke"}))
         client.flush()
-        _not_authorized(alice, before, repr(I), "SEND on SERVICE::")
+        _not_authorized(alice, before, f"as service {I!r}")
+    assert _receive_on(flow.client, _target_of(settings, before)) == ["on a dialog begun before"]
     flow.check()
 
 
@@ -526,21 +534,23 @@ def test_a_rotated_password_refuses_new_logins_with_the_old_one_only(
 
 
 def test_redis_users_are_saved_to_its_acl_file(
-    stack: Stack, settings: Deployment, alice: Deployment, flow: Flow
+    stack: Stack, settings: Deployment, flow: Flow
 ) -> None:
     """Redis reloads its users from its ACL file at a restart (``ACL LOAD`` does the same now):
-    the principals `ksb acl apply` made, and a rotated password, must be in it."""
+    the principals `ksb acl apply` made, and a rotated password, must be in it. (The owner's:
+    applications have no Redis user.)"""
     from ksb.runtime.credentials import CredentialStore
     from ksb.security.apply import rotate_password
 
-    rotate_password(stack.admin(), CredentialStore(stack.security.store.root), "alice")
+    store = CredentialStore(stack.security.store.root)
+    rotate_password(stack.admin(), store, settings.acting_principal)
     admin = redis_client(stack.admin())
     try:
         admin.execute_command("ACL", "LOAD")  # type: ignore[no-untyped-call]
     finally:
         admin.close()
-    assert redis_client(alice).ping()  # the new password, read back from the file
-    assert redis_client(settings).ping()
+    assert redis_client(settings).ping()  # the new password, read back from the file
+    assert redis_client(settings.as_service(Role.QUEUE)).ping()
     flow.check()
 
 

@@ -24,7 +24,7 @@ from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.kafka import client_security
 from ksb.runtime.redis_client import redis_client
 from ksb.sdk.client import KsbClient
-from ksb.security.principals import ADMIN, Role
+from ksb.security.principals import ADMIN, Role, peer_principal
 from ksb.settings import ForwarderSettings, TransmitterSettings, TransportSettings
 from ksb.transmission.links import Packet
 from services.forwarder import Forwarder
@@ -108,11 +108,24 @@ class ThreadTransmitter:
             t.join(30)
 
 
+def admitting_peers(catalog: dict[str, Any]) -> dict[str, Any]:
+    """`catalog` with SEND on each of its services granted to every instance its routes lead
+    to: whoever it exchanges messages with may begin dialogs with it (`peer-<instance>`)."""
+    peers = sorted({r["broker_instance"] for r in catalog.get("routes", [])})
+    grants = [
+        {"permission": "SEND", "target": s["name"], "principal": peer_principal(p)}
+        for s in catalog.get("services", [])
+        for p in peers
+    ]
+    return {**catalog, "grants": [*catalog.get("grants", []), *grants]}
+
+
 class Instance:
     """One broker instance of a test: its queue service, dispatcher and transmitter (threads of
     the test process), and a client as its owner."""
 
     def __init__(self, settings: Deployment, catalog: dict[str, Any]) -> None:
+        catalog = admitting_peers(catalog)
         settings = secure_instance(settings, parse_catalog(catalog))
         self._store = Path(tempfile.mkdtemp(prefix="ksb-queue-"))
         self.queues = ThreadQueueService(settings, self._store)
@@ -203,7 +216,12 @@ def test_foreign_records_on_outbound_and_links_are_skipped_and_nothing_else_is_h
         }
     )
     raw.produce(names.outbound, value=b'{"not": "a packet"}')  # no packet headers
-    packet = Packet(b.settings.instance, "LOCAL", Names(b.settings.instance).inbound, 2**62)
+    packet = Packet(
+        b.settings.instance,
+        "LOCAL",
+        Names(b.settings.instance).inbound_from(a.settings.instance),
+        2**62,
+    )
     raw.produce(names.outbound, value=b"not json", headers=packet.headers())
     raw.produce(names.links, value=b'{"destination": "x"}')
     raw.flush(10)
@@ -291,7 +309,7 @@ def test_initiatordb_targetdb_priorities(pair: tuple[Instance, Instance]) -> Non
         }
     ]
     apply_catalog(a.settings, parse_catalog(ca))
-    v = apply_catalog(b.settings, parse_catalog(cb)).version
+    v = apply_catalog(b.settings, parse_catalog(admitting_peers(cb))).version
     assert a.dispatcher.dispatcher.engine is not None
     _wait_catalog(a.dispatcher, v)
     _wait_catalog(b.dispatcher, v)
@@ -503,7 +521,9 @@ def test_one_megabyte_body_crosses_as_fragments(pair: tuple[Instance, Instance])
     assert [m.message_body for m in got] == [body.encode(), b'"small, after it"']
     kinds = [
         json.loads(v or b"{}")["kind"]
-        for _k, v in read_topic(b.settings, Names(b.settings.instance).inbound)
+        for _k, v in read_topic(
+            b.settings, Names(b.settings.instance).inbound_from(a.settings.instance)
+        )
     ]
     assert kinds.count("fragment") >= 4 and kinds.count("inbound") >= 1
     _wait_view_empty(a.settings)

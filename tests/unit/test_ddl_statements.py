@@ -122,6 +122,9 @@ def test_service_forms() -> None:
     assert one("CREATE SERVICE S AUTHORIZATION dbo ON QUEUE Q ([//x/C], [DEFAULT])") == Create(
         "SERVICE", "S", {"queue": "Q", "contracts": ["//x/C", "DEFAULT"]}
     )
+    assert one("CREATE SERVICE S AUTHORIZATION [olga] ON QUEUE Q") == Create(
+        "SERVICE", "S", {"queue": "Q", "contracts": [], "owner": "olga"}
+    )
     assert one("ALTER SERVICE S ON QUEUE Q2") == Alter("SERVICE", "S", {"queue": "Q2"})
     assert one("ALTER SERVICE S (ADD CONTRACT A, DROP CONTRACT B, ADD CONTRACT C)") == Alter(
         "SERVICE", "S", {"add_contracts": ["A", "C"], "drop_contracts": ["B"]}

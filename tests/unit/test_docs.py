@@ -167,13 +167,16 @@ def _request(script: str, kind: str) -> dict[str, object]:
 
 
 def test_the_kcat_examples_grants_are_what_the_dispatcher_checks() -> None:
-    """SEND on the service a BEGIN starts from (`ksb.dialog.permissions`), and nothing more: the
-    example RECEIVEs nothing (RECEIVE is the queue service's), so it lists no RECEIVE grant."""
+    """SQL Server's meanings (`ksb.dialog.permissions`): RECEIVE on the queue of the service a
+    BEGIN starts from (to act as it), SEND on the service it goes to, nothing more (the example
+    RECEIVEs nothing: RECEIVE is the queue service's)."""
     section = _kcat_section()
     sends = re.findall(r"^GRANT SEND ON SERVICE::\[(.+?)\] TO \[(.+?)\]$", section, re.M)
     receives = re.findall(r"^GRANT RECEIVE ON \[(.+?)\] TO \[(.+?)\]$", section, re.M)
     begin = _request(section, "begin")
-    assert [s for s, _ in sends] == [begin["from_service"]]
-    assert receives == []
+    assert [s for s, _ in sends] == [begin["to_service"]]
+    assert begin["from_service"] == "//t/Initiator" and [q for q, _ in receives] == [
+        "InitiatorQueue"
+    ]
     assert '"kind":"commit"' not in section
-    assert {p for _, p in sends} == {"kcat-app"}
+    assert {p for _, p in sends + receives} == {"kcat-app"}

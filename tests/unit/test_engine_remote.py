@@ -315,3 +315,62 @@ def test_an_end_applied_in_an_aborted_transaction_closes_again_when_redelivered(
     again = b.handle(last, NOW)
     assert [e.state for e in again.endpoints if e.handle == th] == [State.CLOSED]
     assert th not in b.endpoints and again.acks[0].ack_seq == 1
+
+
+# ----------------------------------------------------------------- what a peer sends is checked
+def _from_a(
+    seq: int, mtype: str, body: str, *, conversation: str = "x1", **over: Any
+) -> InboundMessage:
+    fields: dict[str, Any] = {
+        "message_id": f"m{seq}",
+        "conversation_id": conversation,
+        "from_instance": "a",
+        "to_instance": "b",
+        "from_service": "Init",
+        "to_service": "Tgt",
+        "contract": "C",
+        "message_type": mtype,
+        "from_initiator": True,
+        "seq": seq,
+        "priority": 5,
+        "enqueued_ms": NOW,
+        "body": body,
+    }
+    return InboundMessage(**{**fields, **over})
+
+
+def test_a_message_from_an_instance_no_route_names_is_refused_and_not_acknowledged(
+    b: Engine,
+) -> None:
+    """Not even the instance to acknowledge to is believed: an ack to a topic the dispatcher
+    may not write failed its transaction forever."""
+    out = b.handle(_from_a(0, "Req", "{}", from_instance="nowhere"), NOW)
+    [error] = out.errors
+    assert error.code == "unknown_peer" and "'nowhere'" in error.reason
+    assert not out.acks and not out.queue and not b.endpoints
+
+
+@pytest.mark.parametrize(
+    ("mtype", "body", "why"),
+    [
+        ("Req", "x" * 1001, "over the limit of 1000"),
+        ("Req", "not json", "not well-formed JSON"),
+        ("Rep", "{}", "may not be sent by the initiator"),
+        ("Other", "{}", "not in contract 'C'"),
+    ],
+)
+def test_a_peers_message_its_target_would_refuse_fails_the_dialog(
+    b: Engine, mtype: str, body: str, why: str
+) -> None:
+    """As a local target refuses a SEND: nothing enqueued, an Error back to the far side in the
+    conversation's order, this side closed, its queued messages gone."""
+    first = b.handle(_from_a(0, "Req", '{"n": 0}'), NOW)
+    assert bodies(first) == ['{"n": 0}']
+    out = b.handle(_from_a(1, mtype, body), NOW)
+    [error] = out.transmissions
+    assert error.message_type == ERROR and why in json.loads(error.body_bytes())["description"]
+    assert error.to_instance == "a" and not bodies(out)
+    assert [a.ack_seq for a in out.acks] == [1]  # taken, in order: not sent again
+    target = target_handle("x1")
+    assert [e.state for e in out.endpoints if e.handle == target] == [State.CLOSED]
+    assert [w.value for w in out.queue] == [None]  # the first message left its queue

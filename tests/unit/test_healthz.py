@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+import urllib.request
 import uuid
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import REGISTRY
 
 from ksb.runtime.metrics import (
     HEALTHY,
     NOT_UP,
     health_problems,
+    metrics_server,
     process_health,
     register_health_check,
     unregister_health_check,
@@ -129,3 +133,24 @@ def test_healthz_answers_503_with_the_reason_then_200(component: str, healthz: s
     assert process_health([component]) == {}
     HEALTHY.labels(component).set(0)
     assert get(healthz)[0] == 503  # stopping: the gauge alone is enough
+
+
+def test_metrics_label_every_sample_with_the_broker_instance(component: str) -> None:
+    """/metrics adds ``ksb_instance``; the registry, which the code reads, stays as it was."""
+    HEALTHY.labels(component).set(1)
+    server = metrics_server(0, instance="demo-b")
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            text = reply.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+    samples = [line for line in text.splitlines() if line.startswith("ksb_")]
+    assert samples and all('ksb_instance="demo-b"' in line for line in samples)
+    mine = [line for line in samples if f'service="{component}"' in line]
+    assert len(mine) == 1 and mine[0].endswith(" 1.0")
+    assert REGISTRY.get_sample_value("ksb_service_up", {"service": component}) == 1

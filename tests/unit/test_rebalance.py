@@ -286,8 +286,11 @@ def test_a_shard_is_rebuilt_beside_the_loop_while_the_owned_ones_flow(
         w.keeper.take_pending(cast(Any, consumer))
         assert w.loaded == [] and w.engine.ownership.owned == {0}
         assert consumer.paused == {(NAMES.relay, 1), (NAMES.requests, 1)}
-    w.keeper.on_assign(cast(Any, consumer), [TopicPartition(NAMES.inbound, 1)])
-    assert (NAMES.inbound, 1) in consumer.paused  # a partition of the shard being rebuilt waits
+    w.keeper.on_assign(cast(Any, consumer), [TopicPartition(NAMES.inbound_from("b"), 1)])
+    assert (
+        NAMES.inbound_from("b"),
+        1,
+    ) in consumer.paused  # a partition of the shard being rebuilt waits
     w.threads.run()
     assert w.loaded == [1] and w.engine.ownership.owned == {0}
     consumer._committed[(NAMES.requests, 1)] = 40
@@ -299,7 +302,7 @@ def test_a_shard_is_rebuilt_beside_the_loop_while_the_owned_ones_flow(
         [
             (NAMES.relay, 1, OFFSET_BEGINNING),
             (NAMES.requests, 1, 40),
-            (NAMES.inbound, 1, OFFSET_BEGINNING),
+            (NAMES.inbound_from("b"), 1, OFFSET_BEGINNING),
         ]
     )
 

@@ -128,7 +128,8 @@ def test_nobody_may_write_the_unsuffixed_requests_topic() -> None:
 
 def test_requests_relay_and_inbound_have_the_shard_count() -> None:
     topics = {t.name: t.partitions for t in _plan().topics}
-    for name in (N.requests, N.requests_of("alice"), N.requests_of("bob"), N.relay, N.inbound):
+    own_inbound = N.inbound_from(INST)
+    for name in (N.requests, N.requests_of("alice"), N.requests_of("bob"), N.relay, own_inbound):
         assert topics[name] == 3, name
     assert N.requests_of(svc(Role.OPERATOR)) in topics
     assert N.errors_of("alice") in topics
@@ -142,6 +143,9 @@ def test_an_application_reads_no_queue_topic_it_receives_through_the_queue_servi
         assert not any(_grants(plan, principal, Operation.READ, N.queue(q)) for q in ("QA", "QB"))
     assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.queue("QA"))
     assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.queue("QB"))
+    # It counts the dead letters (services.queue.dead_letters); nobody else but operators reads them.
+    assert _grants(plan, svc(Role.QUEUE), Operation.READ, N.dead_letters("QB"))
+    assert not any(_grants(plan, p, Operation.READ, N.dead_letters("QB")) for p in ("alice", "bob"))
 
 
 def test_an_application_writes_nothing_but_its_requests() -> None:
@@ -164,6 +168,18 @@ def test_a_grant_to_public_is_refused() -> None:
     cat = _catalog(grants=[{"permission": "SEND", "target": "//a", "principal": "public"}])
     with pytest.raises(SecurityError, match="PUBLIC"):
         _plan(cat)
+
+
+def test_a_peers_grant_makes_no_login_and_a_peer_never_receives() -> None:
+    """``peer-<instance>`` is another broker instance, checked when its messages arrive: no
+    SCRAM user, no topic, no ACL is made for it; RECEIVE to it is refused, with the reason."""
+    grants = [{"permission": "SEND", "target": "//b", "principal": "peer-far"}]
+    plan = _plan(_catalog(grants=grants))
+    assert "peer-far" not in plan.principals and not _of(plan, "peer-far")
+    assert not any("peer-far" in t.name for t in plan.topics)
+    receive = [{"permission": "RECEIVE", "target": "QB", "principal": "peer-far"}]
+    with pytest.raises(SecurityError, match="never receives"):
+        _plan(_catalog(grants=receive))
 
 
 def test_an_owner_receives_from_every_queue_and_applies_catalogs() -> None:
@@ -190,7 +206,8 @@ def test_the_catalog_is_written_by_the_operator_owners_and_the_poison_rule_only(
 
 def test_only_the_transport_writes_our_inbound_and_only_the_transport_our_acks() -> None:
     plan = _plan()
-    inbound = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.inbound)}
+    own = N.inbound_from(INST)
+    inbound = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, own)}
     acks = {p for p in plan.principals if _grants(plan, p, Operation.WRITE, N.acks)}
     assert inbound == {svc(Role.TRANSPORT)}
     assert acks == {svc(Role.TRANSPORT), svc(Role.DISPATCHER)}
@@ -249,44 +266,115 @@ def _routed() -> Catalog:
     )
 
 
-def test_a_direct_peer_writes_our_inbound_and_acks_and_relays_its_acks() -> None:
+def test_a_direct_peer_writes_its_own_inbound_topic_and_our_acks() -> None:
     plan = _plan(_routed())
-    assert _grants(plan, "ksb-b-transport", Operation.WRITE, N.inbound)
+    writers = {
+        t: {p for p in plan.principals if _grants(plan, p, Operation.WRITE, t)}
+        for t in (N.inbound_from("b"), N.inbound_from("f"), N.inbound_from(INST))
+    }
+    assert writers == {
+        N.inbound_from("b"): {"ksb-b-transport"},
+        N.inbound_from("f"): {"ksb-f-forwarder"},
+        N.inbound_from(INST): {svc(Role.TRANSPORT)},
+    }
     assert _grants(plan, "ksb-b-dispatcher", Operation.WRITE, N.acks)
-    assert _grants(plan, "ksb-b-transport", Operation.READ, Names("b").acks)
-    assert not _grants(plan, "ksb-b-transport", Operation.READ, N.acks)
-    assert _grants(plan, svc(Role.DISPATCHER), Operation.WRITE, Names("b").acks)
-    assert _grants(plan, svc(Role.TRANSPORT), Operation.WRITE, Names("b").inbound)
     assert "ksb-b-transport" in plan.principals
+    topics = {t.name: t.partitions for t in plan.topics}
+    assert topics[N.inbound_from("b")] == topics[N.inbound_from("f")] == 3
+    assert N.inbound_from("c") not in topics  # c's messages come through f
+
+
+def test_a_plan_grants_nothing_on_a_near_peers_topics() -> None:
+    """Routes are declared on both sides: b's own plan grants what b consents to on b's
+    topics; ours binds and makes nothing of b's (b is on our cluster). Only c, behind the
+    forwarder f (so on a cluster we cannot know), gets the mailbox of its acks here."""
+    plan = _plan(_routed())
+    topics = [a for a in plan.kafka_acls if a.resource is not Resource.CLUSTER]
+    elsewhere = {a.name for a in topics if not a.name.startswith(f"{N.prefix}.")}
+    assert elsewhere == {Names("c").acks, Names("f").reader_group}
+    assert [t.name for t in plan.topics if not t.name.startswith(f"{N.prefix}.")] == [
+        Names("c").acks
+    ]
+
+
+def test_a_far_peer_gets_the_mailbox_of_its_acks_here() -> None:
+    """On another cluster b's plan cannot reach ours: the mailbox of its acks (written by our
+    dispatcher, read and relayed home by its transport) is ours to make and bind."""
+    far = _catalog(
+        routes=[
+            {"name": "r1", "service_name": "//far", "broker_instance": "b", "address": "k2:9092"}
+        ]
+    )
+    plan = _plan(far)
     assert Names("b").acks in {t.name for t in plan.topics}
+    assert _grants(plan, svc(Role.DISPATCHER), Operation.WRITE, Names("b").acks)
+    assert _grants(plan, "ksb-b-transport", Operation.READ, Names("b").acks)
+    mailbox = Names("b").acks
+    assert plan.owns(
+        KafkaAcl(svc(Role.DISPATCHER), Resource.TOPIC, mailbox, Pattern.LITERAL, Operation.WRITE)
+    )
+
+
+def test_two_instances_of_one_cluster_own_their_own_parts_of_a_far_peers_mailbox() -> None:
+    """A reaches c through the forwarder f; f reaches c directly on another cluster. Both plans
+    bind c's acks mailbox here; applying one must never remove what the other granted (found
+    when A's plan removed c's transport's READ that f's plan had just granted)."""
+    mailbox = Names("c").acks
+
+    def acl(principal: str, op: Operation) -> KafkaAcl:
+        return KafkaAcl(principal, Resource.TOPIC, mailbox, Pattern.LITERAL, op)
+
+    a = _plan(
+        _catalog(routes=[{"name": "r", "service_name": "//c", "broker_instance": "c", "via": "f"}])
+    )
+    f = plan_instance(
+        KsbSettings(instance="f", request_partitions=3),
+        _catalog(
+            routes=[
+                {"name": "r", "service_name": "//c", "broker_instance": "c", "address": "k2:9092"}
+            ]
+        ),
+    )
+    for plan in (a, f):
+        theirs = a if plan is f else f
+        for binding in theirs.kafka_acls:
+            if binding.name == mailbox:
+                assert not plan.owns(binding), (plan.instance, str(binding))
+    assert f.owns(acl("ksb-c-transport", Operation.READ))
+    assert a.owns(acl("ksb-f-forwarder", Operation.READ))
+    assert not a.owns(acl("ksb-f-forwarder", Operation.WRITE))  # f's own plan grants it
 
 
 def test_a_forwarder_carries_for_a_peer_behind_it() -> None:
     plan = _plan(_routed())
-    assert _grants(plan, "ksb-f-forwarder", Operation.WRITE, N.inbound)
+    assert _grants(plan, "ksb-f-forwarder", Operation.WRITE, N.inbound_from("f"))
     assert _grants(plan, "ksb-f-forwarder", Operation.WRITE, N.acks)
-    assert _grants(plan, "ksb-f-forwarder", Operation.READ, Names("c").acks)
-    assert _grants(plan, svc(Role.TRANSPORT), Operation.WRITE, Names("f").inbound)
-    assert not _grants(plan, "ksb-c-transport", Operation.WRITE, N.inbound)
+    assert not _grants(plan, "ksb-c-transport", Operation.WRITE, N.inbound_from("c"))
+    assert not _grants(plan, "ksb-f-forwarder", Operation.WRITE, N.inbound_from("b"))
 
 
-def test_a_peer_reads_nothing_of_ours_but_its_own_acks() -> None:
+def test_a_peer_reads_nothing_of_ours() -> None:
     plan = _plan(_routed())
     for peer in ("ksb-b-transport", "ksb-b-dispatcher", "ksb-f-forwarder"):
         reads = {a.name for a in _of(plan, peer) if a.operation is Operation.READ}
-        assert all(n.endswith(".acks") and n != N.acks for n in reads), (peer, reads)
+        assert not [n for n in reads if n.startswith(f"{N.prefix}.")], (peer, reads)
+    # f relays c's acks home from the mailbox here
+    assert _grants(plan, "ksb-f-forwarder", Operation.READ, Names("c").acks)
 
 
-def test_a_plan_owns_its_namespace_and_its_services_only() -> None:
+def test_a_plan_owns_its_namespace_only() -> None:
     plan = _plan(_routed())
     other = KafkaAcl(
         "ksb-x-dispatcher", Resource.TOPIC, "ksb.x.acks", Pattern.LITERAL, Operation.WRITE
     )
-    ours = KafkaAcl(
+    ours_elsewhere = KafkaAcl(
         svc(Role.DISPATCHER), Resource.TOPIC, "ksb.x.acks", Pattern.LITERAL, Operation.WRITE
     )
     assert not plan.owns(other)
-    assert plan.owns(ours)
+    assert not plan.owns(ours_elsewhere)  # x's plan grants it, and removes it
+    assert plan.owns(
+        KafkaAcl("ksb-x-dispatcher", Resource.TOPIC, N.acks, Pattern.LITERAL, Operation.WRITE)
+    )
     longer = KafkaAcl("p", Resource.TOPIC, "ksb.inst2.queue.q", Pattern.LITERAL, Operation.READ)
     assert not plan.owns(longer)
 

@@ -12,8 +12,14 @@ from devtools.runner import REPO_ROOT
 _SERVICE = """
 import threading
 from ksb.runtime.service import run_main
+from ksb.settings import ServiceSettings
 
 class {name}:
+    settings = ServiceSettings()
+
+    def log_fields(self) -> dict[str, str]:
+        return {{}}
+
     def run(self, stop: threading.Event) -> None:
         {body}
 

@@ -338,6 +338,11 @@ def _service(src: _Source) -> Create | Alter:
     fields: dict[str, Any] = {"queue": src.queue_name(names[1])} if has_queue else {}
     if src.tree.data == "create_service":
         fields["contracts"] = _contract_names(src, names[2:])
+        authorization = _child(src.tree, "authorization")
+        if authorization is not None:  # its owner acts as it (`ksb.dialog.permissions`)
+            owner = src.simple_name(_child(authorization, "name"), "principal")
+            if owner.lower() != "dbo":  # the database's owner: KSB's owners act as any service
+                fields["owner"] = owner
         return Create("SERVICE", name, fields, src.where())
     changes = _children(src.tree, "service_change")
     for verb in ("ADD", "DROP"):

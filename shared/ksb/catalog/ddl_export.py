@@ -129,7 +129,8 @@ def _queue(q: Queue) -> str:
 
 def _service(s: Service) -> str:
     contracts = f" ({', '.join(_bracketed(c) for c in s.contracts)})" if s.contracts else ""
-    return f"CREATE SERVICE {_bracketed(s.name)} ON QUEUE {_bracketed(s.queue)}{contracts}"
+    owner = f" AUTHORIZATION {_bracketed(s.owner)}" if s.owner else ""
+    return f"CREATE SERVICE {_bracketed(s.name)}{owner} ON QUEUE {_bracketed(s.queue)}{contracts}"
 
 
 def _route(r: Route) -> str:

@@ -35,6 +35,14 @@ def dead_letter(state: DialogState, stage: Stage, req: DeadLetterRequest, now: i
             f"message {m.message_id} is not waiting in queue {m.queue!r}",
             code="already_received",
         )
+    if (m.conversation_handle, m.conversation_group_id) != (info.handle, info.group):
+        # Only the queue service sends these, with the record it stored; a copy that differs
+        # from what is waiting is not that message, and is not stored as its dead letter.
+        raise ConversationError(
+            f"the dead letter of message {m.message_id} does not match the waiting message "
+            "(its conversation or group)",
+            code="dead_letter_mismatch",
+        )
     stage.gone_inflight.add(m.message_id)
     stage.out.queue.append(QueueWrite(m.queue, info.partition, m.message_id, None))
     stage.out.dead_letters.append(

@@ -16,6 +16,7 @@ dispatches requests to them, applies a commit's actions, and merges.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterable
 
 from ksb.catalog.model import CatalogView
@@ -35,7 +36,7 @@ from ksb.dialog.shards import Ownership
 from ksb.dialog.sources import Source, check_kind
 from ksb.dialog.stage import Stage
 from ksb.dialog.timers import Timers, set_timer
-from ksb.errors import KsbError, ProtocolError
+from ksb.errors import ConversationError, KsbError, RequestFailed
 from ksb.security.leases import LeaseSeal
 from ksb.wire.depth import QueueDepth
 from ksb.wire.endpoint import Endpoint, State
@@ -58,6 +59,8 @@ from ksb.wire.relay import RelayAction
 
 __all__ = ["Engine"]
 
+log = logging.getLogger("ksb.dispatcher")
+
 
 class Engine:
     """Endpoint state, queue membership, fences and timers for one broker instance (the one
@@ -69,12 +72,16 @@ class Engine:
         *,
         instance: str,
         max_body_bytes: int,
+        max_output_bytes: int | None = None,
         ownership: Ownership | None = None,
     ) -> None:
-        """`ownership` says which shards this engine owns (all of them when not given)."""
+        """`ownership` says which shards this engine owns (all of them when not given);
+        `max_output_bytes` bounds the message bytes one request may enqueue and transmit (a
+        SEND on many conversations, a commit's actions; None: no bound)."""
         self.catalog = catalog
         self.instance = instance
         self.max_body_bytes = max_body_bytes
+        self.max_output_bytes = max_output_bytes
         self.ownership = ownership or Ownership(1)
         self.permissions: Permissions = OPEN
         """Who may act for which service and queue; the dispatcher sets the catalog's."""
@@ -153,6 +160,7 @@ class Engine:
             self.catalog,
             instance=self.instance,
             max_body_bytes=self.max_body_bytes,
+            max_output_bytes=self.max_output_bytes,
             ownership=Ownership(self.ownership.shards, owned=shards),
         )
         rebuilt.permissions, rebuilt.leases = self.permissions, self.leases
@@ -199,11 +207,13 @@ class Engine:
         sent_ms: int | None = None,
         principal: str | None = None,
         source: Source = Source.SHARED,
+        peer: str | None = None,
     ) -> Outputs:
         """Apply one request of `principal` (None: a client without one), which came from
-        `source` (`ksb.dialog.sources`: what kinds it may send). ``sent_ms``, the request
-        record's timestamp, is stamped on the messages it enqueues so that end-to-end latency
-        can be measured when they are received."""
+        `source` (`ksb.dialog.sources`: what kinds it may send); `peer`, for a message from
+        another instance, is the instance whose ``inbound.<peer>`` topic carried it.
+        ``sent_ms``, the request record's timestamp, is stamped on the messages it enqueues so
+        that end-to-end latency can be measured when they are received."""
         stage = Stage(self, sent_ms, principal)
         try:
             check_kind(source, request.kind)
@@ -216,11 +226,14 @@ class Engine:
             elif isinstance(request, ReplayRequest):
                 replay(self, stage, request)
             elif isinstance(request, InboundMessage):
-                inbound(self, stage, request, now_ms)
+                inbound(self, stage, request, now_ms, carrier=peer)
             else:
                 self.apply_action(stage, request, now_ms)
+            self._check_output(stage.out)
         except KsbError as exc:
             return self._refused(request, exc, principal)
+        except Exception as exc:  # the stage is dropped, the engine untouched
+            return self._refused(request, _failed(exc), principal)
         self.merge(stage)
         stage.out.principal = principal
         return stage.out
@@ -230,7 +243,12 @@ class Engine:
         refusal is reported under the commit's request id."""
         stage = Stage(self, principal=record.principal)
         try:
-            self.apply_action(stage, record.action, now_ms)
+            try:
+                self.apply_action(stage, record.action, now_ms)
+            except KsbError:
+                raise
+            except Exception as exc:  # as in `handle`
+                raise _failed(exc) from exc
         except KsbError as exc:
             out = Outputs(principal=record.principal)
             out.errors.append(
@@ -274,13 +292,37 @@ class Engine:
     def _check_send(
         self, stage: Stage, req: BeginRequest | SendRequest | EndRequest | TimerRequest
     ) -> None:
+        """The sender must own the service it acts as; a BEGIN also needs SEND on a local target
+        (a target on another instance checks its peer's grant on arrival)."""
+        p, cat = self.permissions, self.catalog
         if isinstance(req, BeginRequest):
-            self.permissions.check_send(stage.principal, req.from_service, "BEGIN a dialog")
+            sender = cat.services.get(req.from_service)
+            if sender is not None:  # an unknown one is the rule's to refuse
+                p.check_acts_as(stage.principal, sender.name, sender.queue, "BEGIN a dialog")
+            if req.to_service in cat.services:
+                p.check_send(stage.principal, req.to_service, "BEGIN a dialog")
             return
         handles = req.handles if isinstance(req, SendRequest) else (req.handle,)
         for h in handles:
-            service = stage.endpoint(h).local_service
-            self.permissions.check_send(stage.principal, service, f"{req.kind.upper()} on {h!r}")
+            ep = stage.endpoint(h)
+            p.check_acts_as(
+                stage.principal, ep.local_service, ep.queue, f"{req.kind.upper()} on {h!r}"
+            )
+
+    def _check_output(self, out: Outputs) -> None:
+        """Refuse a request whose messages come to more than `max_output_bytes`: each body is
+        within its limit, but a SEND on many conversations (or a commit of many SENDs) would
+        make one transaction of any size."""
+        if self.max_output_bytes is None:
+            return
+        size = sum(_body_size(w.value) for w in out.queue if isinstance(w.value, QueueMessage))
+        size += sum(_body_size(t) for t in out.transmissions)
+        if size > self.max_output_bytes:
+            raise ConversationError(
+                f"this request would put {size} bytes of messages in queues and transmissions, "
+                f"over the limit of {self.max_output_bytes} a request may",
+                code="request_too_large",
+            )
 
     def _refused(self, request: AnyRequest, exc: KsbError, principal: str | None) -> Outputs:
         out = Outputs(principal=principal)
@@ -394,7 +436,7 @@ class Engine:
 
     @staticmethod
     def malformed(
-        exc: ProtocolError, *, topic: str, partition: int, offset: int, raw: bytes | None
+        exc: KsbError, *, topic: str, partition: int, offset: int, raw: bytes | None
     ) -> Outputs:
         """The error record for a record that is not a valid request.
 
@@ -458,3 +500,14 @@ def _claimed_request_id(raw: bytes | None) -> str | None:
         return None
     request_id = value.get("request_id") if isinstance(value, dict) else None
     return request_id if isinstance(request_id, str) else None
+
+
+def _body_size(m: QueueMessage | InboundMessage) -> int:
+    return len(m.body or m.body_b64 or "")
+
+
+def _failed(exc: Exception) -> RequestFailed:
+    """A rule's unforeseen failure on one request, as that request's refusal (logged with its
+    traceback: it is a defect to fix, but never a reason to stop applying the others)."""
+    log.exception("a request failed in the engine; refused")
+    return RequestFailed(f"the dispatcher failed on this request: {type(exc).__name__}: {exc}")

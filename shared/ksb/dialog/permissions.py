@@ -1,23 +1,27 @@
-"""Service Broker's permissions, enforced by the dispatcher: who may act for a service, and who may
-receive from a queue.
+"""Service Broker's permissions, enforced by the dispatcher: who may act as a service, who may
+send to one, and who may receive from a queue.
 
 Kafka's ACLs confine each principal to its own requests topic (``requests.<principal>``), so the
 topic a request arrives on names its sender and no other client can forge it (`ksb.names`). The
-ACLs cannot see inside a request, though: which service a BEGIN starts from, whose endpoint a SEND
-uses, which queue a receipt names. That is checked here, against the catalog's grants:
+ACLs cannot see inside a request, though: which service a BEGIN starts from and goes to, whose
+endpoint a SEND uses, which queue a receipt names. That is checked here, against the catalog's
+grants, with SQL Server's meanings:
 
-* ``GRANT SEND ON SERVICE::s TO p``: p may BEGIN dialogs from s and SEND, END and set timers on
-  s's endpoints (a reply is sent on the receiving service's endpoint, so a reader that replies
-  needs SEND on its own service too);
-* ``GRANT RECEIVE ON q TO p``: p may commit receipts on q and move its messages to the dead
-  letters (reading q's topic is Kafka's ACL).
+* acting as a service (BEGIN from it, SEND, END and set timers on its endpoints) is for whoever
+  owns it: RECEIVE on its queue (the application that reads a service's messages is the one that
+  answers them), or its owner (``CREATE SERVICE s AUTHORIZATION p``);
+* ``GRANT SEND ON SERVICE::t TO p``: p may begin dialogs *to* t (SQL Server: the principal that
+  owns the initiating service needs SEND on the target service). A target on another instance
+  checks that on arrival, against the grant to the peer instance's principal
+  (``GRANT SEND ON SERVICE::t TO [peer-<instance>]``, the remote service binding's part);
+* ``GRANT RECEIVE ON q TO p``: p may RECEIVE from q through the queue service, commit receipts
+  on q, and act as q's services.
 
 Trusted without grants: a request with no principal (the shared ``requests`` topic of a stack
 without security, writable by no one but the admin on a secured one), the deployment's owners
 (``ksb acl apply --owner``, like SQL Server's db_owner), and the service principals that send for
-others: the activation service and the external activator (activated tasks run as them; their
-``EXECUTE AS`` is not mapped to principals), the queue service (its dead letters) and the
-operator. A revoke takes effect with the
+others: the activation service and the external activator (activated tasks run as them), the
+queue service (its dead letters and fences) and the operator. A revoke takes effect with the
 catalog version that carries it, on every dispatcher, without a restart.
 """
 
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 from ksb.catalog.model import Catalog
 from ksb.dialog.sources import Source
 from ksb.errors import NotAuthorized
-from ksb.security.principals import Role, role_of, service_principal
+from ksb.security.principals import Role, peer_principal, role_of, service_principal
 
 __all__ = ["OPEN", "Permissions"]
 
@@ -54,6 +58,9 @@ class Permissions:
     enforced: bool = True
     instance: str = ""
     owners: frozenset[str] = frozenset()
+    acting: frozenset[tuple[str, str]] = frozenset()
+    """(principal, service) pairs: who may act as each local service (its owner, and whoever
+    may RECEIVE from its queue)."""
 
     @classmethod
     def of(cls, catalog: Catalog, instance: str, owners: Iterable[str] = ()) -> Permissions:
@@ -61,12 +68,17 @@ class Permissions:
         for g in catalog.grants:
             by_kind[g.permission].add((g.principal, g.target))
         trusted = {service_principal(instance, role) for role in _TRUSTED_ROLES} | set(owners)
+        acting = {(p, s.name) for s in catalog.services for p in (s.owner,) if p is not None}
+        acting |= {
+            (p, s.name) for s in catalog.services for p, q in by_kind["RECEIVE"] if q == s.queue
+        }
         return cls(
             frozenset(by_kind["SEND"]),
             frozenset(by_kind["RECEIVE"]),
             frozenset(trusted),
             instance=instance,
             owners=frozenset(owners),
+            acting=frozenset(acting),
         )
 
     def source_of(self, principal: str | None) -> Source:
@@ -80,13 +92,35 @@ class Permissions:
             return Source.APPLICATION
         return _ROLE_SOURCES.get(role, Source.NONE)
 
-    def check_send(self, principal: str | None, service: str, what: str) -> None:
-        """Refuse `what` (a BEGIN, a SEND, ...) for `service` unless `principal` may act for it."""
-        if self._free(principal) or (principal, service) in self.send:
+    def check_acts_as(self, principal: str | None, service: str, queue: str, what: str) -> None:
+        """Refuse `what` (a BEGIN from `service`, a SEND on its endpoint, ...) unless `principal`
+        owns `service`, whose queue is `queue`."""
+        if self._free(principal) or (principal, service) in self.acting:
             return
         raise NotAuthorized(
-            f"principal {principal!r} may not {what} for service {service!r}: it lacks "
-            f"SEND on SERVICE::[{service}] (GRANT SEND ON SERVICE::[{service}] TO {principal})"
+            f"principal {principal!r} may not {what} as service {service!r}: it neither owns "
+            f"the service nor may RECEIVE from its queue (GRANT RECEIVE ON [{queue}] TO "
+            f"{principal}, or CREATE SERVICE [{service}] AUTHORIZATION {principal})"
+        )
+
+    def check_send(self, principal: str | None, target: str, what: str) -> None:
+        """Refuse `what` (a BEGIN) unless `principal` may send to the `target` service."""
+        if self._free(principal) or (principal, target) in self.send:
+            return
+        raise NotAuthorized(
+            f"principal {principal!r} may not {what} to service {target!r}: it lacks SEND on "
+            f"SERVICE::[{target}] (GRANT SEND ON SERVICE::[{target}] TO {principal})"
+        )
+
+    def check_peer_send(self, instance: str, target: str) -> None:
+        """Refuse a dialog that broker instance `instance` begins with our `target` service
+        unless the catalog grants that instance SEND on it."""
+        peer = peer_principal(instance)
+        if not self.enforced or (peer, target) in self.send:
+            return
+        raise NotAuthorized(
+            f"broker instance {instance!r} may not begin dialogs with service {target!r}: it "
+            f"lacks SEND on SERVICE::[{target}] (GRANT SEND ON SERVICE::[{target}] TO [{peer}])"
         )
 
     def check_receive(self, principal: str | None, queue: str, what: str) -> None:

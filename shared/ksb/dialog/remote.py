@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from ksb.catalog.model import ERROR
-from ksb.dialog.delivery import accept, transmit
+from ksb.catalog.model import END_DIALOG, ERROR
+from ksb.dialog.delivery import accept, drop_queued, transmit
 from ksb.dialog.sequencing import ReceiveWindow
 from ksb.dialog.stage import Stage
 from ksb.dialog.state import DialogState
-from ksb.dialog.system_messages import CONTRACT_REFUSED, error_body
+from ksb.dialog.system_messages import CONTRACT_REFUSED, VALIDATION_ERROR, error_body
+from ksb.errors import NotAuthorized, ValidationFailed
 from ksb.wire.endpoint import Endpoint, State
 from ksb.wire.partitioning import target_handle
 from ksb.wire.protocol import AckRecord, ErrorRecord, InboundMessage
@@ -72,8 +73,15 @@ class RemoteWindows:
         return sum(len(w.drop_older_than(now_ms, max_age_ms)) for w in self.windows.values())
 
 
-def inbound(state: DialogState, stage: Stage, msg: InboundMessage, now: int) -> None:
-    """A message from another instance: dedupe and order per direction, enqueue, acknowledge.
+def inbound(
+    state: DialogState, stage: Stage, msg: InboundMessage, now: int, *, carrier: str | None
+) -> None:
+    """A message from another instance, which `carrier`'s transport or forwarder wrote to our
+    ``inbound.<carrier>`` topic: dedupe and order per direction, enqueue, acknowledge.
+
+    Its origin (``from_instance``) is believed only when our routes let `carrier` carry that
+    instance's messages (the origin itself, or the forwarder between us): a peer cannot pose as
+    another. (None: a caller that knows no carrier, as the engine's own unit tests.)
 
     The window moves on the stage's copy, so it moves with the request or not at all; a failed
     Kafka transaction rebuilds its shards, whose windows and closed endpoints are forgotten
@@ -83,6 +91,7 @@ def inbound(state: DialogState, stage: Stage, msg: InboundMessage, now: int) -> 
         # Passing through: the forwarder reads the same topic and sends it on; the final
         # receiver acknowledges it, so a record nobody forwards is retransmitted by its origin.
         return
+    _check_origin(state, msg.from_instance, carrier)
     handle = target_handle(msg.conversation_id) if msg.from_initiator else msg.conversation_id
     receiver = _inbound_endpoint(state, stage, msg, handle, now)
     if receiver is None:
@@ -95,10 +104,72 @@ def inbound(state: DialogState, stage: Stage, msg: InboundMessage, now: int) -> 
         return
     window = stage.window(receiver)
     for item in window.offer(msg.seq, msg, now):
-        accept(state, stage, receiver, item.message_type, item.body_bytes(), item.seq, now)
+        body = item.body_bytes()
+        refusal = _refusal(state, receiver, item, body)
+        if refusal is not None:
+            _fail_from_far(state, stage, receiver, refusal, now)
+            continue
+        accept(state, stage, receiver, item.message_type, body, item.seq, now)
     receiver.recv_seq = window.next_seq
     receiver.updated_ms = now
     stage.out.acks.append(_ack(msg, window.ack_seq, state.instance))
+
+
+def _check_origin(state: DialogState, origin: str, carrier: str | None) -> None:
+    """Nothing of a message is believed, not even the instance to acknowledge to, unless it
+    comes from a peer our routes name, through the instance that may carry it. (Our own
+    instance: a local message held in the transmission queue while its queue was off.)"""
+    if origin == state.instance and carrier in (None, state.instance):
+        return
+    if origin not in state.catalog.peers:
+        raise NotAuthorized(
+            f"a message from broker instance {origin!r}, which no route of this instance names",
+            code="unknown_peer",
+        )
+    if carrier is not None and not state.catalog.carries(carrier, origin):
+        raise NotAuthorized(
+            f"broker instance {carrier!r} wrote a message from {origin!r}, whose messages our "
+            "routes do not bring through it",
+            code="unknown_peer",
+        )
+
+
+def _refusal(
+    state: DialogState, receiver: Endpoint, msg: InboundMessage, body: bytes
+) -> str | None:
+    """Why the receiving side refuses a message from another instance, as it would one sent
+    here (`ksb.dialog.send`): too large, a type its contract does not have or that side may not
+    send, a body its type's validation fails. None: accepted."""
+    if len(body) > state.max_body_bytes:
+        return f"message body is {len(body)} bytes, over the limit of {state.max_body_bytes}"
+    if msg.message_type in (END_DIALOG, ERROR):
+        return None
+    mtype = state.catalog.message_types.get(msg.message_type)
+    contract = state.catalog.contracts.get(receiver.contract)
+    if mtype is None or contract is None or not contract.knows(mtype.name):
+        return f"message type {msg.message_type!r} is not in contract {receiver.contract!r}"
+    if not contract.allows(mtype.name, from_initiator=msg.from_initiator):
+        side = "initiator" if msg.from_initiator else "target"
+        return f"message type {mtype.name!r} may not be sent by the {side}"
+    try:
+        mtype.validate_body(body)
+    except ValidationFailed as exc:
+        return exc.reason
+    return None
+
+
+def _fail_from_far(
+    state: DialogState, stage: Stage, receiver: Endpoint, reason: str, now: int
+) -> None:
+    """A message from another instance refused: the far side is sent an Error (in the
+    conversation's order) and this side closes with its queued messages, as a target that
+    refuses a local message fails the dialog (`ksb.dialog.send.fail_dialog`)."""
+    if receiver.state is State.CLOSED:
+        return
+    transmit(state, stage, receiver, ERROR, error_body(VALIDATION_ERROR, reason), now)
+    receiver.state = State.CLOSED
+    receiver.updated_ms = now
+    drop_queued(state, stage, receiver)
 
 
 def _inbound_endpoint(
@@ -136,6 +207,11 @@ def _inbound_endpoint(
         reason = f"service {msg.to_service!r} is not hosted on broker instance {state.instance!r}"
     elif msg.contract not in service.contracts:
         reason = f"service {msg.to_service!r} does not accept contract {msg.contract!r}"
+    else:
+        try:
+            state.permissions.check_peer_send(msg.from_instance, msg.to_service)
+        except NotAuthorized as exc:
+            reason = exc.reason
     if reason is None:
         return ep
     # Refuse the dialog: the initiator gets an Error; this side closes at once.

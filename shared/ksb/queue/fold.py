@@ -54,6 +54,10 @@ class QueueFold:
         """Partition -> the next offset to read: everything before it is folded."""
         self.ends_seen: set[int] = set()
         """Partitions whose end this fold has reached at least once."""
+        self.drained = 0
+        """Messages that left the index (received, or purged with their conversation, or
+        dead-lettered) since this fold began, those read at start-up included: how fast the
+        queue drains."""
 
     def fold(
         self, key: bytes | None, value: bytes | None, partition: int, offset: int, out: Folded
@@ -75,6 +79,7 @@ class QueueFold:
             return  # an emptied group's outcome, tombstoned
         gone = self.index.apply(text, record, partition, offset)
         if gone is not None:
+            self.drained += 1
             out.deletes.append(store_key(self.queue_id, gone.position))
         elif record is not None and record.status == 1 and value is not None:
             out.puts.append((store_key(self.queue_id, pack_position(partition, offset)), value))

@@ -471,6 +471,11 @@ class QueueIndex:
     def has_group(self, group_id: str) -> bool:
         return group_id in self._groups
 
+    def group_size(self, group_id: str) -> int:
+        """The group's unreceived messages (0 for a group with none)."""
+        g = self._groups.get(group_id)
+        return g.size if g else 0
+
     def level_of(self, group_id: str) -> int:
         g = self._groups.get(group_id)
         return g.level if g else 0
@@ -488,3 +493,13 @@ class QueueIndex:
         that stays true while its readers are stalled. Each lane's first group is its oldest."""
         firsts = [lane[0][0] for lanes in self._lanes.values() for lane in lanes.values() if lane]
         return min(firsts) >> 24 if firsts else None
+
+    def oldest_ready_by_level(self) -> dict[int, int]:
+        """Priority level -> when its oldest ready message was enqueued (levels with any): what
+        the catalog's SLA targets, which are per level, are checked against."""
+        out: dict[int, int] = {}
+        for level, lanes in self._lanes.items():
+            firsts = [lane[0][0] for lane in lanes.values() if lane]
+            if firsts:
+                out[level] = min(firsts) >> 24
+        return out

@@ -68,7 +68,8 @@ def load_catalog(settings: KsbSettings) -> Catalog:
 
 
 def apply_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
-    """Store ``catalog`` as the next version and create its queue topics first.
+    """Store ``catalog`` as the next version and create its queue topics first, and the
+    ``inbound.<writer>`` topic of every instance its routes go through.
 
     Topics come before the record so that no service ever sees a queue whose topic is missing.
     """
@@ -77,6 +78,8 @@ def apply_catalog(settings: KsbSettings, catalog: Catalog) -> Catalog:
     kafka.ensure_topics(admin, kafka.core_topics(names, settings))
     kafka.ensure_topics(admin, [kafka.queue_topic(names, q) for q in catalog.queues])
     kafka.ensure_topics(admin, [kafka.dead_letter_topic(names, q) for q in catalog.queues])
+    carriers = {r.next_hop for r in catalog.routes if r.broker_instance != settings.instance}
+    kafka.ensure_topics(admin, kafka.inbound_topics(names, settings, carriers))
     current = load_catalog(settings)
     versioned = catalog.model_copy(
         update={"version": current.version + 1, "applied_ms": int(time.time() * 1000)}

@@ -17,17 +17,19 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 from confluent_kafka.cimpl import NewTopic
 
-from ksb.catalog.model import Queue
 from ksb.names import Names
 from ksb.runtime.credentials import kafka_login
 from ksb.runtime.kafka_logs import client_log
 from ksb.settings import STICKY_SHARDS, ClientSettings, KsbSettings
+
+if TYPE_CHECKING:  # only the type: a client's import of this module needs no catalog validators
+    from ksb.catalog.model import Queue
 
 __all__ = [
     "TopicSpec",
@@ -89,7 +91,7 @@ def producer_conf(
         "enable.idempotence": True,
         "acks": "all",
         "linger.ms": settings.batch_linger_ms,
-        "message.max.bytes": 8_000_000,
+        "message.max.bytes": MAX_RECORD_BYTES,
         "compression.type": settings.kafka_compression,
         **client_log("producer"),
     }
@@ -207,10 +209,19 @@ def client_security(settings: KsbSettings, bootstrap: str) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class TopicSpec:
+    """A topic KSB makes; `ensure_topics` adds ``max.message.bytes`` = `MAX_RECORD_BYTES`."""
+
     name: str
     partitions: int
     config: tuple[tuple[str, str], ...] = ()
 
+
+MAX_RECORD_BYTES = 8_000_000
+"""The largest record (or batch of records) a KSB producer makes, and the limit every topic KSB
+makes is created with: a cluster's default (1 MB on Kafka) would refuse a batch of small records
+or a message near KSB's body limit, and a transaction holding one used to fail over and over
+(now the record is set aside as poison: `services.dispatcher.isolation`). The local brokers take
+8 MiB (`devtools.kafka_node`)."""
 
 _COMPACT = (
     ("cleanup.policy", "compact"),
@@ -230,7 +241,7 @@ def core_topics(names: Names, settings: KsbSettings) -> list[TopicSpec]:
         TopicSpec(names.errors, 1),
         TopicSpec(names.audit, 1),
         TopicSpec(names.transmission, 1),
-        TopicSpec(names.inbound, settings.request_partitions),
+        TopicSpec(names.inbound_from(names.instance), settings.request_partitions),
         TopicSpec(names.acks, 1),
         TopicSpec(names.outbound, 1),
         TopicSpec(names.links, 1),
@@ -245,6 +256,13 @@ def queue_topic(names: Names, queue: Queue) -> TopicSpec:
 
 def dead_letter_topic(names: Names, queue: Queue) -> TopicSpec:
     return TopicSpec(names.dead_letters(queue.name), 1)
+
+
+def inbound_topics(names: Names, settings: KsbSettings, carriers: Iterable[str]) -> list[TopicSpec]:
+    """One ``inbound.<writer>`` topic per instance that carries messages here (the catalog's
+    routes say which: `CatalogView.carriers`), with the shard count, as the dispatchers
+    co-partition them with the requests topics."""
+    return [TopicSpec(names.inbound_from(w), settings.request_partitions) for w in sorted(carriers)]
 
 
 def log_consumer_error(m: Message, logger: logging.Logger) -> None:
@@ -278,8 +296,14 @@ def ensure_topics(client: AdminClient, specs: Iterable[TopicSpec], timeout_s: fl
     a cluster, unreadable while it is down and gone with its disk."""
     wanted = list(specs)
     existing = set(client.list_topics(timeout=timeout_s).topics)
+    limit = {"max.message.bytes": str(MAX_RECORD_BYTES)}
     new = [
-        NewTopic(s.name, num_partitions=s.partitions, replication_factor=-1, config=dict(s.config))
+        NewTopic(
+            s.name,
+            num_partitions=s.partitions,
+            replication_factor=-1,
+            config={**limit, **dict(s.config)},
+        )
         for s in wanted
         if s.name not in existing
     ]

@@ -10,6 +10,12 @@ in two ways, both per component so every service gets the rule without its own e
   /healthz answers with, so an operator reading ``docker inspect`` sees why, not only that.
 
 The decision is the pure `health_problems`; `process_health` feeds it from this process.
+
+/metrics labels every sample with the process's broker instance, ``ksb_instance`` (not
+``instance``, which Prometheus gives each target it scrapes): one Prometheus watches several
+instances (`make run` runs two), and dashboards and alert rules pick one by it
+(`InstanceLabelled`). The registry itself stays unlabelled, so code and tests read their own
+metrics as they were set.
 """
 
 from __future__ import annotations
@@ -17,11 +23,22 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    generate_latest,
+)
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 __all__ = [
     "ASYNC_TASK_FAILURES",
@@ -31,6 +48,8 @@ __all__ = [
     "CONNECTIONS",
     "ERRORS",
     "HEALTHY",
+    "INSTANCE_LABEL",
+    "POISON_RECORDS",
     "PURGES",
     "PURGE_REASONS",
     "QUEUE_DEPTH",
@@ -48,6 +67,7 @@ __all__ = [
     "WAITING_READERS",
     "Children",
     "HealthCheck",
+    "InstanceLabelled",
     "export_transport_defaults",
     "health_problems",
     "metrics_server",
@@ -83,6 +103,11 @@ RELAYED = Counter(
     ["kind"],
 )
 COMMITS = Counter("ksb_commits_total", "Reader commits by outcome", ["outcome"])
+POISON_RECORDS = Counter(
+    "ksb_poison_records_total",
+    "Records set aside because their transaction failed alone (refused, or skipped)",
+    ["outcome"],
+)
 TXN_SECONDS = Histogram(
     "ksb_dispatcher_txn_seconds",
     "Dispatcher transaction duration (one batch of requests)",
@@ -229,6 +254,35 @@ def _healthz_reply(problems: Mapping[str, str]) -> tuple[int, bytes]:
 
 JsonRoute = Callable[[], Any]
 
+INSTANCE_LABEL = "ksb_instance"
+
+
+class InstanceLabelled(Collector):
+    """The default registry's samples, each with ``ksb_instance`` added: what /metrics serves."""
+
+    def __init__(self, instance: str) -> None:
+        self.instance = instance
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        for family in REGISTRY.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [
+                s._replace(labels={**s.labels, INSTANCE_LABEL: self.instance})
+                for s in family.samples
+            ]
+            yield labelled
+
+
+def _exposition(instance: str | None) -> Callable[[], bytes]:
+    if instance is None:
+        return lambda: generate_latest(REGISTRY)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(InstanceLabelled(instance))
+    return lambda: generate_latest(registry)
+
 
 def serve_metrics(
     port: int,
@@ -236,6 +290,7 @@ def serve_metrics(
     *,
     host: str = "127.0.0.1",
     components: Collection[str] | None = None,
+    instance: str | None = None,
 ) -> int:
     """Serve /metrics, /healthz and the service's JSON views on `host`; port 0 disables it.
 
@@ -248,11 +303,12 @@ def serve_metrics(
     /healthz answers 200 ``{"status": "ok"}``, or 503 with ``{"status": "unhealthy", "problems":
     {component: reason}}`` while a component reports itself unhealthy (`process_health`).
     `components` limits that to some components; None means every component of the process, which
-    in production is one service.
+    in production is one service. `instance` is the broker instance every sample is labelled
+    with (``ksb_instance``); None serves the samples as they are.
     """
     if port <= 0:
         return 0
-    server = metrics_server(port, routes, host=host, components=components)
+    server = metrics_server(port, routes, host=host, components=components, instance=instance)
     threading.Thread(target=server.serve_forever, name="ksb-http", daemon=True).start()
     return server.server_address[1]
 
@@ -263,6 +319,7 @@ def metrics_server(
     *,
     host: str = "127.0.0.1",
     components: Collection[str] | None = None,
+    instance: str | None = None,
 ) -> ThreadingHTTPServer:
     """The server `serve_metrics` runs, bound (port 0: any free port) but not yet serving.
 
@@ -270,12 +327,13 @@ def metrics_server(
     """
     views = dict(routes or {})
     only = None if components is None else frozenset(components)
+    exposition = _exposition(instance)
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?")[0]
             if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, generate_latest())
+                self._reply(200, CONTENT_TYPE_LATEST, exposition())
             elif path == "/healthz":
                 code, body = _healthz_reply(process_health(only))
                 self._reply(code, "application/json", body)

@@ -29,11 +29,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
 
 from ksb.catalog.model import Catalog, CatalogView
 from ksb.clock import Clock, SystemClock
 from ksb.names import Names
 from ksb.runtime.catalog_store import CatalogWatcher
+from ksb.runtime.log_format import JsonFormatter, LogFormat, text_format
 from ksb.runtime.log_limits import LIBRARY_LOGGERS, RepeatLimit
 from ksb.runtime.metrics import (
     HEALTHY,
@@ -134,6 +136,10 @@ class Service(ABC):
         """Why the service cannot do its job now (its /healthz answers 503 with it), or None."""
         return None
 
+    def log_fields(self) -> dict[str, Any]:
+        """What every JSON log line of the process carries besides the service's name."""
+        return {"instance": self.settings.instance}
+
     @abstractmethod
     def close(self) -> None:
         """Flush and close what `open` built; called once, after the loop, also after a failure
@@ -158,7 +164,10 @@ class ServiceShell:
         service, settings = self.service, self.service.settings
         name = service.name
         self.metrics_port = serve_metrics(
-            settings.metrics_port, service.routes(), host=settings.metrics_host
+            settings.metrics_port,
+            service.routes(),
+            host=settings.metrics_host,
+            instance=settings.instance,
         )
         register_health_check(name, service.health)
         self.handlers.start()
@@ -220,13 +229,26 @@ class ServiceShell:
         )
 
 
-def configure_logging(name: str) -> None:
-    """One line format for every service, with its name, so interleaved logs stay readable; the
-    client libraries' own loggers (aiokafka's, which logs every reconnect attempt) rate-limited
-    as KSB's Kafka clients are (`ksb.runtime.log_limits`)."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {name} %(levelname)s %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(RepeatLimit(prefixes=LIBRARY_LOGGERS))
+def configure_logging(
+    name: str, log_format: LogFormat = "text", fields: Mapping[str, Any] | None = None
+) -> None:
+    """One line format for every service, with its name, so interleaved logs stay readable (or,
+    with ``json``, one JSON object a line with the service, and `fields` such as its instance:
+    `ksb.runtime.log_format`); the client libraries' own loggers (aiokafka's, which logs every
+    reconnect attempt) rate-limited as KSB's Kafka clients are (`ksb.runtime.log_limits`).
+    Called again (once the settings are read), it changes the format of the same handlers."""
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=logging.INFO)
+        for handler in root.handlers:
+            handler.addFilter(RepeatLimit(prefixes=LIBRARY_LOGGERS))
+    formatter: logging.Formatter
+    if log_format == "json":
+        formatter = JsonFormatter({"service": name, **(fields or {})})
+    else:
+        formatter = logging.Formatter(text_format(name))
+    for handler in root.handlers:
+        handler.setFormatter(formatter)
 
 
 EXIT_GRACE_S = 5.0
@@ -246,7 +268,9 @@ def run_main(make: Callable[[], Service], name: str, *, exit_grace_s: float = EX
     stop = threading.Event()
     try:
         with stop_on_signals(stop):
-            make().run(stop)
+            service = make()
+            configure_logging(name, service.settings.log_format, service.log_fields())
+            service.run(stop)
     finally:
         faulthandler.dump_traceback_later(exit_grace_s, exit=True)
 

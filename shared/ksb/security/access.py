@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ksb.catalog.model import Catalog
 from ksb.errors import SecurityError
-from ksb.security.principals import Role, check_principal, service_principals
+from ksb.security.principals import PEER_PREFIX, Role, check_principal, service_principals
 
 __all__ = ["ALL_QUEUES", "Access", "Peer", "access_of", "applications", "peers_of"]
 
@@ -70,6 +70,10 @@ class Peer:
     """Some route reaches it with no forwarder: its transport and ours connect directly."""
     via: frozenset[str] = frozenset()
     """Instances whose forwarders carry messages between it and us."""
+    far: bool = False
+    """Some route reaches it on another Kafka cluster (an address, not LOCAL), or through a
+    forwarder (behind which it may be on any cluster): its own plan may not reach ours, so the
+    mailbox of its acks here is ours to make and bind."""
 
 
 def applications(catalog: Catalog) -> dict[str, frozenset[str]]:
@@ -82,6 +86,13 @@ def applications(catalog: Catalog) -> dict[str, frozenset[str]]:
                 "to ACLs (they would reach every principal of the cluster); grant to named "
                 "principals"
             )
+        if g.principal.startswith(PEER_PREFIX):
+            if g.permission == "RECEIVE":
+                raise SecurityError(
+                    f"GRANT RECEIVE ON [{g.target}] TO [{g.principal}]: {PEER_PREFIX}<instance> "
+                    "is another broker instance, which sends (GRANT SEND) but never receives"
+                )
+            continue  # a peer's grant: checked on arrival, no login to make
         queues = out.setdefault(check_principal(g.principal), set())
         if g.permission == "RECEIVE":
             queues.add(g.target)
@@ -121,6 +132,7 @@ def peers_of(instance: str, catalog: Catalog) -> list[Peer]:
     ours.
     """
     direct: set[str] = set()
+    far: set[str] = set()
     via: dict[str, set[str]] = {}
     for r in catalog.routes:
         if r.broker_instance == instance:
@@ -130,4 +142,9 @@ def peers_of(instance: str, catalog: Catalog) -> list[Peer]:
             direct.add(r.broker_instance)
         elif r.next_hop != instance:
             hops.add(r.next_hop)
-    return [Peer(name, name in direct, frozenset(hops)) for name, hops in sorted(via.items())]
+        if r.address != "LOCAL" or r.next_hop != r.broker_instance:
+            far.add(r.broker_instance)
+    return [
+        Peer(name, name in direct, frozenset(hops), far=name in far)
+        for name, hops in sorted(via.items())
+    ]

@@ -5,10 +5,10 @@ transactional ids it uses, read off the services (`ksb.names` has every name):
 
 | role | reads | writes | groups, transactional ids |
 |---|---|---|---|
-| dispatcher | requests (all), relay, inbound, endpoints, catalog, queues | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own, peers') | group and txn id ``ksb.<i>.dispatcher*`` |
+| dispatcher | requests (all), relay, inbound (all), endpoints, catalog, queues | queues, endpoints, errors (all), dead letters, transmission, relay, audit, bcn, acks (own; far peers' mailboxes) | group and txn id ``ksb.<i>.dispatcher*`` |
 | transmitter | transmission, acks, links, catalog | outbound, audit | — |
-| transport | outbound, catalog | links, audit, acks (relayed), inbound (own, next hops') | group ``ksb.<i>.transport`` |
-| forwarder | inbound, catalog | next hops' inbound, peers' acks (relayed) | — |
+| transport | outbound, catalog | links, audit, acks (relayed), ``inbound.<i>`` (its own, and, granted by their plans, ``inbound.<i>`` of its next hops) | group ``ksb.<i>.transport`` |
+| forwarder | inbound (all), catalog | ``inbound.<i>`` of its next hops and peers' acks (granted by their plans) | — |
 | queue service | queues, catalog | requests (dead letters), audit | — |
 | activation | catalog | catalog (poison), activation, audit, requests | — |
 | external activator | activation | audit, requests; its faust topic | group ``ksb.<i>.external_activator*`` |
@@ -133,7 +133,8 @@ def _principal_acls(names: Names, a: Access) -> Iterator[KafkaAcl]:
 def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
     n = names
     if role is Role.DISPATCHER:
-        yield from (_acl(p, R, t) for t in (n.relay, n.inbound, n.endpoints, n.catalog))
+        yield from (_acl(p, R, t) for t in (n.relay, n.endpoints, n.catalog))
+        yield _acl(p, R, n.inbound_prefix, prefixed=True)
         # The unsuffixed topic too (one regex subscription, secured or not); no one writes it.
         yield from (_acl(p, R, f"{n.prefix}.requests.", prefixed=True), _acl(p, R, n.requests))
         yield from (
@@ -151,16 +152,18 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
         yield from (_acl(p, W, t) for t in (n.outbound, n.audit))
     elif role is Role.TRANSPORT:
         yield from (_acl(p, R, t) for t in (n.outbound, n.catalog))
-        yield from (_acl(p, W, t) for t in (n.links, n.audit, n.acks, n.inbound))
+        yield from (_acl(p, W, t) for t in (n.links, n.audit, n.acks, n.inbound_from(n.instance)))
         yield _acl(p, R, n.transport_group, kind=Resource.GROUP)
     elif role is Role.FORWARDER:
-        yield from (_acl(p, R, t) for t in (n.inbound, n.catalog))
+        yield from (_acl(p, R, n.inbound_prefix, prefixed=True), _acl(p, R, n.catalog))
         # Its idempotent producer starts before it has a route to write to, and Kafka then asks
         # for IDEMPOTENT_WRITE (WRITE on any topic would do instead): the right to obtain a
         # producer id, no right to write anything.
         yield _acl(p, Operation.IDEMPOTENT_WRITE, CLUSTER_NAME, kind=Resource.CLUSTER)
     elif role is Role.QUEUE:
         yield from (_acl(p, R, f"{n.prefix}.queue.", prefixed=True), _acl(p, R, n.catalog))
+        # It counts each queue's dead letters for operators (`services.queue.dead_letters`).
+        yield _acl(p, R, f"{n.prefix}.dlq.", prefixed=True)
         yield _acl(p, W, n.audit)
     elif role is Role.ACTIVATION:
         yield from (_acl(p, W, t) for t in (n.catalog, n.activation, n.audit))
@@ -183,30 +186,30 @@ def _role_acls(names: Names, p: str, role: Role) -> Iterator[KafkaAcl]:
 
 
 def _peer_acls(names: Names, peer: Peer) -> Iterator[KafkaAcl]:
-    """Who crosses between us and `peer`, on our cluster (routes are declared on both sides).
+    """Who crosses between us and `peer`, on our topics (routes are declared on both sides, so
+    its plan binds what it consents to on its own topics, ours on ours).
 
-    Its dispatcher acknowledges what we send (our ``acks``); its transport writes our
-    ``inbound`` and relays its own acks from here; a forwarder between us does both for the
-    messages it carries. Our own services write its ``acks`` and the next hop's ``inbound``
-    here when it shares our cluster (on another cluster its operator grants them there).
+    Its dispatcher acknowledges what we send (our ``acks``); its transport writes its own
+    ``inbound.<peer>`` here, and a forwarder between us writes ``inbound.<forwarder>`` and our
+    acks for the messages it carries. On another cluster, our dispatcher and forwarder write
+    the mailbox of its acks here, which its transport reads and relays home.
     """
     them = Names(peer.instance)
-    own = {role: service_principal(names.instance, role) for role in Role}
     yield _acl(service_principal(peer.instance, Role.DISPATCHER), W, names.acks)
-    yield _acl(own[Role.DISPATCHER], W, them.acks)
-    yield _acl(own[Role.FORWARDER], W, them.acks)
-    hops = ({peer.instance} if peer.direct else set()) | set(peer.via)
-    for hop in sorted(hops):
-        yield _acl(own[Role.TRANSPORT], W, Names(hop).inbound)
-        yield _acl(own[Role.FORWARDER], W, Names(hop).inbound)
     if peer.direct:
         transport = service_principal(peer.instance, Role.TRANSPORT)
-        yield _acl(transport, W, names.inbound)
-        yield _acl(transport, R, them.acks)
-        yield _acl(transport, D, them.reader_group, kind=Resource.GROUP)
+        yield _acl(transport, W, names.inbound_from(peer.instance))
+        if peer.far:
+            yield _acl(transport, R, them.acks)
+            yield _acl(transport, D, them.reader_group, kind=Resource.GROUP)
     for f in sorted(peer.via):
         forwarder = service_principal(f, Role.FORWARDER)
-        yield _acl(forwarder, W, names.inbound)
+        yield _acl(forwarder, W, names.inbound_from(f))
         yield _acl(forwarder, W, names.acks)
-        yield _acl(forwarder, R, them.acks)
-        yield _acl(forwarder, D, Names(f).reader_group, kind=Resource.GROUP)
+        if peer.far:
+            yield _acl(forwarder, R, them.acks)
+            yield _acl(forwarder, D, Names(f).reader_group, kind=Resource.GROUP)
+    if peer.far:
+        own = {role: service_principal(names.instance, role) for role in Role}
+        yield _acl(own[Role.DISPATCHER], W, them.acks)
+        yield _acl(own[Role.FORWARDER], W, them.acks)

@@ -11,9 +11,13 @@ topics and the catalog's queue and dead-letter topics. The requests topics, ``re
 ``inbound`` all get the instance's shard count (`KsbSettings.request_partitions`): the
 dispatcher co-partitions them.
 
-A plan *owns* the bindings whose resource is in its instance's namespace (``ksb.<i>.``) or whose
-principal is one of its services; applying it removes the owned bindings it no longer has, so
-a revoked grant stops working without a restart, and leaves every other binding alone.
+A plan *owns* the bindings whose resource is in its instance's namespace (``ksb.<i>.``), and no
+other: one instance's routes grant nothing on another instance's topics, whose own plan grants
+what it consents to (routes are declared on both sides). The one exception is a peer on another
+cluster, whose plan cannot reach ours: the mailbox of its acks here (``ksb.<peer>.acks``, written
+by our dispatcher, read and relayed home by its transport) is ours to make and bind. Applying a
+plan removes the owned bindings it no longer has, so a revoked grant stops working without a
+restart, and leaves every other binding alone.
 """
 
 from __future__ import annotations
@@ -23,10 +27,16 @@ from dataclasses import dataclass
 
 from ksb.catalog.model import Catalog
 from ksb.names import Names
-from ksb.runtime.kafka import TopicSpec, core_topics, dead_letter_topic, queue_topic
+from ksb.runtime.kafka import (
+    TopicSpec,
+    core_topics,
+    dead_letter_topic,
+    inbound_topics,
+    queue_topic,
+)
 from ksb.security.access import Access, Peer, access_of, peers_of
-from ksb.security.kafka_acls import KafkaAcl, instance_acls
-from ksb.security.principals import service_principals
+from ksb.security.kafka_acls import KafkaAcl, Operation, Resource, instance_acls
+from ksb.security.principals import Role, service_principal, service_principals
 from ksb.security.redis_acls import RedisRules, instance_rules
 from ksb.settings import KsbSettings
 
@@ -54,9 +64,29 @@ class SecurityPlan:
 
     def owns(self, acl: KafkaAcl) -> bool:
         """Whether `acl` is this plan's to keep or remove (see the module's docstring)."""
-        return acl.name.startswith(f"{self.names.prefix}.") or acl.principal in set(
-            service_principals(self.instance).values()
+        own = set(service_principals(self.instance).values())
+        if acl.resource is Resource.CLUSTER:  # the one cluster right is our own service's
+            return acl.principal in own
+        if acl.name.startswith(f"{self.names.prefix}."):
+            return True
+        return (acl.principal, acl.operation is Operation.WRITE) in self._mailbox_parts(
+            acl.name, own
         )
+
+    def _mailbox_parts(self, topic: str, own: set[str]) -> set[tuple[str, bool]]:
+        """Who this plan binds on a far peer's acks mailbox, and whether to write: several
+        instances of one cluster may share a far peer, so each owns only its own part (its
+        services write; the peer's carriers through it read), never another plan's."""
+        parts: set[tuple[str, bool]] = set()
+        for peer in self.peers:
+            if peer.far and Names(peer.instance).acks == topic:
+                parts |= {(p, True) for p in own}
+                carriers = set(peer.via) | ({peer.instance} if peer.direct else set())
+                roles = {
+                    c: Role.TRANSPORT if c == peer.instance else Role.FORWARDER for c in carriers
+                }
+                parts |= {(service_principal(c, r), False) for c, r in roles.items()}
+        return parts
 
     def lines(self) -> list[str]:
         """The plan as text (``ksb acl plan``)."""
@@ -115,9 +145,14 @@ def _topics(
                 names.requests_of(a.principal), shards
             )
             specs[names.errors_of(a.principal)] = TopicSpec(names.errors_of(a.principal), 1)
+    carriers = set()
     for peer in peers:
-        acks = Names(peer.instance).acks
-        specs.setdefault(acks, TopicSpec(acks, 1))
+        carriers |= ({peer.instance} if peer.direct else set()) | set(peer.via)
+        if peer.far:  # the mailbox of its acks on our cluster, which its plan cannot reach
+            acks = Names(peer.instance).acks
+            specs.setdefault(acks, TopicSpec(acks, 1))
+    for spec in inbound_topics(names, settings, carriers):
+        specs[spec.name] = spec
     for q in catalog.queues:
         for spec in (queue_topic(names, q), dead_letter_topic(names, q)):
             specs[spec.name] = spec

@@ -25,9 +25,11 @@ __all__ = [
     "ADMIN",
     "BROKER",
     "CLUSTER_PRINCIPALS",
+    "PEER_PREFIX",
     "PRINCIPAL_PATTERN",
     "Role",
     "check_principal",
+    "peer_principal",
     "role_of",
     "service_principal",
     "service_principals",
@@ -55,6 +57,16 @@ class Role(str, Enum):
     EXTERNAL_ACTIVATOR = "external-activator"
     SPARK = "spark"
     OPERATOR = "operator"
+
+
+PEER_PREFIX = "peer-"
+"""Grants to ``peer-<instance>`` are another broker instance's, checked when its messages arrive
+(`ksb.dialog.permissions`): no login has such a name, `ksb.security.access` makes none."""
+
+
+def peer_principal(instance: str) -> str:
+    """The principal another broker instance acts as here (the remote service binding's user)."""
+    return f"{PEER_PREFIX}{instance}"
 
 
 def check_principal(name: str) -> str:

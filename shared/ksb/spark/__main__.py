@@ -57,7 +57,7 @@ def main() -> int:
         trigger_ms=s.spark_trigger_ms,
         sla_targets_ms=_targets(s),
     ).logged_in(s)
-    port = serve_metrics(s.metrics_port, host=s.metrics_host)
+    port = serve_metrics(s.metrics_port, host=s.metrics_host, instance=s.instance)
     # Local mode by default (inside `make run`); docker-compose points it at its Spark cluster.
     spark = build_session(
         f"ksb-audit-{s.instance}",
