@@ -8,10 +8,19 @@ from typing import Any, cast
 import pytest
 from jsonschema import Draft202012Validator
 
-from apps.orders import CLIENT_QUEUE, LINE_ACCEPTED, Ledger, OrderClient, line_body
+from apps.orders import (
+    CLIENT_QUEUE,
+    CLIENT_SERVICE,
+    LINE_ACCEPTED,
+    ORDER_SERVICE,
+    Ledger,
+    OrderClient,
+    line_body,
+)
 from devtools.processes import REPO_ROOT
 from ksb.catalog.model import load_catalog_file
-from ksb.errors import CommitRefused, KsbError
+from ksb.dialog.permissions import Permissions
+from ksb.errors import CommitRefused, KsbError, NotAuthorized
 from ksb.sdk.client import KsbClient
 from ksb.wire.protocol import QueueMessage
 
@@ -55,6 +64,22 @@ def test_an_order_line_matches_the_catalog_schema() -> None:
     schema = next(t.json_schema for t in catalog.message_types if t.name.endswith("/OrderLine"))
     assert schema is not None
     Draft202012Validator(schema).validate(json.loads(line_body("round-0-order-1", 7)))
+
+
+def test_the_compose_catalog_grants_the_order_client_what_it_does_and_no_more() -> None:
+    """SQL Server's permission model: the client (principal `orders` in docker-compose.yml) acts
+    as its own service through RECEIVE on its queue and begins dialogs with the order service
+    through SEND on that target; it cannot act as the order service, whose side the external
+    activator's readers run."""
+    catalog = load_catalog_file(REPO_ROOT / "infra" / "compose" / "catalog.yaml")
+    perms = Permissions.of(catalog, "local")
+    perms.check_acts_as("orders", CLIENT_SERVICE, CLIENT_QUEUE, "BEGIN")
+    perms.check_send("orders", ORDER_SERVICE, "BEGIN")
+    perms.check_receive("orders", CLIENT_QUEUE, "RECEIVE")
+    with pytest.raises(NotAuthorized):
+        perms.check_acts_as("orders", ORDER_SERVICE, "OrderServiceQueue", "SEND")
+    with pytest.raises(NotAuthorized):
+        perms.check_receive("orders", "OrderServiceQueue", "RECEIVE")
 
 
 def _reply(handle: str, body: str) -> QueueMessage:
