@@ -9,13 +9,15 @@ Two halves of infra/compose/catalog.yaml's order conversation:
   order lines, takes the replies from its own queue and, once a dialog has all its replies, ends
   it. It checks what KSB promises a conversation: every line replied to exactly once, in the order
   sent. Only what a committed transaction received counts (a transaction that did not commit
-  gives its messages back, and they come again); a failed RECEIVE or commit is tried again. It logs one line per round and serves its
-  running totals as JSON on /stats, and /healthz, on ``--port``.
+  gives its messages back, and they come again); a failed RECEIVE or commit is tried again. It
+  logs one line per round and serves its running totals as JSON on /stats, and /healthz, on
+  ``--port``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import threading
@@ -187,7 +189,18 @@ class OrderClient:
         """One transaction: RECEIVE, END the dialogs it completes, commit. Its replies count
         once the commit has applied (a commit not applied gives them back)."""
         tx = self.client.transaction()
-        msgs = tx.receive(CLIENT_QUEUE, waitfor_ms=RECEIVE_WAIT_MS)
+        try:
+            self._handle(tx, tx.receive(CLIENT_QUEUE, waitfor_ms=RECEIVE_WAIT_MS))
+        except BaseException:
+            # Not committed: give the group back now (its messages come again) rather than
+            # hold it, renewed, until the process ends. A rollback that fails too (the queue
+            # service unreachable) leaves the lock to lapse by its lease.
+            if not tx.done:
+                with contextlib.suppress(KsbError):
+                    tx.rollback()
+            raise
+
+    def _handle(self, tx: Transaction, msgs: list[QueueMessage]) -> None:
         if not msgs:
             tx.rollback()
             return

@@ -49,6 +49,8 @@ HEALTH_POLL_S = 3.0
 HEALTH_WAIT_CAP_S = 300.0
 ONE_SHOT_TIMEOUT_S = 180.0
 COMPOSE_TIMEOUT_S = 180.0
+AARDVARK_DIR = Path("/run/containers/networks/aardvark-dns")
+"""Where netavark keeps aardvark-dns's names, one file per network (podman as root)."""
 
 
 def duration_s(text: str | int | float | None, default: float) -> float:
@@ -112,6 +114,7 @@ class ComposeRun:
     def __init__(self, workdir: Path, *, network: str, say: Callable[[str], None] = print) -> None:
         self.workdir, self.network, self.say = workdir, network, say
         self.env_file = workdir / ".env"
+        self.secrets_dir = workdir / "secrets"
         self._config: dict[str, Any] | None = None
         self.timings: dict[str, float] = {}
 
@@ -219,11 +222,25 @@ class ComposeRun:
 
     # ----------------------------------------------------------------- lifecycle
     def prepare(self) -> None:
-        """The run's passwords (`devtools.compose_env`) and its internal network."""
+        """The run's secrets (`devtools.compose_env`) and its internal network."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        compose_env_main(["--out", str(self.env_file), "--force"])
+        compose_env_main(
+            ["--out", str(self.env_file), "--secrets-dir", str(self.secrets_dir), "--force"]
+        )
         podman("network", "rm", "-f", self.network, check=False)
+        self._drop_stale_names()
         podman("network", "create", "--internal", self.network)
+
+    def _drop_stale_names(self) -> None:
+        """Remove aardvark-dns's file for the network when the network is gone. A run the machine
+        restarted under never tore its network down, and netavark adds to the file it finds rather
+        than writing a new one: its first line, the old gateway aardvark-dns listens on, and the
+        old containers' names stayed, and no service could resolve another (seen here: Kafka
+        could not resolve its own name, ``kafka``, and never became healthy)."""
+        stale = AARDVARK_DIR / self.network
+        if stale.exists():
+            stale.unlink()
+            self.say(f"removed {stale}, left by a run that was not torn down")
 
     def up(self) -> None:
         """Every service, in dependency order, each once its dependencies meet their conditions;

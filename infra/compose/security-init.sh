@@ -1,6 +1,7 @@
 #!/bin/sh
-# One-shot, as `admin`: put every principal's password (from compose's git-ignored .env) in a
-# credential store inside this container, then make the instance in three steps:
+# One-shot, as `admin`: put every principal's password (compose secrets, which the entry point
+# copied into /run/ksb/secrets) in a credential store inside this container, then make the
+# instance in three steps:
 #   1. `ksb acl apply`: the services' principals (the operator's among them), core topics, ACLs;
 #   2. `ksb catalog apply $CATALOG_FILE` as the operator: the catalog, as its next version;
 #   3. `ksb acl apply` again: what that catalog calls for (its grants' principals, queue topics,
@@ -8,19 +9,18 @@
 #      this order is what lets every service find its rights on the first `up`.
 # Re-run it after a catalog change (`docker compose run --rm -e CATALOG_FILE=... security-init`).
 set -eu
+secrets=/run/ksb/secrets
 store=/tmp/ksb-store
 umask 077
 mkdir -p "$store"
-for role in dispatcher transmitter transport forwarder activation external-activator spark operator; do
-  var="PASSWORD_$(echo "$role" | tr "a-z-" "A-Z_")"
-  eval "pw=\${$var:?$var is not set: run python3 -m devtools.compose_env}"
-  printf '%s\n' "$pw" > "$store/ksb-$KSB_INSTANCE-$role.password"
+# ksb-<instance>-<role> for every role of the instance (ksb.security.principals.Role), then the
+# application principals the compose catalog grants to (infra/compose/catalog.yaml). A missing
+# one would be made by `ksb acl apply` with a password of its own, which no container has.
+for role in dispatcher queue transmitter transport forwarder activation external-activator spark operator; do
+  cp "$secrets/$role-password" "$store/ksb-$KSB_INSTANCE-$role.password"
 done
-# Application principals the compose catalog grants to (infra/compose/catalog.yaml).
 for app in orders; do
-  var="PASSWORD_$(echo "$app" | tr "a-z-" "A-Z_")"
-  eval "pw=\${$var:?$var is not set: run python3 -m devtools.compose_env}"
-  printf '%s\n' "$pw" > "$store/$app.password"
+  cp "$secrets/$app-password" "$store/$app.password"
 done
 # Every step is idempotent, so one that fails (a broker or a name not answering for a moment:
 # podman's DNS drops queries while a container starts beside this one) is tried again, up to 5
@@ -37,6 +37,6 @@ retry() {
 retry ksb acl apply --store "$store"
 retry env KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator" \
   KSB_KAFKA_PASSWORD_FILE="$store/ksb-$KSB_INSTANCE-operator.password" \
-  KSB_KAFKA_PASSWORD="" KSB_REDIS_USERNAME="" KSB_REDIS_PASSWORD="" \
+  KSB_REDIS_USERNAME="" KSB_REDIS_PASSWORD_FILE="" \
   ksb catalog apply "${CATALOG_FILE:?}"
 retry ksb acl apply --store "$store"

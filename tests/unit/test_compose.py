@@ -2,8 +2,10 @@
 
 Every service under services/ runs in the compose file, and every long-running container has a
 health check, a restart policy and (for KSB services) its metrics port on the container network,
-which is what Prometheus scrapes; each container logs in as its own principal; the catalog compose
-applies is the demo's order conversation and grants what the order application needs.
+which is what Prometheus scrapes; each container logs in as its own principal with a password file
+from its own secret, the lease key goes to the dispatchers and the queue service only, and every
+client of the queue service lists all its replicas; the catalog compose applies is the demo's
+order conversation and grants what the order application needs.
 """
 
 from __future__ import annotations
@@ -19,13 +21,21 @@ from typing import Any
 import pytest
 import yaml
 
-from devtools.compose_env import env_name, password_variables
 from devtools.compose_env import main as compose_env_main
+from devtools.compose_env import secret_names
 from devtools.deployment import MODULE_ROLES, settings_model
+from devtools.kafka_node import KAFKA_BROKER_SETTINGS
 from ksb.activation.activated import resolve
 from ksb.catalog.model import load_catalog_file
 from ksb.security.principals import Role
-from ksb.settings import ClientSettings, CliSettings, KsbSettings
+from ksb.settings import (
+    AuthoritySettings,
+    ClientSettings,
+    CliSettings,
+    KsbSettings,
+    QueueClientSettings,
+    QueueServiceSettings,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -41,6 +51,17 @@ def _compose() -> dict[str, Any]:
 
 def _service_packages() -> list[str]:
     return sorted(p.parent.name for p in (ROOT / "services").glob("*/__main__.py"))
+
+
+def _running(package: str) -> list[str]:
+    """The compose services that run `python -m services.<package>` (several for the queue
+    service's replicas)."""
+    command = ["python", "-m", f"services.{package}"]
+    return sorted(n for n, svc in _compose()["services"].items() if svc.get("command") == command)
+
+
+SECRETS = "/run/ksb/secrets/"
+"""Where infra/compose/entrypoint.sh copies a KSB container's secrets for the image's user."""
 
 
 def test_podman_compose_reads_the_file_with_the_test_override(tmp_path: Path) -> None:
@@ -63,8 +84,9 @@ def test_podman_compose_reads_the_file_with_the_test_override(tmp_path: Path) ->
 def test_every_service_package_runs_in_compose() -> None:
     services = _compose()["services"]
     for name in _service_packages():
-        assert name in services, f"services/{name} has no compose service"
-        assert services[name]["command"] == ["python", "-m", f"services.{name}"]
+        assert _running(name), f"services/{name} has no compose service"
+        assert all(n == name or re.fullmatch(f"{name}-[0-9]+", n) for n in _running(name)), name
+    assert len(_running("queue")) >= 2  # RECEIVE goes on when one replica fails
     assert services["spark"]["command"] == ["python", "-m", "ksb.spark"]
     assert services["orders"]["command"][:3] == ["python", "-m", "apps.orders"]
     for infra in ("kafka", "redis", "prometheus", "grafana"):
@@ -81,17 +103,24 @@ def test_every_long_running_service_has_a_healthcheck_and_restart_policy() -> No
         assert svc.get("restart") in ("always", "unless-stopped", "on-failure"), name
 
 
-def test_published_ports_bind_loopback_only() -> None:
-    """Nothing of the stack (Redis, Kafka, Prometheus, Grafana) is reachable from other hosts."""
-    for name, svc in _compose()["services"].items():
-        for port in svc.get("ports") or []:
-            assert str(port).startswith("127.0.0.1:"), (name, port)
+def test_published_ports_bind_loopback_unless_configured() -> None:
+    """Nothing of the stack (Redis, Kafka, the queue service, Prometheus, Grafana) is reachable
+    from other hosts unless PUBLISH_ADDRESS says so: every published port binds that variable,
+    127.0.0.1 when unset (compose's own default syntax, which podman-compose reads too)."""
+    published = [
+        (name, str(port))
+        for name, svc in _compose()["services"].items()
+        for port in svc.get("ports") or []
+    ]
+    assert len(published) >= 6, published
+    for name, port in published:
+        assert port.startswith("${PUBLISH_ADDRESS:-127.0.0.1}:"), (name, port)
 
 
 def test_ksb_services_serve_healthz_and_metrics_on_the_network() -> None:
     compose = _compose()
     services = compose["services"]
-    for name in [*_service_packages(), "spark"]:
+    for name in [n for p in _service_packages() for n in _running(p)] + ["spark"]:
         svc = services[name]
         env = svc["environment"]
         assert env["KSB_METRICS_HOST"] == "0.0.0.0", name
@@ -120,7 +149,7 @@ def test_prometheus_scrapes_every_ksb_service_the_spark_exporter_and_the_client(
         for sd in job.get("dns_sd_configs", [])
         for name in sd["names"]
     }
-    for name in [*_service_packages(), "spark"]:
+    for name in [n for p in _service_packages() for n in _running(p)] + ["spark"]:
         port = services[name]["environment"]["KSB_METRICS_PORT"]
         assert f"{name}:{port}" in targets, name
     assert "orders:9100" in targets
@@ -188,41 +217,121 @@ def _granted_principals() -> set[str]:
     return {g.principal for g in load_catalog_file(COMPOSE_CATALOG).grants}
 
 
-def test_each_container_logs_in_as_its_own_principal_with_its_own_password() -> None:
+def _secret_of(principal: str) -> str:
+    """The compose secret holding a principal's password (``ksb-local-<role>`` -> <role>-password)."""
+    return f"{principal.removeprefix('ksb-local-')}-password"
+
+
+def test_each_container_logs_in_as_its_own_principal_with_its_own_password_file() -> None:
     seen: dict[str, str] = {}
     for name, (module, env) in _python_containers().items():
         if module in APPS:
             principal = _interpolated(env["KSB_KAFKA_USERNAME"])
             assert principal in _granted_principals(), name
+            assert "KSB_REDIS_USERNAME" not in env, f"{name}: an application has no Redis login"
         else:
             principal = f"ksb-local-{MODULE_ROLES[module].value}"
         assert _interpolated(env["KSB_KAFKA_USERNAME"]) == principal, name
-        variable = re.fullmatch(r"\$\{(PASSWORD_\w+):\?[^}]*\}", env["KSB_KAFKA_PASSWORD"])
-        assert variable is not None, f"{name}: the password comes from .env"
-        assert seen.setdefault(variable.group(1), name) == name, f"{name} shares a password"
-        assert variable.group(1) == env_name(principal.removeprefix("ksb-local-")), name
-        if "KSB_REDIS_USERNAME" in env:  # the same principal in Redis
+        secret = _secret_of(principal)
+        assert env["KSB_KAFKA_PASSWORD_FILE"] == SECRETS + secret, name
+        assert _compose()["services"][name]["secrets"][0] == secret, name
+        if module.startswith("services.queue"):  # the replicas are one principal
+            secret = f"{secret}:{name}"
+        assert seen.setdefault(secret, name) == name, f"{name} shares a password"
+        if (
+            "KSB_REDIS_USERNAME" in env
+        ):  # the same principal in Redis, one password (`ksb acl apply`)
             assert _interpolated(env["KSB_REDIS_USERNAME"]) == principal, name
-            assert env["KSB_REDIS_PASSWORD"] == env["KSB_KAFKA_PASSWORD"], name
+            assert env["KSB_REDIS_PASSWORD_FILE"] == env["KSB_KAFKA_PASSWORD_FILE"], name
         assert env["KSB_KAFKA_SECURITY_PROTOCOL"] != "PLAINTEXT", name
     for svc in _compose()["services"].values():
         assert "env_file" not in svc, "each container gets its own secrets, not the whole file"
+
+
+def test_no_password_is_an_environment_value() -> None:
+    """A value in a container's environment shows in `docker inspect` and reaches every process
+    it starts: every password is a secret file, read through a *_FILE variable."""
+    for name, svc in _compose()["services"].items():
+        for key, value in (svc.get("environment") or {}).items():
+            assert not re.search(r"PASSWORD$|AUTH$|_KEY$", key), (name, key)
+            assert "SECRETS_DIR" not in str(value), (name, key)
+            if key.endswith("_FILE") and key.startswith("KSB_"):
+                assert str(value).startswith(SECRETS), (name, key)
+                assert str(value).removeprefix(SECRETS) in svc["secrets"], (name, key)
+
+
+def test_the_lease_key_goes_to_the_dispatchers_and_the_queue_service_only() -> None:
+    """They seal and open the leases of the group locks; a client with the key could forge one."""
+    services = _compose()["services"]
+    holders = {n for n, svc in services.items() if "lease-key" in (svc.get("secrets") or [])}
+    assert holders == {*_running("dispatcher"), *_running("queue")}
+    for name in holders:
+        env = services[name]["environment"]
+        assert env["KSB_LEASE_KEY_FILE"] == SECRETS + "lease-key", name
+        model = settings_model(services[name]["command"][2])
+        assert issubclass(model, AuthoritySettings), name  # it reads the key
+
+
+def test_every_client_of_the_queue_service_lists_every_replica() -> None:
+    services = _compose()["services"]
+    port = QueueServiceSettings.model_fields["queue_port"].default
+    replicas = _running("queue")
+    want = {f"{name}:{port}" for name in replicas}
+    clients = []
+    for name, (module, env) in _python_containers().items():
+        model = APPS.get(module) or settings_model(module)
+        if issubclass(model, QueueClientSettings) and module != "ksb.activation.activated":
+            assert set(env["KSB_QUEUE_ADDRESSES"].split(",")) == want, name
+            for replica in replicas:  # started once RECEIVE can be served
+                assert services[name]["depends_on"][replica] == {"condition": "service_healthy"}
+            clients.append(name)
+    assert sorted(clients) == ["activation", "external_activator", "orders"]
+    published = [p for r in replicas for p in services[r]["ports"]]
+    assert len({p.split(":")[-2] for p in published}) == len(replicas)  # one host port each
+    for name in replicas:
+        assert services[name]["environment"]["KSB_QUEUE_HOST"] == "0.0.0.0", name
+
+
+def test_ksb_containers_hand_their_secrets_to_the_image_user() -> None:
+    """Compose mounts a secret as the host file is (0600): a KSB container starts as root for the
+    entry point to copy its secrets to a tmpfs for the image's user, which runs the command."""
+    script = (ROOT / "infra/compose/entrypoint.sh").read_text()
+    assert "install -o ksb -g ksb -m 0400" in script and "setpriv --reuid=ksb" in script
+    for name, svc in _compose()["services"].items():
+        if svc.get("image") != "ksb:local" or not svc.get("secrets"):
+            continue
+        assert svc["entrypoint"] == ["sh", "/app/infra/compose/entrypoint.sh"], name
+        assert svc["user"] == "0" and "/run/ksb" in svc["tmpfs"], name
+
+
+def test_grafana_asks_everyone_to_log_in() -> None:
+    grafana = _compose()["services"]["grafana"]
+    env = grafana["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana-admin-password"
+    assert grafana["secrets"] == ["grafana-admin-password"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
 
 
 def test_security_init_makes_the_instance_and_applies_its_catalog_before_any_service() -> None:
     services = _compose()["services"]
     init = {k: str(v) for k, v in services["security-init"]["environment"].items()}
     assert init["KSB_KAFKA_USERNAME"] == init["KSB_REDIS_USERNAME"] == "admin"
+    assert init["KSB_KAFKA_PASSWORD_FILE"] != init["KSB_REDIS_PASSWORD_FILE"]  # admin's two
     assert _interpolated(init["CATALOG_FILE"]) == "infra/compose/catalog.yaml"
     script = (ROOT / "infra/compose/security-init.sh").read_text()
     steps = [line for line in script.splitlines() if re.search(r"\bksb (acl|catalog) apply", line)]
     # the principals, then the catalog as the operator, then the ACLs that catalog calls for
     assert ["acl" in steps[0], "catalog" in steps[1], "acl" in steps[2]] == [True] * 3, steps
     assert 'KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator"' in script
+    roles = re.search(r"^for role in (.*); do$", script, re.M)
+    assert roles is not None
+    secrets = services["security-init"]["secrets"]
     for role in Role:  # every principal's password is there to be stored
-        assert env_name(role.value) in init, role
+        assert role.value in roles.group(1).split(), role
+        assert f"{role.value}-password" in secrets, role
     for app in _granted_principals():
-        assert env_name(app) in init and f"for app in {app}" in script, app
+        assert f"{app}-password" in secrets and f"for app in {app}" in script, app
     for name in _python_containers():
         assert services[name]["depends_on"]["security-init"] == {
             "condition": "service_completed_successfully"
@@ -277,6 +386,14 @@ def test_kafka_and_redis_refuse_whoever_has_no_login() -> None:
     assert "user default off" in redis and "--aclfile" in redis
 
 
+def test_compose_kafka_has_the_local_stack_broker_settings() -> None:
+    """The same group and transaction timings as every other stack KSB runs on: with Kafka's
+    45 s consumer session, a killed dispatcher's shards stood still for 45 s in compose."""
+    lines = set((ROOT / "infra/compose/kafka.sh").read_text().splitlines())
+    for key, value in KAFKA_BROKER_SETTINGS.items():
+        assert f"{key}={value}" in lines, key
+
+
 def test_redis_keeps_its_acl_users_in_its_volume() -> None:
     """The principals' users (saved by `ksb acl apply`) are in the ACL file on the redis-data
     volume, which a restart keeps; only default's and admin's lines are written afresh."""
@@ -288,22 +405,46 @@ def test_redis_keeps_its_acl_users_in_its_volume() -> None:
     assert "grep -v -E '^user (default|admin) '" in command
 
 
-def test_every_password_compose_asks_for_is_generated(tmp_path: Path) -> None:
+def test_every_secret_compose_asks_for_is_generated(tmp_path: Path) -> None:
     out = tmp_path / ".env"
     assert compose_env_main(["--out", str(out)]) == 0
+    folder = tmp_path / "secrets"
     assert oct(out.stat().st_mode & 0o777) == "0o600"
-    generated = {line.split("=", 1)[0] for line in out.read_text().splitlines()}
-    asked = set(re.findall(r"\$\{(PASSWORD_\w+)", COMPOSE.read_text()))
-    assert generated == asked
-    roles = {env_name(r.value) for r in Role} | {"PASSWORD_BROKER", "PASSWORD_ADMIN"}
-    assert roles | {env_name(p) for p in _granted_principals()} == asked
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    assert out.read_text() == f"SECRETS_DIR={folder}\n"
+    files = {p.name: p for p in folder.iterdir()}
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in files.values())
+    values = [p.read_text() for p in files.values()]
+    assert len(set(values)) == len(values) and all(len(v) >= 32 for v in values)
+    declared = _compose()["secrets"]
+    assert set(files) == set(declared) == set(secret_names(COMPOSE.read_text()))
+    passwords = {f"{r.value}-password" for r in Role} | {
+        f"{p}-password" for p in _granted_principals()
+    }
+    cluster = {"broker-password", "admin-kafka-password", "admin-redis-password"}
+    assert set(files) == passwords | cluster | {"lease-key", "grafana-admin-password"}
     assert compose_env_main(["--out", str(out)]) == 1  # never silently replaced
-    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert compose_env_main(["--out", str(out), "--force"]) == 0
+    assert [p.read_text() for p in sorted(folder.iterdir())] != sorted(values)
+    for ignored in (".env", "/secrets/"):
+        assert ignored in (ROOT / ".gitignore").read_text().split()
+        assert ignored.strip("/") in (ROOT / ".dockerignore").read_text().split()
 
 
-def test_password_variables_reads_every_interpolation_form() -> None:
-    text = "${PASSWORD_A:?x} ${PASSWORD_B} ${PASSWORD_A:-y} ${OTHER} ${PASSWORD_C?z}"
-    assert password_variables(text) == ["PASSWORD_A", "PASSWORD_B", "PASSWORD_C"]
+def test_env_names_the_secrets_folder_relative_to_the_compose_file_when_inside_it(
+    tmp_path: Path,
+) -> None:
+    compose = tmp_path / "docker-compose.yml"
+    compose.write_text(COMPOSE.read_text())
+    assert compose_env_main(["--out", str(tmp_path / ".env"), "--compose-file", str(compose)]) == 0
+    assert (tmp_path / ".env").read_text() == "SECRETS_DIR=./secrets\n"
+
+
+def test_secret_names_reads_every_interpolation_form() -> None:
+    text = (
+        "${SECRETS_DIR:?x}/a ${SECRETS_DIR}/b-c ${SECRETS_DIR:-y}/a ${OTHER}/d ${SECRETS_DIR?z}/e.f"
+    )
+    assert secret_names(text) == ["a", "b-c", "e.f"]
 
 
 def test_compose_env_runs_on_a_bare_python(tmp_path: Path) -> None:
@@ -318,4 +459,4 @@ def test_compose_env_runs_on_a_bare_python(tmp_path: Path) -> None:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert len(out.read_text().splitlines()) == len(password_variables(COMPOSE.read_text()))
+    assert len(list((tmp_path / "secrets").iterdir())) == len(secret_names(COMPOSE.read_text()))

@@ -106,4 +106,10 @@ def test_the_image_installs_every_part_it_runs() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     for extra in ("services", "cli", "spark", "faust"):
         assert f"o['{extra}']" in dockerfile, extra
-    assert re.search(r"^COPY pyproject.toml README.md LICENSE \./$", dockerfile, re.M)
+    # pyproject alone before the dependencies (their layer outlives a README edit); README and
+    # LICENSE, which the metadata names, before the package is installed.
+    assert re.findall(r"^COPY (.+) \./$", dockerfile, re.M) == [
+        "pyproject.toml",
+        "README.md LICENSE",
+    ]
+    assert dockerfile.index("COPY README.md LICENSE") < dockerfile.index("--no-deps -e .")
