@@ -39,7 +39,21 @@ def stuck_report(receiver: KsbClient, queue: str, short: dict[int, tuple[int, st
         held = behind = f"not known ({exc!r})"
     return (
         f"{len(short)} dialogs short: {shown}; reader: {receiver.describe()}; "
+        f"queue service: {_queue_state(receiver, queue)}; "
         f"held back by an open transaction: {held}; not consumed by the dispatchers: {behind}"
+    )
+
+
+def _queue_state(receiver: KsbClient, queue: str) -> str:
+    """What the queue service holds of `queue`: the groups locked and the messages ready."""
+    try:
+        state = receiver.queue_state(queue)
+    except Exception as exc:  # as above: the report must not hide what it explains
+        return f"not known ({exc!r})"
+    caught_up = "" if state.caught_up else " (not caught up with the queue's topic)"
+    return (
+        f"{state.locked_groups} groups held, {state.ready_messages} messages ready in "
+        f"{state.ready_groups} groups{caught_up}"
     )
 
 

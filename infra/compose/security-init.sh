@@ -3,7 +3,8 @@
 # copied into /run/ksb/secrets) in a credential store inside this container, then make the
 # instance in three steps:
 #   1. `ksb acl apply`: the services' principals (the operator's among them), core topics, ACLs;
-#   2. `ksb catalog apply $CATALOG_FILE` as the operator: the catalog, as its next version;
+#   2. `ksb catalog apply $CATALOG_FILE` as admin (only admin and the owners write the
+#      catalog): the catalog, as its next version;
 #   3. `ksb acl apply` again: what that catalog calls for (its grants' principals, queue topics,
 #      their ACLs), which step 1 could not know. ACLs are generated from the stored catalog, so
 #      this order is what lets every service find its rights on the first `up`.
@@ -19,7 +20,11 @@ mkdir -p "$store"
 for role in dispatcher queue transmitter transport forwarder activation external-activator spark operator; do
   cp "$secrets/$role-password" "$store/ksb-$KSB_INSTANCE-$role.password"
 done
-for app in orders; do
+# Their Redis passwords, for the roles with a Redis user (another password than Kafka's).
+for role in queue transmitter transport forwarder activation external-activator operator; do
+  cp "$secrets/$role-redis-password" "$store/ksb-$KSB_INSTANCE-$role.redis.password"
+done
+for app in orders order-service; do
   cp "$secrets/$app-password" "$store/$app.password"
 done
 # Every step is idempotent, so one that fails (a broker or a name not answering for a moment:
@@ -35,8 +40,5 @@ retry() {
   done
 }
 retry ksb acl apply --store "$store"
-retry env KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator" \
-  KSB_KAFKA_PASSWORD_FILE="$store/ksb-$KSB_INSTANCE-operator.password" \
-  KSB_REDIS_USERNAME="" KSB_REDIS_PASSWORD_FILE="" \
-  ksb catalog apply "${CATALOG_FILE:?}"
+retry ksb catalog apply "${CATALOG_FILE:?}"
 retry ksb acl apply --store "$store"

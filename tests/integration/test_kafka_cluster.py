@@ -22,6 +22,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,7 @@ from devtools.deployment import Deployment, secure_instance, stack_fields
 from devtools.dispatchers import DispatcherPool
 from devtools.localstack import LocalStack, start_stack
 from devtools.processes import signal_group, wait_gone
+from devtools.queue_services import QueueReplicas
 from devtools.redis_node import SlotMove, move_slot
 from ksb.errors import LockStoreUnavailable, NotAuthorized, QueueDisabled
 from ksb.names import Names
@@ -40,7 +42,7 @@ from ksb.queue.locks import GroupLocks
 from ksb.runtime import kafka
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.redis_client import redis_client
-from ksb.security.principals import ADMIN
+from ksb.security.principals import ADMIN, Role
 from tests.integration.faulted_load import Load, assert_exactly_once_in_order, run_with_fault
 
 pytestmark = pytest.mark.integration
@@ -94,6 +96,23 @@ def instance(cluster: LocalStack) -> Deployment:
     return _instance(cluster)
 
 
+@contextmanager
+def _served(settings: Deployment, tmp_path: Path) -> Iterator[Deployment]:
+    """The instance's queue service (two replicas, processes of their own, which hold the group
+    locks in the Redis cluster): yields the settings its clients RECEIVE with."""
+    replicas = QueueReplicas(settings, tmp_path / "queue").start(2)
+    try:
+        yield replicas.client_settings(settings)
+    finally:
+        replicas.stop()
+
+
+def _lock_store(settings: Deployment) -> redis.Redis:
+    """The Redis cluster as the queue service logs in to it: the one holder of group locks
+    (applications have no Redis login)."""
+    return redis_client(settings.as_service(Role.QUEUE))
+
+
 def _replicas(settings: Deployment) -> dict[str, list[tuple[int, int]]]:
     """(replicas, in sync) of each partition of each of the instance's topics."""
     admin = kafka.admin(settings.as_principal(ADMIN))
@@ -135,8 +154,8 @@ def test_the_broker_coordinating_the_dispatchers_killed_under_load_loses_nothing
         signal_group(pid, signal.SIGKILL)
         assert wait_gone(pid, time.monotonic() + 30)
 
-    with DispatcherPool(instance, tmp_path).start(2):
-        result, failures = run_with_fault(instance, LOAD, kill, KILL_AT)
+    with _served(instance, tmp_path) as served, DispatcherPool(instance, tmp_path).start(2):
+        result, failures = run_with_fault(served, LOAD, kill, KILL_AT)
         assert_exactly_once_in_order(result, failures, LOAD)
         assert killed and killed[0][1] < LOAD.messages, killed
         assert _coordinator(instance) != killed[0][0]  # the group lives on another broker
@@ -165,9 +184,9 @@ def test_every_redis_node_knows_every_principal(instance: Deployment) -> None:
 
 def test_group_locks_and_disabled_flags_work_across_redis_nodes(instance: Deployment) -> None:
     """Each queue's keys sit in one slot, so each lock script runs on one node; queues spread
-    over the nodes. Logged in as the instance's owner (its own ACL user on every node)."""
+    over the nodes. Logged in as the queue service (its own ACL user on every node)."""
     names = Names(instance.instance)
-    r = redis_client(instance)
+    r = _lock_store(instance)
     assert isinstance(r, RedisCluster)
     slots = {r.keyslot(names.lock_key(q, "g")) for q in (TARGET_QUEUE, "Q1", "Q2", "Q3", "Q4")}
     assert len(slots) > 1  # different queues, different slots
@@ -206,7 +225,7 @@ def test_a_queue_slot_half_moved_serves_its_principal_and_keeps_its_fences(
     then split over two nodes, fails (TRYAGAIN, then the RECEIVE's `LockStoreUnavailable`), and
     once the slot has moved the group's fence has moved with it: the next token is larger."""
     names = Names(instance.instance)
-    r = redis_client(instance)
+    r = _lock_store(instance)
     locks = GroupLocks(r, names, TARGET_QUEUE, holder="h1", ttl_ms=30_000)
     first = locks.acquire_first(["g1"])
     assert first is not None and locks.release_all([(first, (0, 1), True)]) == [True]
@@ -255,8 +274,8 @@ def test_the_queue_slot_moved_to_another_primary_under_load_loses_nothing(
         keys = move_slot(_url(source), _url(target), slot, cluster.security, batch=5, pause_s=0.01)
         moves.append((source, target, keys, tally.delivered - started))
 
-    with DispatcherPool(settings, tmp_path).start(2):
-        result, failures = run_with_fault(settings, REDIS_LOAD, reshard, KILL_AT)
+    with _served(settings, tmp_path) as served, DispatcherPool(settings, tmp_path).start(2):
+        result, failures = run_with_fault(served, REDIS_LOAD, reshard, KILL_AT)
     assert not failures, failures
     assert result.problems == ()
     assert result.verified and result.rate.messages == REDIS_LOAD.messages
@@ -291,8 +310,8 @@ def test_the_redis_primary_of_the_queue_killed_under_load_fails_over_losing_noth
         signal_group(pid, signal.SIGKILL)
         assert wait_gone(pid, time.monotonic() + 30)
 
-    with DispatcherPool(settings, tmp_path).start(2):
-        result, failures = run_with_fault(settings, REDIS_LOAD, kill, KILL_AT)
+    with _served(settings, tmp_path) as served, DispatcherPool(settings, tmp_path).start(2):
+        result, failures = run_with_fault(served, REDIS_LOAD, kill, KILL_AT)
     assert not failures, failures
     assert result.problems == ()
     assert result.verified and result.rate.messages == REDIS_LOAD.messages

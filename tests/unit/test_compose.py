@@ -27,6 +27,7 @@ from devtools.deployment import MODULE_ROLES, settings_model
 from devtools.kafka_node import KAFKA_BROKER_SETTINGS
 from ksb.activation.activated import resolve
 from ksb.catalog.model import load_catalog_file
+from ksb.security.plan import plan_instance
 from ksb.security.principals import Role
 from ksb.settings import (
     AuthoritySettings,
@@ -217,6 +218,16 @@ def _granted_principals() -> set[str]:
     return {g.principal for g in load_catalog_file(COMPOSE_CATALOG).grants}
 
 
+def _redis_secret_of(principal: str) -> str:
+    return _secret_of(principal).replace("-password", "-redis-password")
+
+
+def _redis_principals() -> set[str]:
+    """The principals with a Redis user in the compose instance's plan."""
+    catalog = load_catalog_file(COMPOSE_CATALOG)
+    return set(plan_instance(KsbSettings(instance="local"), catalog).redis)
+
+
 def _secret_of(principal: str) -> str:
     """The compose secret holding a principal's password (``ksb-local-<role>`` -> <role>-password)."""
     return f"{principal.removeprefix('ksb-local-')}-password"
@@ -238,11 +249,11 @@ def test_each_container_logs_in_as_its_own_principal_with_its_own_password_file(
         if module.startswith("services.queue"):  # the replicas are one principal
             secret = f"{secret}:{name}"
         assert seen.setdefault(secret, name) == name, f"{name} shares a password"
-        if (
-            "KSB_REDIS_USERNAME" in env
-        ):  # the same principal in Redis, one password (`ksb acl apply`)
+        if "KSB_REDIS_USERNAME" in env:  # the same principal in Redis, another password
             assert _interpolated(env["KSB_REDIS_USERNAME"]) == principal, name
-            assert env["KSB_REDIS_PASSWORD_FILE"] == env["KSB_KAFKA_PASSWORD_FILE"], name
+            redis_secret = _redis_secret_of(principal)
+            assert env["KSB_REDIS_PASSWORD_FILE"] == SECRETS + redis_secret, name
+            assert redis_secret in _compose()["services"][name]["secrets"], name
         assert env["KSB_KAFKA_SECURITY_PROTOCOL"] != "PLAINTEXT", name
     for svc in _compose()["services"].values():
         assert "env_file" not in svc, "each container gets its own secrets, not the whole file"
@@ -320,10 +331,22 @@ def test_security_init_makes_the_instance_and_applies_its_catalog_before_any_ser
     assert init["KSB_KAFKA_PASSWORD_FILE"] != init["KSB_REDIS_PASSWORD_FILE"]  # admin's two
     assert _interpolated(init["CATALOG_FILE"]) == "infra/compose/catalog.yaml"
     script = (ROOT / "infra/compose/security-init.sh").read_text()
-    steps = [line for line in script.splitlines() if re.search(r"\bksb (acl|catalog) apply", line)]
-    # the principals, then the catalog as the operator, then the ACLs that catalog calls for
+    steps = [
+        line
+        for line in script.splitlines()
+        if line.startswith("retry") and re.search(r"\bksb (acl|catalog) apply", line)
+    ]
+    # the principals, then the catalog as admin (only admin and the owners write it), then the
+    # ACLs that catalog calls for
     assert ["acl" in steps[0], "catalog" in steps[1], "acl" in steps[2]] == [True] * 3, steps
-    assert 'KSB_KAFKA_USERNAME="ksb-$KSB_INSTANCE-operator"' in script
+    assert steps[1].strip() == 'retry ksb catalog apply "${CATALOG_FILE:?}"', steps
+    redis_roles = re.search(r"^for role in (.*); do\n.*redis\.password", script, re.M)
+    assert redis_roles is not None
+    for principal in _redis_principals():  # each Redis password is there to be stored
+        assert principal.removeprefix("ksb-local-") in redis_roles.group(1).split(), principal
+        assert _redis_secret_of(principal) in services["security-init"]["secrets"], principal
+    apps = re.search(r"^for app in (.*); do$", script, re.M)
+    assert apps is not None
     roles = re.search(r"^for role in (.*); do$", script, re.M)
     assert roles is not None
     secrets = services["security-init"]["secrets"]
@@ -331,7 +354,7 @@ def test_security_init_makes_the_instance_and_applies_its_catalog_before_any_ser
         assert role.value in roles.group(1).split(), role
         assert f"{role.value}-password" in secrets, role
     for app in _granted_principals():
-        assert f"{app}-password" in secrets and f"for app in {app}" in script, app
+        assert f"{app}-password" in secrets and app in apps.group(1).split(), app
     for name in _python_containers():
         assert services[name]["depends_on"]["security-init"] == {
             "condition": "service_completed_successfully"
@@ -421,6 +444,7 @@ def test_every_secret_compose_asks_for_is_generated(tmp_path: Path) -> None:
     passwords = {f"{r.value}-password" for r in Role} | {
         f"{p}-password" for p in _granted_principals()
     }
+    passwords |= {_redis_secret_of(p) for p in _redis_principals()}
     cluster = {"broker-password", "admin-kafka-password", "admin-redis-password"}
     assert set(files) == passwords | cluster | {"lease-key", "grafana-admin-password"}
     assert compose_env_main(["--out", str(out)]) == 1  # never silently replaced
