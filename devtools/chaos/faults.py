@@ -17,7 +17,14 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from devtools.chaos.schedule import MAX_GAP_S, READERS, SERVICES, Fault, FaultKind
+from devtools.chaos.schedule import (
+    MAX_GAP_S,
+    QUEUE_REPLICAS,
+    READERS,
+    SERVICES,
+    Fault,
+    FaultKind,
+)
 from devtools.chaos.stack import ChaosStack
 from devtools.chaos.topology import Topology
 from devtools.chaos.workload import TARGET_QUEUE
@@ -100,6 +107,8 @@ class Injector:
             pool = SERVICES
         elif fault.kind in (FaultKind.READER_KILL, FaultKind.READER_PAUSE):
             pool = READERS
+        elif fault.kind in (FaultKind.QUEUE_KILL, FaultKind.QUEUE_PAUSE):
+            pool = QUEUE_REPLICAS
         start = pool.index(fault.target) if fault.target in pool else 0
         for name in pool[start:] + pool[:start]:
             if self._take(f"link.{name}" if fault.kind is FaultKind.LINK else name):
@@ -128,10 +137,10 @@ class Injector:
         self._note(f"{fault.kind.value} {target} for {fault.duration_s:.1f}s")
         t, k = self.topology, fault.kind
         heal: Callable[[], None]
-        if k in (FaultKind.KILL, FaultKind.READER_KILL):
+        if k in (FaultKind.KILL, FaultKind.READER_KILL, FaultKind.QUEUE_KILL):
             t.kill(target)
             heal = lambda: t.restart(target)  # noqa: E731
-        elif k in (FaultKind.PAUSE, FaultKind.READER_PAUSE):
+        elif k in (FaultKind.PAUSE, FaultKind.READER_PAUSE, FaultKind.QUEUE_PAUSE):
             t.pause(target)
             heal = lambda: t.resume(target)  # noqa: E731
         elif k is FaultKind.KAFKA:

@@ -17,6 +17,7 @@ from enum import Enum
 
 __all__ = [
     "MAX_GAP_S",
+    "QUEUE_REPLICAS",
     "READERS",
     "SERVICES",
     "Fault",
@@ -30,6 +31,12 @@ class FaultKind(str, Enum):
     """SIGKILL of a service process, started again after ``duration_s``."""
     PAUSE = "pause"
     """SIGSTOP of a service process for ``duration_s`` (longer than the lock TTL), then SIGCONT."""
+    QUEUE_KILL = "qkill"
+    """SIGKILL of a queue service replica: its clients go on on the other one, the locks it
+    handed out expire by their lease (none outlives `lock_ttl_ms` unrenewed)."""
+    QUEUE_PAUSE = "qpause"
+    """SIGSTOP of a queue service replica, past the lock TTL: its calls fail by their keepalive
+    and move to the other replica."""
     READER_KILL = "rkill"
     READER_PAUSE = "rpause"
     KAFKA = "kafka"
@@ -50,6 +57,8 @@ class FaultKind(str, Enum):
 _WEIGHTS: dict[FaultKind, int] = {
     FaultKind.KILL: 6,
     FaultKind.PAUSE: 4,
+    FaultKind.QUEUE_KILL: 2,
+    FaultKind.QUEUE_PAUSE: 2,
     FaultKind.READER_KILL: 3,
     FaultKind.READER_PAUSE: 3,
     FaultKind.KAFKA: 1,
@@ -63,17 +72,24 @@ _WEIGHTS: dict[FaultKind, int] = {
 SERVICES = (
     "a.d1",
     "a.d2",
+    "a.q1",
+    "a.q2",
     "a.transmitter",
     "a.transport",
     "a.activation",
     "b.d1",
     "b.d2",
+    "b.q1",
+    "b.q2",
     "b.transmitter",
     "b.transport",
     "b.activation",
     "f.forwarder",
 )
-"""The service processes of a round (instance, process), in start order."""
+"""The service processes of a round (instance, process), in start order: the queue replicas
+before the activation service, which looks at the queues through them."""
+QUEUE_REPLICAS = tuple(name for name in SERVICES if name.split(".")[1].startswith("q"))
+"""The queue service replicas, two per instance that RECEIVEs."""
 READERS = ("a.r1", "a.r2", "b.r1", "b.r2")
 """The reader processes: two on A's initiator queue, two on B's target queue."""
 _LINKS = ("a", "b")
@@ -99,6 +115,8 @@ def _target(kind: FaultKind, rng: random.Random) -> str:
         return rng.choice(SERVICES)
     if kind in (FaultKind.READER_KILL, FaultKind.READER_PAUSE):
         return rng.choice(READERS)
+    if kind in (FaultKind.QUEUE_KILL, FaultKind.QUEUE_PAUSE):
+        return rng.choice(QUEUE_REPLICAS)
     if kind is FaultKind.LINK:
         return rng.choice(_LINKS)
     if kind in (FaultKind.KAFKA, FaultKind.KAFKA_STALL):
@@ -109,7 +127,7 @@ def _target(kind: FaultKind, rng: random.Random) -> str:
 
 
 def _duration(kind: FaultKind, lock_ttl_s: float, rng: random.Random) -> float:
-    if kind in (FaultKind.PAUSE, FaultKind.READER_PAUSE):
+    if kind in (FaultKind.PAUSE, FaultKind.READER_PAUSE, FaultKind.QUEUE_PAUSE):
         return lock_ttl_s + rng.uniform(1.0, 5.0)  # longer than the lock TTL
     if kind in (FaultKind.KAFKA_STALL, FaultKind.REDIS_STALL, FaultKind.LINK):
         return rng.uniform(3.0, 8.0)
