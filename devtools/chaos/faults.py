@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from devtools.chaos.hostile import Refusal, Volley
 from devtools.chaos.schedule import (
     MAX_GAP_S,
     QUEUE_REPLICAS,
@@ -48,6 +49,10 @@ class Injector:
     events: list[str] = field(default_factory=list)
     zombies: list[str] = field(default_factory=list)
     """What became of each zombie commit (`devtools.chaos.zombie`)."""
+    handles: list[str] = field(default_factory=list)
+    """A's workload dialogs as begun so far (a hostile volley's victim is one of them)."""
+    refusals: list[Refusal] = field(default_factory=list)
+    """What became of each hostile record (`devtools.chaos.hostile`)."""
     heal_failures: list[str] = field(default_factory=list)
     remedies: list[str] = field(default_factory=list)
     """Broker restarts the harness made for a Kafka bug, not for its schedule
@@ -158,6 +163,8 @@ class Injector:
         elif k is FaultKind.LINK:
             t.cut_link(target)
             heal = lambda: t.restore_link(target)  # noqa: E731
+        elif k is FaultKind.HOSTILE:
+            heal = self._hostile
         else:
             heal = self._zombie
         thread = threading.Thread(
@@ -213,6 +220,18 @@ class Injector:
     def _restart_redis(self) -> None:
         self.stack.start_redis()
         self.topology.secure()  # an empty Redis has no ACL users: the instances' plans again
+
+    def _hostile(self) -> None:
+        t = self.topology
+        volley = Volley(t.owner["a"], t.base["b"], t.base["f"].instance, list(self.handles))
+        try:
+            got = volley.fire()
+        except Exception as exc:
+            self._note(f"hostile volley not written: {type(exc).__name__}: {exc}")
+            raise
+        self.refusals += got
+        bad = [r for r in got if not r.ok]
+        self._note(f"hostile volley: {len(got) - len(bad)}/{len(got)} refused with their code")
 
     def _zombie(self) -> None:
         owner = self.topology.owner["b"]

@@ -49,6 +49,9 @@ class FaultKind(str, Enum):
     LINK = "link"
     """The link between A and B cut: one side's direct route points at an address where nothing
     listens for ``duration_s``, then is restored (two catalog versions)."""
+    HOSTILE = "hostile"
+    """A volley of hostile and malformed records, one of every class, written as an application
+    of A and as B's transport (`devtools.chaos.hostile`): each must be refused with its code."""
     ZOMBIE = "zombie"
     """A reader's commit delayed past its lease while a newer holder commits the same group:
     the dispatcher must refuse it (fencing token)."""
@@ -67,6 +70,7 @@ _WEIGHTS: dict[FaultKind, int] = {
     FaultKind.REDIS_STALL: 1,
     FaultKind.LINK: 2,
     FaultKind.ZOMBIE: 2,
+    FaultKind.HOSTILE: 1,
 }
 
 SERVICES = (
@@ -123,6 +127,8 @@ def _target(kind: FaultKind, rng: random.Random) -> str:
         return "kafka"
     if kind in (FaultKind.REDIS, FaultKind.REDIS_STALL):
         return "redis"
+    if kind is FaultKind.HOSTILE:
+        return "a"
     return "b"  # a zombie commit on B's target queue
 
 
@@ -133,7 +139,7 @@ def _duration(kind: FaultKind, lock_ttl_s: float, rng: random.Random) -> float:
         return rng.uniform(3.0, 8.0)
     if kind in (FaultKind.KAFKA, FaultKind.REDIS):
         return rng.uniform(0.5, 3.0)
-    if kind is FaultKind.ZOMBIE:
+    if kind in (FaultKind.ZOMBIE, FaultKind.HOSTILE):
         return 0.0
     return rng.uniform(0.0, 3.0)  # a killed process is started again after this
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from devtools.chaos.hostile import mallory_catalog_part
 from devtools.chaos.schedule import QUEUE_REPLICAS, READERS, SERVICES
 from devtools.chaos.stack import ChaosStack
 from devtools.chaos.workload import INITIATOR_QUEUE, TARGET_QUEUE, catalogs
@@ -231,6 +232,7 @@ class Topology:
         ca, cb, cf = catalogs(
             self.base["a"].instance, self.base["b"].instance, self.base["f"].instance, 4
         )
+        ca = _with_mallory(ca)
         self.catalogs: dict[str, Catalog] = {"a": ca, "b": cb, "f": cf}
         self.owner: dict[str, Deployment] = {}
         self.members: dict[str, Member] = {}
@@ -409,6 +411,15 @@ class Topology:
 
     def processes(self) -> Iterator[tuple[str, Member]]:
         yield from self.members.items()
+
+
+def _with_mallory(catalog: Catalog) -> Catalog:
+    """A's catalog with the hostile application's queue, service and grants
+    (`devtools.chaos.hostile`)."""
+    data = catalog.model_dump(by_alias=True, exclude={"version", "applied_ms"})
+    for key, items in mallory_catalog_part().items():
+        data[key] = [*data.get(key, []), *items]
+    return parse_catalog(data)
 
 
 def _read_member(m: Member) -> str:
