@@ -157,6 +157,10 @@ class Injector:
         elif k is FaultKind.REDIS:
             self.stack.kill_redis()
             heal = self._restart_redis
+        elif k is FaultKind.REDIS_AOF:
+            self.stack.persist_redis()
+            self.stack.kill_redis()
+            heal = self._restart_redis_on_its_data
         elif k is FaultKind.REDIS_STALL:
             self.stack.pause_redis()
             heal = self.stack.resume_redis
@@ -220,6 +224,9 @@ class Injector:
     def _restart_redis(self) -> None:
         self.stack.start_redis()
         self.topology.secure()  # an empty Redis has no ACL users: the instances' plans again
+
+    def _restart_redis_on_its_data(self) -> None:
+        self.stack.start_redis(keep_data=True)
 
     def _hostile(self) -> None:
         t = self.topology

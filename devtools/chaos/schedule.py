@@ -45,6 +45,9 @@ class FaultKind(str, Enum):
     """The broker SIGSTOPped: every connection to it stalls (a stalled network on loopback)."""
     REDIS = "redis"
     """kill -9 of Redis, restarted empty after ``duration_s`` (its ACL users applied again)."""
+    REDIS_AOF = "raof"
+    """kill -9 of Redis with its append-only file on (turned on just before), restarted on its
+    data: the locks, fences and lease counters survive, as in a deployment with persistence."""
     REDIS_STALL = "rstall"
     LINK = "link"
     """The link between A and B cut: one side's direct route points at an address where nothing
@@ -67,6 +70,7 @@ _WEIGHTS: dict[FaultKind, int] = {
     FaultKind.KAFKA: 1,
     FaultKind.KAFKA_STALL: 1,
     FaultKind.REDIS: 1,
+    FaultKind.REDIS_AOF: 1,
     FaultKind.REDIS_STALL: 1,
     FaultKind.LINK: 2,
     FaultKind.ZOMBIE: 2,
@@ -125,7 +129,7 @@ def _target(kind: FaultKind, rng: random.Random) -> str:
         return rng.choice(_LINKS)
     if kind in (FaultKind.KAFKA, FaultKind.KAFKA_STALL):
         return "kafka"
-    if kind in (FaultKind.REDIS, FaultKind.REDIS_STALL):
+    if kind in (FaultKind.REDIS, FaultKind.REDIS_AOF, FaultKind.REDIS_STALL):
         return "redis"
     if kind is FaultKind.HOSTILE:
         return "a"
@@ -137,7 +141,7 @@ def _duration(kind: FaultKind, lock_ttl_s: float, rng: random.Random) -> float:
         return lock_ttl_s + rng.uniform(1.0, 5.0)  # longer than the lock TTL
     if kind in (FaultKind.KAFKA_STALL, FaultKind.REDIS_STALL, FaultKind.LINK):
         return rng.uniform(3.0, 8.0)
-    if kind in (FaultKind.KAFKA, FaultKind.REDIS):
+    if kind in (FaultKind.KAFKA, FaultKind.REDIS, FaultKind.REDIS_AOF):
         return rng.uniform(0.5, 3.0)
     if kind in (FaultKind.ZOMBIE, FaultKind.HOSTILE):
         return 0.0
