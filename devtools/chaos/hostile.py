@@ -235,13 +235,10 @@ class Volley:
         )
         near = MAX_RECORD_BYTES - 4_096  # the envelope fits under the broker's record limit
         add("record near 8 MB", {"body_too_large"}, topic, send("x" * near), handle)
-        add(
-            "body breaking its type's validation",
-            {"validation_failed"},
-            topic,
-            send("{not json"),
-            handle,
-        )
+        # Not an error record: as Service Broker's target does, the receiving side refuses the
+        # message and fails the dialog with an Error to the sender (`ksb.dialog.send`).
+        add("body breaking its type's validation", {DIALOG_FAILED}, topic, send(BAD_BODY), handle)
+        self._validated = handle
         for name, token, lease in (
             ("commit under a forged lease, token 2^62", 2**62, "Zm9yZ2Vk"),
             ("commit with token 0 and no lease", 0, None),
