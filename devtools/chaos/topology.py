@@ -59,6 +59,7 @@ FAST: dict[str, int] = {
     "connect_timeout_ms": 1_000,
     "delivery_timeout_ms": 3_000,
     "forwarder_stale_ms": 20_000,
+    "assignment_stall_ms": 3_000,
 }
 """Housekeeping intervals short enough that a healed fault is noticed within seconds."""
 
