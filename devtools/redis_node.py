@@ -53,18 +53,25 @@ def _write_acl_file(root: Path, security: StackSecurity) -> Path:
 
 
 def start_redis(
-    root: Path, port: int, security: StackSecurity, *, cluster: bool = False
+    root: Path,
+    port: int,
+    security: StackSecurity,
+    *,
+    cluster: bool = False,
+    appendonly: bool = False,
 ) -> subprocess.Popen[bytes]:
     """One ``redis-server``; with `cluster`, a node of a Redis Cluster still to be formed
     (`form_cluster`), its cluster bus on a free port of its own (Redis's default, `port` +
-    10000, is past 65535 for half the ports a free-port search returns)."""
+    10000, is past 65535 for half the ports a free-port search returns); with `appendonly`, its
+    data kept in an append-only file under `root` and loaded from it at a start (fsync every
+    second, Redis's default)."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     cmd = [
         _redis_server(),
         "--port", str(port),
         "--bind", "127.0.0.1",
         "--save", "",
-        "--appendonly", "no",
+        "--appendonly", "yes" if appendonly else "no",
         "--dir", str(root),
         "--logfile", str(root / "redis.log"),
         "--daemonize", "no",
@@ -110,6 +117,24 @@ def _admin(url: str, security: StackSecurity) -> redis.Redis:
     if security.mode == "tls":
         auth["ssl_ca_certs"] = str(security.stack_ca)
     return redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=1.0, **auth)
+
+
+def persist_redis(url: str, security: StackSecurity, deadline: float) -> None:
+    """Turn the append-only file on in a running Redis and wait until it holds the data set
+    (Redis writes it by a rewrite in the background)."""
+    client = _admin(url, security)
+    try:
+        client.config_set("appendonly", "yes")
+        while True:
+            info = client.info("persistence")
+            busy = info.get("aof_rewrite_in_progress") or info.get("aof_rewrite_scheduled")
+            if info.get("aof_enabled") and not busy:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"Redis at {url} did not write its append-only file in time")
+            time.sleep(0.05)
+    finally:
+        client.close()
 
 
 def redis_ready(url: str, deadline: float, security: StackSecurity) -> None:

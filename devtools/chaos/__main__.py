@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seed", type=int, default=None, help="the first round's seed (default: random, printed)"
     )
-    parser.add_argument("--faults", type=int, default=14, help="faults per round")
+    parser.add_argument("--faults", type=int, default=16, help="faults per round")
     parser.add_argument(
         "--shards",
         type=int,

@@ -17,7 +17,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from devtools.chaos.schedule import MAX_GAP_S, READERS, SERVICES, Fault, FaultKind
+from devtools.chaos.hostile import Refusal, Volley
+from devtools.chaos.schedule import (
+    MAX_GAP_S,
+    QUEUE_REPLICAS,
+    READERS,
+    SERVICES,
+    Fault,
+    FaultKind,
+)
 from devtools.chaos.stack import ChaosStack
 from devtools.chaos.topology import Topology
 from devtools.chaos.workload import TARGET_QUEUE
@@ -41,6 +49,10 @@ class Injector:
     events: list[str] = field(default_factory=list)
     zombies: list[str] = field(default_factory=list)
     """What became of each zombie commit (`devtools.chaos.zombie`)."""
+    handles: list[str] = field(default_factory=list)
+    """A's workload dialogs as begun so far (a hostile volley's victim is one of them)."""
+    refusals: list[Refusal] = field(default_factory=list)
+    """What became of each hostile record (`devtools.chaos.hostile`)."""
     heal_failures: list[str] = field(default_factory=list)
     remedies: list[str] = field(default_factory=list)
     """Broker restarts the harness made for a Kafka bug, not for its schedule
@@ -100,6 +112,8 @@ class Injector:
             pool = SERVICES
         elif fault.kind in (FaultKind.READER_KILL, FaultKind.READER_PAUSE):
             pool = READERS
+        elif fault.kind in (FaultKind.QUEUE_KILL, FaultKind.QUEUE_PAUSE):
+            pool = QUEUE_REPLICAS
         start = pool.index(fault.target) if fault.target in pool else 0
         for name in pool[start:] + pool[:start]:
             if self._take(f"link.{name}" if fault.kind is FaultKind.LINK else name):
@@ -128,10 +142,10 @@ class Injector:
         self._note(f"{fault.kind.value} {target} for {fault.duration_s:.1f}s")
         t, k = self.topology, fault.kind
         heal: Callable[[], None]
-        if k in (FaultKind.KILL, FaultKind.READER_KILL):
+        if k in (FaultKind.KILL, FaultKind.READER_KILL, FaultKind.QUEUE_KILL):
             t.kill(target)
             heal = lambda: t.restart(target)  # noqa: E731
-        elif k in (FaultKind.PAUSE, FaultKind.READER_PAUSE):
+        elif k in (FaultKind.PAUSE, FaultKind.READER_PAUSE, FaultKind.QUEUE_PAUSE):
             t.pause(target)
             heal = lambda: t.resume(target)  # noqa: E731
         elif k is FaultKind.KAFKA:
@@ -143,12 +157,18 @@ class Injector:
         elif k is FaultKind.REDIS:
             self.stack.kill_redis()
             heal = self._restart_redis
+        elif k is FaultKind.REDIS_AOF:
+            self.stack.persist_redis()
+            self.stack.kill_redis()
+            heal = self._restart_redis_on_its_data
         elif k is FaultKind.REDIS_STALL:
             self.stack.pause_redis()
             heal = self.stack.resume_redis
         elif k is FaultKind.LINK:
             t.cut_link(target)
             heal = lambda: t.restore_link(target)  # noqa: E731
+        elif k is FaultKind.HOSTILE:
+            heal = self._hostile
         else:
             heal = self._zombie
         thread = threading.Thread(
@@ -204,6 +224,21 @@ class Injector:
     def _restart_redis(self) -> None:
         self.stack.start_redis()
         self.topology.secure()  # an empty Redis has no ACL users: the instances' plans again
+
+    def _restart_redis_on_its_data(self) -> None:
+        self.stack.start_redis(keep_data=True)
+
+    def _hostile(self) -> None:
+        t = self.topology
+        volley = Volley(t.owner["a"], t.base["b"], t.base["f"].instance, list(self.handles))
+        try:
+            got = volley.fire()
+        except Exception as exc:
+            self._note(f"hostile volley not written: {type(exc).__name__}: {exc}")
+            raise
+        self.refusals += got
+        bad = [r for r in got if not r.ok]
+        self._note(f"hostile volley: {len(got) - len(bad)}/{len(got)} refused with their code")
 
     def _zombie(self) -> None:
         owner = self.topology.owner["b"]

@@ -37,7 +37,8 @@ from ksb.wire.protocol import CommitOutcome, QueueMessage
 __all__ = ["INVARIANTS", "Side", "Verdict", "check_round", "stale_commits"]
 
 _UNSEQUENCED = frozenset({DIALOG_TIMER, ERROR})
-INVARIANTS = ("lost", "dup", "order", "stale", "open", "pending")
+INVARIANTS = ("lost", "dup", "order", "stale", "open", "pending", "refused")
+"""``refused``: a hostile record (`devtools.chaos.hostile`) not refused with its code."""
 
 
 @dataclass

@@ -114,6 +114,10 @@ def as_json(r: RoundResult) -> dict[str, Any]:
         "events": r.events,
         "skipped": r.skipped,
         "zombies": r.zombies,
+        "hostile": [
+            {"class": h.name, "request_id": h.request_id, "got": h.got, "ok": h.ok}
+            for h in r.refusals
+        ],
         "remedies": r.remedies,
         "seconds": round(r.seconds, 1),
         "ok": r.ok,

@@ -32,6 +32,7 @@ from devtools.chaos.facts import (
     read_side,
 )
 from devtools.chaos.faults import Injector
+from devtools.chaos.hostile import Refusal, is_hostile_endpoint
 from devtools.chaos.invariants import Verdict, check_round
 from devtools.chaos.remedy import CoordinatorWatch
 from devtools.chaos.schedule import FaultKind, draw_schedule
@@ -84,6 +85,8 @@ class RoundResult:
     events: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     zombies: list[str] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    """Each hostile record and its refusal (`devtools.chaos.hostile`)."""
     remedies: list[str] = field(default_factory=list)
     """Broker restarts for a Kafka bug (`devtools.chaos.remedy`), outside the schedule."""
     errors: list[str] = field(default_factory=list)
@@ -168,22 +171,24 @@ def _send(client: KsbClient, handle: str, body: str) -> None:
 
 
 def _closed(settings: Deployment, count: int) -> tuple[int, int]:
-    """(endpoints, of which CLOSED or gone) on `settings`' instance."""
+    """(endpoints, of which CLOSED or gone) on `settings`' instance; the hostile volleys' own
+    dialogs (`devtools.chaos.hostile`) are not the workload's and stay open."""
     states: dict[str, bool] = {}
+    hostile: set[str] = set()
+
+    def one(m: Any) -> None:
+        key, value = (m.key() or b"").decode(), m.value()
+        states[key] = value is None or b'"state":"CLOSED"' in value
+        if value is not None and b"Mallory" in value and is_hostile_endpoint(json.loads(value)):
+            hostile.add(key)
+
     c = kafka.consumer(settings)
     try:
-        kafka.read_to_end(
-            c,
-            Names(settings.instance).endpoints,
-            lambda m: states.__setitem__(
-                (m.key() or b"").decode(),
-                m.value() is None or b'"state":"CLOSED"' in (m.value() or b""),
-            ),
-            timeout_s=60,
-        )
+        kafka.read_to_end(c, Names(settings.instance).endpoints, one, timeout_s=60)
     finally:
         c.close()
-    return len(states), sum(states.values())
+    kept = [closed for key, closed in states.items() if key not in hostile]
+    return len(kept), sum(kept)
 
 
 def _drain(topology: Topology, dialogs: int, timeout_s: float) -> tuple[int, str]:
@@ -262,7 +267,7 @@ def run_round(
     errors: list[str] = []
     handles: list[str] = []
     progress = Progress(topology, workload.replies + len(workload.dialogs))
-    injector = Injector(topology, stack, schedule, progress.fraction)
+    injector = Injector(topology, stack, schedule, progress.fraction, handles=handles)
     watch = CoordinatorWatch(stack.broker_log, injector.remedy_kafka)
     try:
         watch.check()  # what the last round's broker left broken, mended before this one starts
@@ -312,6 +317,12 @@ def run_round(
     a.applied_batches = applied_batches(topology.reader_files("a"))
     b.applied_batches = applied_batches(topology.reader_files("b"))
     verdict = check_round(workload, handles, a, b, pending)
+    for r in injector.refusals:
+        if not r.ok:
+            expected = "/".join(sorted(r.expected))
+            verdict.add(
+                "refused", 1, f"{r.name} ({r.request_id}): {r.got or 'no refusal'}, not {expected}"
+            )
     return RoundResult(
         round_no=round_no,
         seed=seed,
@@ -324,6 +335,7 @@ def run_round(
         events=injector.events,
         skipped=injector.skipped,
         zombies=injector.zombies,
+        refusals=injector.refusals,
         remedies=injector.remedies,
         errors=errors,
     )

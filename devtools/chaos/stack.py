@@ -22,7 +22,7 @@ from devtools.deployment import Deployment, stack_fields
 from devtools.kafka_node import KafkaLayout, kafka_libs_dir, kafka_ready, start_kafka
 from devtools.localstack import start_stack
 from devtools.processes import LogTail, port_open, signal_group, stop_pids, wait_gone
-from devtools.redis_node import redis_ready, start_redis
+from devtools.redis_node import persist_redis, redis_ready, start_redis
 from devtools.stack_security import StackSecurity
 
 __all__ = ["ChaosStack"]
@@ -97,12 +97,20 @@ class ChaosStack:
             signal_group(self.redis_pid, signal.SIGKILL)
             wait_gone(self.redis_pid, time.monotonic() + 30)
 
-    def start_redis(self) -> None:
-        """A new, empty Redis on the same port (only ``admin`` can log in until the instances'
-        ACL users are applied again)."""
+    def persist_redis(self) -> None:
+        """The append-only file on, holding everything Redis has now (for `start_redis` with
+        ``keep_data``)."""
+        persist_redis(self.redis_url, self.security, time.monotonic() + self.timeout_s)
+
+    def start_redis(self, *, keep_data: bool = False) -> None:
+        """A new Redis on the same port: empty (only ``admin`` can log in until the instances'
+        ACL users are applied again), or with `keep_data` loaded from its append-only file
+        (`persist_redis` before the kill) and keeping it on."""
         deadline = time.monotonic() + self.timeout_s
         with self._lock:
-            proc = start_redis(self.workdir / "redis", self.redis_port, self.security)
+            proc = start_redis(
+                self.workdir / "redis", self.redis_port, self.security, appendonly=keep_data
+            )
             self.redis_pid = proc.pid
         _wait_port(proc, self.redis_port, deadline, "Redis")
         redis_ready(self.redis_url, deadline, self.security)

@@ -3,9 +3,11 @@
 Three instances on the harness's stack: **A** (the initiator services and their queue), **B** (the
 target services, their queue with a dead-letter policy) and **F** (a forwarder only: the ``Fwd``
 services' routes go through it both ways). A and B each run two dispatchers (the instance's
-requests topics have ``shards`` partitions, shared between them by the consumer group), a
-transmitter, a transport and an activation service; F runs its forwarder. Two reader processes
-RECEIVE on each queue (`devtools.chaos.reader`). Every process logs in as its own principal
+requests topics have ``shards`` partitions, shared between them by the consumer group), two queue
+service replicas (``q1``, ``q2``: RECEIVE is theirs, each on a port of its own that it keeps across
+restarts, every client given both as ``KSB_QUEUE_ADDRESSES`` so it moves on to the other when one
+fails), a transmitter, a transport and an activation service; F runs its forwarder. Two reader
+processes RECEIVE on each queue (`devtools.chaos.reader`). Every process logs in as its own principal
 (`devtools.deployment`); the readers and the harness's own clients as the instance's owner.
 
 A supervisor restarts any process that exits without the harness having stopped it, and counts
@@ -27,12 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from devtools.chaos.schedule import READERS, SERVICES
+from devtools.chaos.hostile import mallory_catalog_part
+from devtools.chaos.schedule import QUEUE_REPLICAS, READERS, SERVICES
 from devtools.chaos.stack import ChaosStack
 from devtools.chaos.workload import INITIATOR_QUEUE, TARGET_QUEUE, catalogs
 from devtools.deployment import Deployment, secure_instance
 from devtools.dispatchers import owned_in_log, shares_settled
-from devtools.processes import REPO_ROOT
+from devtools.processes import REPO_ROOT, free_port
+from devtools.queue_services import READY as QUEUE_READY
 from devtools.runner import ServiceProcess
 from ksb.catalog.model import Catalog, parse_catalog
 from ksb.runtime.catalog_store import apply_catalog
@@ -55,6 +59,7 @@ FAST: dict[str, int] = {
     "connect_timeout_ms": 1_000,
     "delivery_timeout_ms": 3_000,
     "forwarder_stale_ms": 20_000,
+    "assignment_stall_ms": 3_000,
 }
 """Housekeeping intervals short enough that a healed fault is noticed within seconds."""
 
@@ -211,12 +216,24 @@ class Topology:
         self.shards = shards
         logs.mkdir(parents=True, exist_ok=True)
         common = {"lock_ttl_ms": lock_ttl_ms, "request_partitions": shards, **FAST}
+        self.queue_ports = {name: free_port() for name in QUEUE_REPLICAS}
+        """Each queue replica's port, kept across its restarts (its clients list them all)."""
         self.base = {
-            side: stack.deployment(instance=f"{prefix}{side}", **common) for side in ("a", "b", "f")
+            side: stack.deployment(
+                instance=f"{prefix}{side}",
+                queue_addresses=",".join(
+                    f"127.0.0.1:{port}"
+                    for name, port in self.queue_ports.items()
+                    if name.startswith(f"{side}.")
+                ),
+                **common,
+            )
+            for side in ("a", "b", "f")
         }
         ca, cb, cf = catalogs(
             self.base["a"].instance, self.base["b"].instance, self.base["f"].instance, 4
         )
+        ca = _with_mallory(ca)
         self.catalogs: dict[str, Catalog] = {"a": ca, "b": cb, "f": cf}
         self.owner: dict[str, Deployment] = {}
         self.members: dict[str, Member] = {}
@@ -244,10 +261,19 @@ class Topology:
         for name in SERVICES:
             side, role = name.split(".")
             module = "services.dispatcher" if role.startswith("d") else f"services.{role}"
+            deployment = self.base[side]
+            if role.startswith("q"):
+                module = "services.queue"
+                deployment = deployment.model_copy(
+                    update={
+                        "queue_port": self.queue_ports[name],
+                        "queue_store_dir": str(self.logs / f"store-{name}"),
+                    }
+                )
             # librdkafka's group lines in the dispatchers' logs: how a shard's owner came and went.
             extra = {"KSB_MEMBER": role, "KSB_KAFKA_DEBUG": "cgrp"} if role.startswith("d") else {}
             self.members[name] = _Service(
-                name, module, self.base[side], self.logs / f"{name}.log", extra
+                name, module, deployment, self.logs / f"{name}.log", extra
             ).start()
         for name in READERS:
             side = name.split(".")[0]
@@ -258,7 +284,13 @@ class Topology:
             self.members[name] = ReaderProcess(name, settings, role, queue, self.logs).start()
         deadline = time.monotonic() + timeout_s
         for name, m in self.members.items():
-            marker = "reader ready" if name in READERS else "ready"
+            marker = (
+                "reader ready"
+                if name in READERS
+                else QUEUE_READY
+                if name in QUEUE_REPLICAS
+                else "ready"
+            )
             self._wait_log(name, m, marker, deadline)
         for side in ("a", "b"):
             self.wait_settled(side, deadline)
@@ -380,6 +412,15 @@ class Topology:
 
     def processes(self) -> Iterator[tuple[str, Member]]:
         yield from self.members.items()
+
+
+def _with_mallory(catalog: Catalog) -> Catalog:
+    """A's catalog with the hostile application's queue, service and grants
+    (`devtools.chaos.hostile`)."""
+    data = catalog.model_dump(by_alias=True, exclude={"version", "applied_ms"})
+    for key, items in mallory_catalog_part().items():
+        data[key] = [*data.get(key, []), *items]
+    return parse_catalog(data)
 
 
 def _read_member(m: Member) -> str:

@@ -12,6 +12,11 @@ Periodic tasks (`ksb.runtime.ticker`, every ``tick_ms``), besides the shell's ta
 * every tick, early arrivals from other instances older than ``inbound_stale_ms`` (10 s) are dropped
   (`ksb.dialog.remote`);
 * a broker that has not started is retried (`services.dispatcher.startup`).
+
+Between batches the loop also compares the shards its consumer holds with what the group
+coordinator says of this member (asked every ``assignment_check_ms`` on a thread of its own) and
+rejoins the group when they have disagreed for ``assignment_stall_ms``
+(`services.dispatcher.assignment_watch`: a revocation or an assignment lost in a broker stall).
 """
 
 from __future__ import annotations
@@ -28,10 +33,16 @@ from ksb.catalog.model import CatalogView
 from ksb.clock import Clock
 from ksb.dialog.broker_start import BrokerStart
 from ksb.dialog.engine import Engine
+from ksb.runtime import kafka
 from ksb.runtime.metrics import HEALTHY
 from ksb.runtime.service import Service, TickTask
 from ksb.settings import DispatcherSettings
 from services.dispatcher import gauges
+from services.dispatcher.assignment_watch import (
+    AssignmentWatch,
+    CoordinatorTargets,
+    coordinator_targets,
+)
 from services.dispatcher.notifications import BCN_FLUSH_S, kafka_answers
 from services.dispatcher.pipeline import Counts, Pipeline
 from services.dispatcher.queue_metrics import QueueMetrics
@@ -82,6 +93,9 @@ class Dispatcher(Service):
         )
         self.pipeline: Pipeline | None = None
         """The started broker's loop (None until a start succeeds, and while starting over)."""
+        self._watch = AssignmentWatch(settings.assignment_stall_ms / 1000)
+        self._targets: CoordinatorTargets | None = None
+        self._answers_seen = 0
 
     @property
     def broker(self) -> BrokerStart:
@@ -152,9 +166,33 @@ class Dispatcher(Service):
                     limits_changed=lambda: self._limits_changed(p),
                 ):
                     self._start_over()
+                    return
+            self._check_assignment(p)
         except AssignmentFailed as exc:
             log.warning("%s; rejoining the group", exc)
+            self._watch.reset()
             rejoin(p)
+
+    def _check_assignment(self, p: Pipeline) -> None:
+        """Raise `AssignmentFailed` when this member and the coordinator have disagreed on a
+        shard for ``assignment_stall_ms`` (`services.dispatcher.assignment_watch`)."""
+        if self._targets is None or p.consumer is None:
+            return
+        self._targets.follow(p.consumer.memberid())
+        answers, view = self._targets.latest()
+        if answers == self._answers_seen:
+            return  # nothing new: the consumer's assignment is not asked for every batch
+        self._answers_seen = answers
+        relay = p.names.relay
+        held = {tp.partition for tp in p.consumer.assignment() if tp.topic == relay}
+        overdue = self._watch.observe(time.monotonic(), held, view)
+        if overdue:
+            raise AssignmentFailed(
+                f"shards {overdue}: this member holds {sorted(held)}, the coordinator sent it "
+                f"{sorted(view.current) if view else '?'} and means it to have "
+                f"{sorted(view.target) if view else '?'}, for "
+                f"{self.settings.assignment_stall_ms} ms"
+            )
 
     def close(self) -> None:
         HEALTHY.labels("dispatcher").set(0)
@@ -165,6 +203,8 @@ class Dispatcher(Service):
             self.counts.applied,
             self.counts.transactions,
         )
+        if self._targets is not None:
+            self._targets.stop()
         if self.pipeline is not None:
             self.pipeline.close_consumer()
             self.pipeline.producer.flush(5)
@@ -182,6 +222,15 @@ class Dispatcher(Service):
 
     def _started(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
+        if self._targets is None:
+            s = self.settings
+            probe = coordinator_targets(
+                lambda: kafka.admin(s),
+                pipeline.names.dispatcher_group,
+                pipeline.names.relay,
+                timeout_s=s.assignment_stall_ms / 1000,
+            )
+            self._targets = CoordinatorTargets(probe, s.assignment_check_ms / 1000).start()
         self.ready.set()
 
     def _broker_tick(self, tick: int) -> None:

@@ -351,6 +351,16 @@ class DispatcherSettings(ServiceSettings, AuthoritySettings):
     revoking it was lost to a request timeout: librdkafka 2.16 goes on heartbeating without its
     owned partitions, and the coordinator never repeats the revocation (found by the chaos
     harness, reproduced by a broker stall just as a killed member's session expires)."""
+    assignment_stall_ms: int = Field(15_000, ge=100)
+    """How long this dispatcher and the group coordinator may disagree on a shard (held here
+    though the coordinator moved it away, or sent here and not given) before the dispatcher
+    rejoins the group (`services.dispatcher.assignment_watch`): several of the broker's heartbeat
+    intervals (``group.consumer.heartbeat.interval.ms``, Kafka's default 5 s: a revocation
+    reaches a member with its next heartbeat), and below `rebalance_timeout_ms`, the bound on a
+    lost revocation until then. The local stack heartbeats every 500 ms, and the chaos harness
+    runs with 3 s."""
+    assignment_check_ms: int = Field(1_000, ge=100)
+    """How often a dispatcher asks the coordinator what it says of it, from a thread of its own."""
     group_assignor: str = STICKY_SHARDS
     """The server-side assignor the dispatchers' group asks for: KSB's broker plugin
     (infra/kafka/assignor), which keeps each dispatcher's shards while others join or leave, or

@@ -2,13 +2,13 @@
 
 The harness starts its own stack (it kills Kafka and Redis, so it must not touch the session's):
 a round of 400 requests over 150 dialogs across instances A, B and the forwarder F, hit once by
-every kind of fault (`FaultKind`), the killed broker included, then every invariant checked on
-what Kafka recorded (`devtools.chaos`; docs/reliability.md, "Chaos harness"). One round, not two as until
-2026-11-26: a round takes one to two minutes and `make test` was near its 30 minutes; `make chaos` runs
-as many as asked. A fixed seed keeps
-the schedule the same from run to run; the failure message names the seed of a round that broke,
-to replay it with ``python -m devtools.chaos --seed <seed> --rounds 1 --messages 400 --dialogs 150
---faults 10``.
+every kind of fault (`FaultKind`), the killed broker, the queue replicas and a volley of hostile
+records included, then every invariant checked on what Kafka recorded (`devtools.chaos`;
+docs/reliability.md, "Chaos harness"). One round, not two as until 2026-11-26: a round takes two
+to three minutes and `make test` was near its 30 minutes; `make chaos` runs as many as asked. A
+fixed seed keeps the schedule the same from run to run; the failure message names the seed of a
+round that broke, to replay it with ``python -m devtools.chaos --seed <seed> --rounds 1
+--messages 400 --dialogs 150 --faults 14``.
 """
 
 from __future__ import annotations
@@ -50,3 +50,4 @@ def test_a_round_under_every_kind_of_fault_keeps_every_invariant(tmp_path: Path)
     for r in results:
         assert r.received >= r.workload.requests + r.workload.replies, report
         assert sum(r.injected.values()) >= len(KINDS) - 1, report  # one may find no target
+        assert r.refusals, report  # the hostile volley ran (each refusal is an invariant)

@@ -64,11 +64,13 @@ def test_the_initiator_ends_on_enddialog_or_error_only() -> None:
 
 
 def test_a_schedule_is_drawn_from_its_seed_with_each_kind_once_first() -> None:
-    s = draw_schedule(9, 14, lock_ttl_s=3.0)
-    assert s == draw_schedule(9, 14, lock_ttl_s=3.0)
+    s = draw_schedule(9, 16, lock_ttl_s=3.0)
+    assert s == draw_schedule(9, 16, lock_ttl_s=3.0)
     assert {f.kind for f in s[: len(FaultKind)]} == set(FaultKind)
     assert [f.at for f in s] == sorted(f.at for f in s) and s[0].at > 0 and s[-1].at < 1
-    pauses = [f for f in s if f.kind in (FaultKind.PAUSE, FaultKind.READER_PAUSE)]
+    pauses = [
+        f for f in s if f.kind in (FaultKind.PAUSE, FaultKind.READER_PAUSE, FaultKind.QUEUE_PAUSE)
+    ]
     assert pauses and all(f.duration_s > 3.0 for f in pauses)
     only = draw_schedule(9, 5, lock_ttl_s=3.0, kinds=(FaultKind.KILL,))
     assert {f.kind for f in only} == {FaultKind.KILL}
