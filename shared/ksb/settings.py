@@ -188,6 +188,17 @@ class QueueClientSettings(KsbSettings):
     lock_renew_ms: int = Field(5_000, ge=100)
     """How often the client renews the locks its open transactions hold (keep it well under
     the queue service's `lock_ttl_ms`)."""
+    lock_confirm_age_ms: int = Field(2_500, ge=0)
+    """A commit confirms its lock with a RenewLocks call first unless the lock was granted or
+    renewed less than this long ago (counted from when that call was sent); 0: always. Half a
+    renewal period by default: such a lock has most of the service's `lock_ttl_ms` (six renewal
+    periods) left, and the dispatcher refuses a stale holder's commit by its fencing token
+    whatever the client believes. The round trip took as long as the RECEIVE itself in a
+    receiver's wall time (docs/benchmarks.md, 2026-11-28)."""
+    login_reuse_ms: int = Field(1_000, ge=0)
+    """How long the login read from `kafka_password_file` is reused for the queue service's
+    calls before the file is read again (a rotated password is taken within this); 0: read on
+    every call. Reading it on every call was 12 % of a receiving client's Python."""
 
 
 class ClientSettings(QueueClientSettings):
