@@ -64,7 +64,7 @@ class SettingsError(KsbError):
 class KsbSettings(BaseModel):
     """What every KSB process needs: which broker instance, and how to reach Kafka and Redis."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     instance: str = Field("local", pattern=r"^[A-Za-z0-9_-]+$")
     kafka_bootstrap: str = "127.0.0.1:9092"
