@@ -21,6 +21,7 @@ from bench.readers import ReaderOptions
 from bench.report import format_table, write_json
 from bench.scaling import ScalingOptions
 from bench.security import SecurityOptions
+from bench.security_e2e import SecurityE2eOptions
 from bench.spark_audit import SparkOptions
 from bench.suite import Options, run
 from bench.transmission import SchedulerOptions
@@ -118,7 +119,21 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         help="messages of the interleaved drain (sent one at a time in turn over the dialogs) "
         "and of the dialog-by-dialog drain it is set against (default 200000; 0: skip)",
     )
-    g.add_argument("--no-security", action="store_true", help="skip the security on/off section")
+    g.add_argument(
+        "--no-security",
+        action="store_true",
+        help="skip both security on/off sections (KSB end to end, and a producer)",
+    )
+    g.add_argument(
+        "--no-security-e2e",
+        action="store_true",
+        help="skip KSB end to end with security on and off (the producer's section still runs)",
+    )
+    g.add_argument(
+        "--security-runs",
+        type=int,
+        help="KSB end-to-end runs per security mode (default 3, 1 with --quick)",
+    )
     g.add_argument("--no-activation", action="store_true", help="skip the activation section")
     g.add_argument(
         "--activation-dialogs", type=int, help="groups in the activation burst (default 200)"
@@ -194,6 +209,11 @@ def _options(argv: list[str] | None) -> tuple[Options, Path]:
         failover=None if a.no_failover else _failover_options(a),
         backlog=None if a.no_backlog else _backlog_options(a),
         security=None if a.no_security else _security_options(a.quick),
+        security_e2e=None
+        if a.no_security or a.no_security_e2e
+        else SecurityE2eOptions(
+            load=scaling, runs=a.security_runs or (1 if a.quick else 3), dispatchers=2
+        ),
         activation=None
         if a.no_activation
         else ActivationOptions(
@@ -315,8 +335,9 @@ def verified(results: dict[str, Any]) -> bool:
         "cross_instance",
         "priorities",
         "spark_audit",
+        "security_e2e",
     ):
-        section = results[key]
+        section = results.get(key)
         if section is not None and "error" in section:
             ok = False
     failover = results["failover"]
@@ -339,6 +360,9 @@ def verified(results: dict[str, Any]) -> bool:
         ok = False
     interleaved = (backlog or {}).get("interleaved")
     if interleaved is not None and not interleaved.get("verified_exactly_once_in_order", False):
+        ok = False
+    e2e = results.get("security_e2e")
+    if e2e is not None and not e2e.get("verified_exactly_once_in_order", False):
         ok = False
     security = results["security"]
     return ok and not (security is not None and "error" in security)

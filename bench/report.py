@@ -15,6 +15,7 @@ from bench.priorities import format_lines as priority_lines
 from bench.readers import format_lines as reader_lines
 from bench.scaling import format_lines as scaling_lines
 from bench.security import format_lines as security_lines
+from bench.security_e2e import format_lines as security_e2e_lines
 from bench.spark_audit import format_lines as spark_lines
 from bench.targets import format_lines as target_lines
 from bench.transmission import format_lines as scheduler_lines
@@ -39,6 +40,7 @@ _SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], list[str]]], ...] = 
     ("priorities", "priorities", _priorities),
     ("spark_audit", "spark audit", spark_lines),
     ("backlog", "backlog", backlog_lines),
+    ("security_e2e", "KSB end to end, security on/off", security_e2e_lines),
     ("security", "security on/off", security_lines),
 )
 """Optional sections in the order they are printed: (key, title, its lines)."""

@@ -55,9 +55,11 @@ __all__ = [
     "cpu_ms_per_message",
     "format_lines",
     "ratios",
+    "run_count",
     "run_label",
     "run_scaling",
     "sharded_instance",
+    "warm_up",
 ]
 
 log = logging.getLogger("bench.scaling")
@@ -114,7 +116,7 @@ def run_scaling(
     base: Deployment, opts: ScalingOptions, workdir: Path, stack_pids: dict[str, int]
 ) -> dict[str, Any]:
     """One e2e run per dispatcher count; ``stack_pids`` names the broker's and Redis's pids."""
-    warmup_s = _warm_up(base, opts, workdir)
+    warmup_s = warm_up(base, opts, workdir)
     runs = []
     plan = [(n, 0) for n in opts.counts] + [(n, opts.max_queue_depth) for n in opts.depth_counts]
     for n, depth in plan:
@@ -123,7 +125,7 @@ def run_scaling(
             if opts.settle_jit:
                 waited = jit_settle(stack_pids["kafka"])
                 log.info("scaling: the broker's JIT compilers idle after %.1f s", waited)
-            tries.append(_run_one(base, n, opts, workdir, stack_pids, depth, attempt))
+            tries.append(run_count(base, n, opts, workdir, stack_pids, depth, attempt))
         runs.append(median_ksb_run(tries))
     return {"config": asdict(opts), "warmup_s": warmup_s, "runs": runs}
 
@@ -149,8 +151,9 @@ def median_ksb_run(tries: list[dict[str, Any]]) -> dict[str, Any]:
     return shown
 
 
-def _warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | None:
-    """Run `opts.warmup_messages` through one dispatcher, unmeasured; how long it took."""
+def warm_up(base: Deployment, opts: ScalingOptions, workdir: Path) -> float | None:
+    """Run `opts.warmup_messages` through one dispatcher, unmeasured (on an instance of their
+    own, under `workdir`); how long it took."""
     if opts.warmup_messages <= 0:
         return None
     settings = _instance(base, "w", opts, 0)
@@ -205,7 +208,7 @@ def _load(
     )
 
 
-def _run_one(
+def run_count(
     base: Deployment,
     count: int,
     opts: ScalingOptions,
@@ -214,6 +217,8 @@ def _run_one(
     depth: int = 0,
     attempt: int = 0,
 ) -> dict[str, Any]:
+    """One measured run of `count` dispatchers (and `depth`'s queue-depth limit) on an instance
+    of its own; ``stack_pids`` are the processes of the stack counted with the run's."""
     settings = _instance(base, f"x{count}d{depth}r{attempt}", opts, depth)
     tally = Tally(expected=opts.messages)
     logs = workdir / f"scaling-{count}-d{depth}-r{attempt}"

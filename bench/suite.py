@@ -1,6 +1,7 @@
 """One benchmark run: its own stack, the raw baseline, KSB through 1, 2 and 4 dispatcher
 processes, the exactly-once peer without KSB, failover, the other sections on the same stack, the
-backlog; then, with that stack stopped, security on and off on stacks of its own.
+backlog; then, with that stack stopped, security on and off on stacks of its own: KSB end to
+end (bench/security_e2e.py), then a producer and the stacks' starts (bench/security.py).
 
 Every process started here is stopped on the way out, including after an error or a SIGTERM
 (`__main__` turns SIGTERM into SystemExit so these `finally` blocks run).
@@ -30,9 +31,10 @@ from bench.raw_kafka import run_raw
 from bench.readers import ReaderOptions, run_readers
 from bench.scaling import ScalingOptions, cpu_ms_per_message, ratios, run_label, run_scaling
 from bench.security import SecurityOptions, run_security
+from bench.security_e2e import SecurityE2eOptions, run_security_e2e
 from bench.spark_audit import SparkOptions, run_spark_audit
 from bench.stats import CpuMeter, Phases, jit_settle, peak_rss_kb
-from bench.targets import issue39
+from bench.targets import all_targets
 from bench.transmission import SchedulerOptions, run_scheduler
 from bench.txn_hop import run_txn_hops
 from devtools.deployment import Deployment, secure_instance, stack_fields
@@ -68,6 +70,9 @@ class Options:
     security: SecurityOptions | None = None
     """Secured against plaintext stacks (bench/security.py), after this run's stack has stopped;
     None skips it."""
+    security_e2e: SecurityE2eOptions | None = None
+    """KSB end to end on a secured and a plaintext stack side by side (bench/security_e2e.py),
+    after this run's stack has stopped; None skips it."""
     activation: ActivationOptions | None = None
     """The activation section (bench/activation.py) on the same stack; None skips it."""
     priorities: tuple[PriorityOptions, SchedulerOptions] | None = None
@@ -95,6 +100,7 @@ def run(opts: Options) -> dict[str, Any]:
         "priorities": None,
         "spark_audit": None,
         "backlog": None,
+        "security_e2e": None,
         "security": None,
     }
     with tempfile.TemporaryDirectory(prefix="ksb-bench-") as tmp:
@@ -214,6 +220,12 @@ def run(opts: Options) -> dict[str, Any]:
             rss_kb["redis"] = peak_rss_kb(stack.redis_pid)
             stack.stop()
             phase("stop")
+    if opts.security_e2e is not None:  # stacks of its own, with this one's stopped
+        e2e_opts = opts.security_e2e
+        with tempfile.TemporaryDirectory(prefix="ksb-bench-security-e2e-") as tmp:
+            sections["security_e2e"] = _section(lambda: run_security_e2e(e2e_opts, Path(tmp)))
+            _keep_logs(Path(tmp), opts.log_dir / "security-e2e")
+        phase("security_e2e")
     if opts.security is not None:  # stacks of its own, with this one's stopped
         security_opts = opts.security
         sections["security"] = _section(lambda: run_security(security_opts))
@@ -248,7 +260,7 @@ def run(opts: Options) -> dict[str, Any]:
         "phase_seconds": phase.seconds,
         "wall_seconds": time.monotonic() - started,
     }
-    results["targets"] = [t.as_json() for t in issue39(results)]
+    results["targets"] = [t.as_json() for t in all_targets(results)]
     return results
 
 
@@ -256,7 +268,7 @@ def _keep_logs(workdir: Path, log_dir: Path) -> None:
     """Every service log of the run (not the stack's own) into ``log_dir``, by the same path."""
     for path in workdir.rglob("*.log"):
         rel = path.relative_to(workdir)
-        if rel.parts[0] in ("stack", "spark"):
+        if rel.parts[0] in ("stack", "stacks", "spark"):
             continue
         dest = log_dir / rel
         dest.parent.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,13 @@
-"""Issue 39's benchmark targets, each read from one run's figures: met, missed, or not measured.
+"""Issue 39's benchmark targets, and issue 38's security cost, each read from one run's figures:
+met, missed, or not measured.
 
 The issue moved RECEIVE into the queue service and set what the move must buy, on this machine,
 ratios from one run. Each target here names the figure it reads and its goal; `make bench` prints
 them after its sections and writes them in the JSON (``targets``), so a run says at once which it
 met. The one target whose baseline no longer runs (readers in the client process, before the
 queue service) is set against the figure measured with that code (`IN_PROCESS_READERS_CPU_MS`).
+Issue 38 asked that security on cost KSB end to end at most a tenth of its throughput, measured in
+the same run (bench/security_e2e.py).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from typing import Any
 
 from bench.peer import ratios_over_peer
 from bench.scaling import run_label
+from bench.security_e2e import SECURED, secured_ratio
 
 __all__ = [
     "IN_PROCESS_READERS_CPU_MS",
     "THROUGHPUT_BEFORE",
     "Target",
+    "all_targets",
     "format_lines",
     "issue39",
 ]
@@ -39,10 +44,14 @@ of 3 runs: 0.690 / 0.679 / 0.547 ms) run with the code of commit c3a9d86 on a st
 warmed with 40,000 messages first (docs/benchmarks.md, 2026-11-28)."""
 PEER_RATIO = 1.0
 """KSB's throughput over the exactly-once peer's (bench/peer.py), at least."""
+SECURED_RATIO = 0.9
+"""Issue 38: KSB's end-to-end throughput on a secured stack over a plaintext one in the same
+run, at least (a throughput cost of at most 10 %)."""
 
 
 @dataclass(frozen=True)
 class Target:
+    issue: int
     name: str
     goal: str
     figure: str
@@ -67,6 +76,7 @@ def _interleaved(r: dict[str, Any]) -> Target:
     n = _get(cmp, "messages") if cmp else None
     figure = "not measured" if x is None else f"{x:.2f}x over {n:,} messages"
     return Target(
+        39,
         "interleaved backlog drain over dialog by dialog",
         f">= {INTERLEAVED_RATIO}x",
         figure,
@@ -78,6 +88,7 @@ def _first_receive(r: dict[str, Any]) -> Target:
     p50 = _get(r, "activation", "first_receive_after_activation", "p50_ms")
     count = _get(r, "activation", "first_receive_after_activation", "count")
     return Target(
+        39,
         "next reader's first RECEIVE after activation, p50",
         f"<= {FIRST_RECEIVE_P50_MS} ms",
         "not measured" if p50 is None else f"{p50:,} ms over {count} readers",
@@ -90,6 +101,7 @@ def _throughput(r: dict[str, Any]) -> Target:
     rates = {run_label(x): x["throughput"]["per_s"] for x in runs}
     figure = ", ".join(f"{label} {v:,.0f}" for label, v in rates.items()) + " msg/s"
     return Target(
+        39,
         "end-to-end throughput, 2 receivers, each dispatcher count",
         f">= {THROUGHPUT_BEFORE:,} msg/s",
         figure if rates else "not measured",
@@ -101,6 +113,7 @@ def _readers(r: dict[str, Any]) -> Target:
     cpu = _get(r, "readers", "cpu_ms_per_message", "all")
     n = _get(r, "readers", "processes")
     return Target(
+        39,
         f"CPU per message, all processes, {n or 4} reader processes",
         f"< {IN_PROCESS_READERS_CPU_MS:.3f} ms (4 in-process readers before the queue service)",
         "not measured" if cpu is None else f"{cpu:.3f} ms",
@@ -112,13 +125,34 @@ def _peer(r: dict[str, Any]) -> Target:
     peer = r.get("peer")
     runs = _get(r, "scaling", "runs") or []
     if not peer or "error" in peer or not runs:
-        return Target("KSB throughput over the EOS peer", f">= {PEER_RATIO}x", "not measured", None)
+        return Target(
+            39, "KSB throughput over the EOS peer", f">= {PEER_RATIO}x", "not measured", None
+        )
     xs = {run_label(x): ratios_over_peer(x, peer)["throughput"] for x in runs}
     return Target(
+        39,
         "KSB throughput over the EOS peer, each column",
         f">= {PEER_RATIO}x",
         ", ".join(f"{label} {v:.2f}x" for label, v in xs.items() if v is not None),
         all(v is not None and v >= PEER_RATIO for v in xs.values()),
+    )
+
+
+def _secured(r: dict[str, Any]) -> Target:
+    section = r.get("security_e2e") or {}
+    x = secured_ratio(section) if "error" not in section else None
+    rates = {m: _get(section, "runs", m, "throughput", "per_s") for m in ("plaintext", SECURED)}
+    figure = (
+        "not measured"
+        if x is None
+        else f"{x:.2f}x ({rates[SECURED]:,.0f} against {rates['plaintext']:,.0f} msg/s)"
+    )
+    return Target(
+        38,
+        f"KSB end-to-end throughput, {SECURED} stack over plaintext, same run",
+        f">= {SECURED_RATIO}x",
+        figure,
+        None if x is None else x >= SECURED_RATIO,
     )
 
 
@@ -132,14 +166,22 @@ _TARGETS: tuple[Callable[[dict[str, Any]], Target], ...] = (
 
 
 def issue39(results: dict[str, Any]) -> list[Target]:
-    """Every target, read from one run's results (the JSON `bench.suite.run` returns)."""
+    """Every issue 39 target, read from one run's results (the JSON `bench.suite.run` returns)."""
     return [target(results) for target in _TARGETS]
 
 
+def all_targets(results: dict[str, Any]) -> list[Target]:
+    """Issue 38's security cost, then issue 39's targets."""
+    return [_secured(results), *issue39(results)]
+
+
 def format_lines(targets: list[dict[str, Any]]) -> list[str]:
-    """The targets block of the printed table (from the JSON's ``targets``)."""
-    lines = ["issue 39 targets (this run):"]
-    for t in targets:
-        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
-        lines.append(f"  {t['name']}: {t['figure']} (goal {t['goal']}): {verdict}")
+    """The targets blocks of the printed table (from the JSON's ``targets``), by issue."""
+    lines: list[str] = []
+    for issue in sorted({t.get("issue", 39) for t in targets}):
+        of = [t for t in targets if t.get("issue", 39) == issue]
+        lines.append(f"issue {issue} target{'s' if len(of) > 1 else ''} (this run):")
+        for t in of:
+            verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+            lines.append(f"  {t['name']}: {t['figure']} (goal {t['goal']}): {verdict}")
     return lines

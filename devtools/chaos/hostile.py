@@ -161,32 +161,15 @@ class Volley:
             }
 
         victim = self.handles[-1] if self.handles else str(uuid.uuid4())
-        fake_msg = {
-            "v": 1,
-            "kind": "message",
-            "message_id": "forged:0",
-            "queue": INITIATOR_QUEUE,
-            "status": 1,
-            "priority": 5,
-            "queuing_order": 0,
-            "conversation_group_id": victim,
-            "conversation_handle": victim,
-            "conversation_id": victim,
-            "message_sequence_number": 99,
-            "service_name": INITIATOR,
-            "service_contract_name": CONTRACT,
-            "message_type_name": REQUEST,
-            "validation": "N",
-            "enqueued_ms": 0,
-            "body": "{}",
-        }
         add = self._add
         add("inbound on a requests topic", {"kind_not_allowed"}, topic, self._inbound("x"), handle)
         add(
             "replay by an application",
             {"kind_not_allowed"},
             topic,
-            _req("replay", message=fake_msg),
+            # Naming a made-up dead letter: the dispatcher would read it from the dead-letter
+            # topic, but an application's replay is refused before that.
+            _req("replay", queue=INITIATOR_QUEUE, message_id="forged:0", offset=0),
         )
         add(
             "fence by an application",

@@ -64,7 +64,7 @@ class SettingsError(KsbError):
 class KsbSettings(BaseModel):
     """What every KSB process needs: which broker instance, and how to reach Kafka and Redis."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     instance: str = Field("local", pattern=r"^[A-Za-z0-9_-]+$")
     kafka_bootstrap: str = "127.0.0.1:9092"
@@ -194,6 +194,17 @@ class QueueClientSettings(KsbSettings):
     queue_ssl_ca: str = ""
     """PEM file of the CA that signed the queue service's certificate: set, the client talks to
     it over TLS (a gRPC secure channel) and verifies it; empty, in the clear."""
+    lock_confirm_age_ms: int = Field(2_500, ge=0)
+    """A commit confirms its lock with a RenewLocks call first unless the lock was granted or
+    renewed less than this long ago (counted from when that call was sent); 0: always. Half a
+    renewal period by default: such a lock has most of the service's `lock_ttl_ms` (six renewal
+    periods) left, and the dispatcher refuses a stale holder's commit by its fencing token
+    whatever the client believes. The round trip took as long as the RECEIVE itself in a
+    receiver's wall time (docs/benchmarks.md, 2026-11-28)."""
+    login_reuse_ms: int = Field(1_000, ge=0)
+    """How long the login read from `kafka_password_file` is reused for the queue service's
+    calls before the file is read again (a rotated password is taken within this); 0: read on
+    every call. Reading it on every call was 12 % of a receiving client's Python."""
 
 
 class ClientSettings(QueueClientSettings):

@@ -16,12 +16,35 @@ from pathlib import Path
 import pytest
 
 from bench.cross_instance import CrossOptions, format_lines, run_cross_instance
+from bench.scaling import ScalingOptions
+from bench.security_e2e import SecurityE2eOptions, run_security_e2e
+from bench.security_e2e import format_lines as security_e2e_lines
 from devtools.deployment import secure_instance
 from tests.conftest import Stack
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run_bench(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Run the bench; past `timeout_s` stop it with SIGTERM, which it turns into stopping every
+    process it started (a SIGKILL, `subprocess.run`'s way, left its Kafka stack running)."""
+    proc = subprocess.Popen(
+        argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=45)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"the bench took over {timeout_s} s\nstdout:\n{out}\nstderr:\n{err[-5000:]}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+@pytest.mark.timeout(360)  # past the bench's own 280 s, so its stop on SIGTERM can finish
 def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     # --no-spark: the Spark section starts two JVMs cold (over a minute on a loaded machine), more
@@ -33,7 +56,7 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     # queue service replicas. Its stack's Redis is a Redis Cluster of two
     # primaries, which no other test runs the activation service on (its monitors, task
     # heartbeats and the disabled flags and policies it mirrors).
-    result = subprocess.run(
+    result = _run_bench(
         [
             sys.executable,
             "-m",
@@ -48,11 +71,7 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
             "--out",
             str(out),
         ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
+        timeout_s=280,
     )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     lines = result.stdout.splitlines()
@@ -118,10 +137,13 @@ def test_bench_quick_runs_and_prints_the_ratio(tmp_path: Path) -> None:
     readers = figures["readers"]
     assert readers["verified_exactly_once_in_order"] is True, readers["problems"]
     assert len(readers["messages_per_reader"]) == 4 and readers["cpu_ms_per_message"]["readers"] > 0
-    # each of issue 39's targets is read from the run, the skipped sections' as not measured
-    assert len(figures["targets"]) == 5 and any(
+    # each of issue 38's and 39's targets is read from the run, the skipped sections' (here the
+    # security cost) as not measured
+    assert len(figures["targets"]) == 6 and any(
         line.startswith("issue 39 targets") for line in lines
     )
+    (secured,) = [t for t in figures["targets"] if t["issue"] == 38]
+    assert secured["met"] is None and figures["security_e2e"] is None
     activation = figures["activation"]
     assert activation["verified_exactly_once"] is True, activation["problems"]
     assert activation["activations"] > 0 and activation["rounds_completed"] == 1
@@ -156,3 +178,23 @@ def test_cross_instance_bench_delivers_everything_once(stack: Stack, tmp_path: P
     assert any("cross/local" in line for line in lines)
     assert any("backlog drain after a restored link" in line for line in lines)
     assert any("tick 100 ms" in line for line in lines)
+
+
+@pytest.mark.integration
+def test_security_on_and_off_end_to_end_delivers_everything_once_on_both_stacks(
+    tmp_path: Path,
+) -> None:
+    """The section with tiny counts, on a plaintext and a secured stack of its own: both modes'
+    runs deliver every message once and in order, and the secured one is set against plaintext
+    (the ratio is there and positive, never how large)."""
+    load = ScalingOptions(
+        messages=200, dialogs=20, probes=3, warmup_messages=0, settle_jit=False, timeout_s=60
+    )
+    j = run_security_e2e(SecurityE2eOptions(load=load, runs=1), tmp_path)
+    assert j["verified_exactly_once_in_order"] is True
+    for mode in ("plaintext", "sasl"):
+        r = j["runs"][mode]
+        assert r["verified_exactly_once_in_order"] is True, r["problems"]
+        assert r["throughput"]["messages"] == 200 and r["cpu_ms_per_message"]["all"] > 0
+    assert j["ratio_over_plaintext"]["sasl"]["throughput"] > 0
+    assert any(line.strip().startswith("sasl") for line in security_e2e_lines(j))

@@ -165,7 +165,9 @@ def test_an_activated_task_ends_cleanly_when_redis_dies_under_it(
     heartbeats = redis_client(task)
     try:
         with KsbClient(task) as tasks_client:
-            processed = run_task(tasks_client, heartbeats, Q, procedure, "task-under-test", task)
+            processed = run_task(
+                tasks_client, lambda: heartbeats, Q, procedure, "task-under-test", task
+            )
     finally:
         heartbeats.close()
     assert batches == [PER_DIALOG] and processed == 0, (batches, processed)

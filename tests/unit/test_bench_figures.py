@@ -15,9 +15,13 @@ from bench.queues import ReplicaMemory
 from bench.raw_kafka import median_run
 from bench.readers import WARM, check_deliveries
 from bench.scaling import format_lines, ksb_runs_lines, median_ksb_run, raw_runs_note
+from bench.security_e2e import SecurityE2eOptions
+from bench.security_e2e import format_lines as security_e2e_lines
+from bench.security_e2e import summarize as summarize_security
 from bench.stats import Phases, ratio, run_ratios
+from bench.targets import all_targets, issue39
 from bench.targets import format_lines as target_lines
-from bench.targets import issue39
+from devtools.stack_security import SecurityMode
 
 
 def test_the_median_run_is_the_middle_rate_wherever_it_ran() -> None:
@@ -380,3 +384,30 @@ def test_each_issue_39_target_is_met_missed_or_not_measured() -> None:
         "  next reader's first RECEIVE after activation, p50: 420 ms over 12 readers "
         "(goal <= 300 ms): MISSED" in lines
     )
+
+
+def test_security_on_and_off_end_to_end_is_each_modes_median_run_and_the_target_reads_it() -> None:
+    opts = SecurityE2eOptions(runs=3)
+    tries: dict[SecurityMode, list[dict[str, Any]]] = {
+        "plaintext": [_table_run(r, 0.5) for r in (3_000.0, 3_200.0, 2_800.0)],
+        "sasl": [_table_run(r, 0.6) for r in (2_700.0, 2_600.0, 3_100.0)],
+    }
+    result = summarize_security(opts, tries, {"plaintext": 20.0, "sasl": 21.0})
+    assert result["runs"]["plaintext"]["throughput"]["per_s"] == 3_000.0
+    assert result["runs"]["sasl"]["throughput"]["per_s"] == 2_700.0
+    x = result["ratio_over_plaintext"]["sasl"]
+    assert x["throughput"] == pytest.approx(0.9) and x["cpu_all"] == pytest.approx(1.2)
+    assert set(result["ratio_over_plaintext"]) == {"sasl"}
+    (target,) = [t for t in all_targets({"security_e2e": result}) if t.issue == 38]
+    assert target.met is True and target.figure == "0.90x (2,700 against 3,000 msg/s)"
+    lines = security_e2e_lines(result)
+    sasl = next(line for line in lines if line.strip().startswith("sasl"))
+    assert "2,700 msg/s (0.90x) (runs 2,700 / 2,600 / 3,100)" in sasl
+    tries["sasl"] = [_table_run(r, 0.6) for r in (2_600.0, 2_600.0, 3_100.0)]
+    slower = summarize_security(opts, tries, {"plaintext": None, "sasl": None})
+    (target,) = [t for t in all_targets({"security_e2e": slower}) if t.issue == 38]
+    assert target.met is False
+    (target,) = [t for t in all_targets({"security_e2e": {"error": "x"}}) if t.issue == 38]
+    assert target.met is None and target.figure == "not measured"
+    printed = target_lines([t.as_json() for t in all_targets({})])
+    assert printed[0] == "issue 38 target (this run):" and "issue 39 targets (this run):" in printed

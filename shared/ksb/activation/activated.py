@@ -11,6 +11,12 @@ its removal not written, are logged), and the monitor starts readers again once 
 A task whose principal may not RECEIVE from its queue (a grant missing or revoked) ends with one
 line saying so and exit status `EXIT_NOT_AUTHORIZED`, which the activation service logs as a
 configuration fault; a procedure that cannot be loaded ends with status 2, as a usage error does.
+
+What runs before the first RECEIVE is kept to what a RECEIVE needs (the activation service waits
+on it, and a task is started per activation): the Redis client, with its import (a fifth of a
+second of CPU), is made in the heartbeat's own thread, which starts as the first RECEIVE is sent
+(the activation service registered the task in Redis as it started it, for
+``KSB_ACTIVATED_HEARTBEAT_TTL_MS``).
 """
 
 from __future__ import annotations
@@ -21,8 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-
-import redis
+from typing import TYPE_CHECKING
 
 from ksb.errors import (
     CommitRefused,
@@ -34,10 +39,12 @@ from ksb.errors import (
     SecurityError,
 )
 from ksb.names import Names
-from ksb.runtime.redis_client import best_effort, redis_client
 from ksb.sdk.client import KsbClient, Transaction
 from ksb.settings import ActivatedTaskSettings
 from ksb.wire.protocol import QueueMessage
+
+if TYPE_CHECKING:
+    import redis
 
 __all__ = ["EXIT_NOT_AUTHORIZED", "Procedure", "resolve", "run_task"]
 
@@ -62,36 +69,85 @@ def resolve(path: str) -> Procedure:
     return fn  # type: ignore[no-any-return]
 
 
+def _connect(settings: ActivatedTaskSettings) -> redis.Redis | None:
+    """A Redis client for the task's heartbeats, or None when its principal has no Redis login
+    (an `EXECUTE AS` application: the activation service that started it keeps its heartbeat)."""
+    from ksb.runtime.redis_client import redis_client  # redis's import, off the RECEIVE's path
+
+    if settings.kafka_security_protocol != "PLAINTEXT" and not settings.redis_username:
+        return None
+    try:
+        return redis_client(settings)
+    except SecurityError as exc:
+        log.warning("no heartbeats of this task's own: %s", exc.reason)
+        return None
+
+
+class Heartbeat:
+    """The task's heartbeat in Redis (the activation service counts running tasks by it), written
+    every `activated_heartbeat_ms` from a thread of its own, which also makes the Redis client
+    with `connect`: the first RECEIVE does not wait for redis's import or a connection."""
+
+    def __init__(
+        self,
+        connect: Callable[[], redis.Redis | None],
+        settings: ActivatedTaskSettings,
+        queue: str,
+        task_id: str,
+    ) -> None:
+        self._connect = connect
+        self._settings = settings
+        self._key = Names(settings.instance).tasks_key(queue)
+        self._task_id = task_id
+        self._stop = threading.Event()
+        self._redis: redis.Redis | None = None
+        self._thread = threading.Thread(target=self._run, name="ksb-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        from ksb.runtime.redis_client import best_effort  # redis's import, in this thread
+
+        try:
+            self._redis = self._connect()
+        except Exception as exc:  # the task goes on; the monitor counts it until its entry lapses
+            log.warning("no Redis client for the task heartbeat: %s", exc)
+            return
+        if self._redis is None:  # no Redis login of its own: its starter keeps its heartbeat
+            return
+        while not self._stop.is_set():
+            with best_effort(log, "task heartbeat not written; the monitor's count misses it"):
+                until = int(time.time() * 1000) + self._settings.activated_heartbeat_ttl_ms
+                self._redis.zadd(self._key, {self._task_id: until})
+            self._stop.wait(self._settings.activated_heartbeat_ms / 1000)
+
+    def stop(self) -> None:
+        """Stop beating and take the task out of the count (left to lapse if Redis fails)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2)
+        if self._redis is None:
+            return
+        from ksb.runtime.redis_client import best_effort
+
+        with best_effort(log, f"task {self._task_id} not unregistered; its heartbeat lapses"):
+            self._redis.zrem(self._key, self._task_id)
+
+
 def run_task(
     client: KsbClient,
-    heartbeats: redis.Redis | None,
+    heartbeats: Callable[[], redis.Redis | None],
     queue: str,
     procedure: Procedure,
     task_id: str,
     settings: ActivatedTaskSettings,
 ) -> int:
     """RECEIVE and process until the queue stays empty; returns the messages processed. The
-    task's heartbeat goes to Redis through `heartbeats` (the activation service counts it),
-    unless it has none."""
-    names = Names(settings.instance)
+    task's heartbeat goes to Redis through the client `heartbeats` makes (in the heartbeat's
+    thread: `Heartbeat`)."""
     idle_ms = settings.activated_idle_ms
-    tasks_key = names.tasks_key(queue)
-    stop = threading.Event()
-
-    def beat() -> None:
-        if heartbeats is None:
-            return
-        with best_effort(log, "task heartbeat not written; the monitor's count misses it"):
-            until = int(time.time() * 1000) + settings.activated_heartbeat_ttl_ms
-            heartbeats.zadd(tasks_key, {task_id: until})
-
-    def heartbeat() -> None:
-        while not stop.is_set():
-            beat()
-            stop.wait(settings.activated_heartbeat_ms / 1000)
-
-    beat()
-    beating = threading.Thread(target=heartbeat, daemon=True)
+    beating = Heartbeat(heartbeats, settings, queue, task_id)
     beating.start()
     processed = 0
     try:
@@ -124,24 +180,8 @@ def run_task(
                 continue
             processed += len(msgs)
     finally:
-        stop.set()
-        beating.join(2)
-        if heartbeats is not None:
-            with best_effort(log, f"task {task_id} not unregistered; its heartbeat lapses"):
-                heartbeats.zrem(tasks_key, task_id)
+        beating.stop()
     return processed
-
-
-def _heartbeats(settings: ActivatedTaskSettings) -> redis.Redis | None:
-    """A Redis client for the task's heartbeats, or None when its principal has no Redis login
-    (the activation service that started it keeps its heartbeat then)."""
-    if settings.kafka_security_protocol != "PLAINTEXT" and not settings.redis_username:
-        return None
-    try:
-        return redis_client(settings)
-    except SecurityError as exc:
-        log.warning("no heartbeats of this task's own: %s", exc.reason)
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,16 +202,22 @@ def main(argv: list[str] | None = None) -> int:
         log.error("task %s: %s", task_id, exc.reason)
         return EXIT_USAGE
     settings = ActivatedTaskSettings.from_env()
-    heartbeats = _heartbeats(settings)
+    made: list[redis.Redis] = []
+
+    def connect() -> redis.Redis | None:
+        client = _connect(settings)
+        made.extend([client] if client is not None else [])
+        return client
+
     try:
         with KsbClient(settings) as client:
-            n = run_task(client, heartbeats, queue, procedure, task_id, settings)
+            n = run_task(client, connect, queue, procedure, task_id, settings)
     except NotAuthorized as exc:
         log.error("task %s ends: it may not RECEIVE from %s: %s", task_id, queue, exc.reason)
         return EXIT_NOT_AUTHORIZED
     finally:
-        if heartbeats is not None:
-            heartbeats.close()
+        for r in made:
+            r.close()
     log.info("task %s done: %d message(s)", task_id, n)
     return 0
 

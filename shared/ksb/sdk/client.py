@@ -358,15 +358,15 @@ class Transaction:
             received=list(self._received),
             lock_only=lock_only,
         )
-        reply: pb.ReceiveReply = self._client.queues.call(
-            "Receive", request, wait_s=waitfor_ms / 1000
-        )
+        queues = self._client.queues
+        sent = queues.now()
+        reply: pb.ReceiveReply = queues.call("Receive", request, wait_s=waitfor_ms / 1000)
         if not reply.lease:
             return None
         if not self._lease:
             self._queue, self._lease = queue, reply.lease
             self._group, self._token = reply.conversation_group_id, reply.token
-            self._client.queues.hold(self._lease)
+            queues.hold(self._lease, sent)
         return reply
 
     def begin_dialog(
@@ -488,12 +488,13 @@ class Transaction:
             log.warning("group %s not let go (%s); its lock lapses", self._group, exc.reason)
 
     def _confirm_lock(self) -> None:
-        """Renew the lock before committing under it, or give it up and raise `LockLost`: a
-        commit whose lock cannot be confirmed must not go ahead, and its messages come back once
-        the lock expires."""
+        """Confirm the lock before committing under it (a RenewLocks call unless it was granted
+        or renewed a moment ago: `QueueServiceClient.confirm`), or give it up and raise
+        `LockLost`: a commit whose lock cannot be confirmed must not go ahead, and its messages
+        come back once the lock expires."""
         queues = self._client.queues
         try:
-            held = queues.still_held(self._lease) and queues.renew(self._lease)
+            held = queues.confirm(self._lease)
             why = "lost the lock"
         except KsbError as exc:
             held = False

@@ -5,7 +5,9 @@ sends them over gRPC to the first replica of `ClientSettings.queue_addresses` th
 its principal's login in every call's metadata. A replica that does not answer (UNAVAILABLE, or
 no answer within the call's time) is left for the next one: every call carries all it needs (the
 lease, what the transaction received), so a transaction goes on on another replica. Locks its
-open transactions hold are renewed from a thread of its own every `lock_renew_ms`. With
+open transactions hold are renewed from a thread of its own every `lock_renew_ms`; a commit
+confirms its lock first only when the last grant or renewal is older than `lock_confirm_age_ms`,
+and the login read from a password file is reused for `login_reuse_ms`. With
 `QueueClientSettings.queue_ssl_ca` the channels are TLS and the replicas are verified against
 that CA: the login in each call's metadata then never crosses the network in clear.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -74,8 +78,13 @@ def error_of(exc: grpc.RpcError) -> KsbError:
 class QueueServiceClient:
     """Calls to the queue service's replicas, and the renewal of the locks held."""
 
-    def __init__(self, settings: QueueClientSettings) -> None:
+    def __init__(
+        self, settings: QueueClientSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.settings = settings
+        self._clock = clock
+        self._login: tuple[float, tuple[tuple[str, str | bytes], ...]] | None = None
+        """When the login was read, and the metadata made of it (`login_reuse_ms`)."""
         self._addresses = [a.strip() for a in settings.queue_addresses.split(",") if a.strip()]
         if not self._addresses:
             raise ProtocolError("KSB_QUEUE_ADDRESSES names no queue service replica")
@@ -96,18 +105,28 @@ class QueueServiceClient:
         self._lock = threading.Lock()
         self._leases: dict[str, bool] = {}
         """The leases of open transactions -> still held (as the last renewal said)."""
+        self._since: dict[str, float] = {}
+        """The leases of open transactions -> when the call that granted or last renewed each
+        was sent (`clock`): a lock lasts from then at least."""
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_loop, name="ksb-renew", daemon=True)
         self._renewer.start()
 
     @property
     def metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        """The login every call carries (re-read, so a rotated password file is taken)."""
+        """The login every call carries, read again after `login_reuse_ms` (so a rotated
+        password file is taken without a restart, but not read on every call)."""
         s = self.settings
         if s.kafka_security_protocol == "PLAINTEXT":
             return (("ksb-principal", s.acting_principal),) if s.acting_principal else ()
+        now = self._clock()
+        cached = self._login
+        if cached is not None and now - cached[0] < s.login_reuse_ms / 1000:
+            return cached[1]
         login = kafka_login(s, s.kafka_bootstrap)
-        return (("ksb-principal", login.username), ("ksb-password", login.password))
+        metadata = (("ksb-principal", login.username), ("ksb-password", login.password))
+        self._login = (now, metadata)
+        return metadata
 
     # ----------------------------------------------------------------- calls
     def call(self, method: str, request: Any, *, wait_s: float = 0.0) -> Any:
@@ -194,24 +213,51 @@ class QueueServiceClient:
             self._current = (at + 1) % len(self._addresses)
 
     # ----------------------------------------------------------------- held locks
-    def hold(self, lease: str) -> None:
-        """Renew `lease` from now until `let_go`."""
+    def hold(self, lease: str, granted_at: float) -> None:
+        """Renew `lease` from now until `let_go`; `granted_at` is when the call that granted it
+        was sent (`now`)."""
         with self._lock:
             self._leases[lease] = True
+            self._since[lease] = granted_at
 
     def let_go(self, lease: str) -> None:
         with self._lock:
             self._leases.pop(lease, None)
+            self._since.pop(lease, None)
 
-    def still_held(self, lease: str) -> bool:
-        """What the last renewal said of `lease` (True until one said otherwise)."""
+    def now(self) -> float:
+        """The clock `hold`'s `granted_at` is read from."""
+        return self._clock()
+
+    def confirm(self, lease: str) -> bool:
+        """Whether `lease`'s lock may be committed under: still held, and granted or renewed
+        less than `lock_confirm_age_ms` ago, or else renewed now (a round trip). False when
+        the lock is no longer held."""
         with self._lock:
-            return self._leases.get(lease, False)
+            held, since = self._leases.get(lease, False), self._since.get(lease)
+        if not held:
+            return False
+        age_s = self._clock() - since if since is not None else None
+        if age_s is not None and age_s < self.settings.lock_confirm_age_ms / 1000:
+            return True
+        return self.renew(lease)
 
     def renew(self, lease: str) -> bool:
         """Renew one lease now: False when its lock is no longer held."""
+        sent = self._clock()
         reply = self.call("RenewLocks", pb.RenewLocksRequest(leases=[lease]))
-        return bool(reply.held and reply.held[0])
+        held = bool(reply.held and reply.held[0])
+        self._renewed({lease: held}, sent)
+        return held
+
+    def _renewed(self, held: dict[str, bool], sent: float) -> None:
+        """What a RenewLocks call sent at `sent` said of each lease still open."""
+        with self._lock:
+            for lease, ok in held.items():
+                if lease in self._leases:
+                    self._leases[lease] = ok
+                    if ok:
+                        self._since[lease] = max(self._since.get(lease, sent), sent)
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.settings.lock_renew_ms / 1000):
@@ -219,15 +265,13 @@ class QueueServiceClient:
                 leases = list(self._leases)
             if not leases:
                 continue
+            sent = self._clock()
             try:
                 reply = self.call("RenewLocks", pb.RenewLocksRequest(leases=leases))
             except KsbError as exc:
                 log.warning("%d locks not renewed this time: %s", len(leases), exc.reason)
                 continue
-            with self._lock:
-                for lease, held in zip(leases, reply.held, strict=True):
-                    if lease in self._leases:
-                        self._leases[lease] = held
+            self._renewed(dict(zip(leases, reply.held, strict=True)), sent)
 
     def close(self) -> None:
         self._stop.set()
