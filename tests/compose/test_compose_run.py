@@ -208,10 +208,26 @@ def _secret_of(principal: str, instance: str) -> str:
     return f"{principal.removeprefix(f'ksb-{instance}-')}-password"
 
 
+def _redis_secret_of(principal: str, instance: str) -> str:
+    """The secret holding a principal's Redis password (another than its Kafka one)."""
+    return _secret_of(principal, instance).replace("-password", "-redis-password")
+
+
+def _readers_logins(env: dict[str, Any]) -> set[str]:
+    """The secrets an external activator holds for its readers (its configuration's `logins`,
+    each the password file of the principal its readers run as)."""
+    config = env.get("KSB_EXTERNAL_ACTIVATOR_CONFIG")
+    if config is None:
+        return set()
+    logins = yaml.safe_load((REPO_ROOT / config.removeprefix("/app/")).read_text())["logins"]
+    return {login["kafka_password_file"].rsplit("/", 1)[-1] for login in logins.values()}
+
+
 def _secrets_needed(svc: dict[str, Any], every: set[str], instance: str) -> set[str]:
     """What a container's role needs, by the rule the compose file must follow: a KSB process
-    its principal's password (admin: both of admin's, and every principal's to make their
-    users), plus the lease key for the services that seal or open leases; Kafka the broker's and
+    its principal's passwords, Kafka's and, with a Redis user, Redis's (admin: both of admin's,
+    and every principal's to make their users), plus the lease key for the services that seal
+    or open leases, and an external activator its readers' logins; Kafka the broker's and
     admin's Kafka passwords; Redis admin's; nothing for anyone else."""
     env = svc.get("environment") or {}
     user = env.get("KSB_KAFKA_USERNAME")
@@ -225,7 +241,8 @@ def _secrets_needed(svc: dict[str, Any], every: set[str], instance: str) -> set[
         lease = (
             {LEASE_KEY} if command[2:3] in (["services.dispatcher"], ["services.queue"]) else set()
         )
-        return {_secret_of(user, instance)} | lease
+        redis = {_redis_secret_of(user, instance)} if "KSB_REDIS_USERNAME" in env else set()
+        return {_secret_of(user, instance)} | redis | lease | _readers_logins(env)
     image = str(svc.get("image", ""))
     if "kafka" in image:
         return {"broker-password", "admin-kafka-password"}
@@ -484,8 +501,8 @@ def _redis(run: ComposeRun, user: str, password: str, *command: str) -> str:
 
 
 def _redis_password(values: dict[str, str], user: str, instance: str) -> str:
-    """A Redis user's password: admin's Redis one, else its principal's."""
-    return values["admin-redis-password" if user == "admin" else _secret_of(user, instance)]
+    """A Redis user's password: admin's Redis one, else its principal's Redis one."""
+    return values["admin-redis-password" if user == "admin" else _redis_secret_of(user, instance)]
 
 
 def test_every_principal_logs_in_to_redis_after_a_restart(stack: ComposeRun) -> None:
