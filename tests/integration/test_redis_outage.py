@@ -76,9 +76,15 @@ def settings(
     stack: Stack, unique: str, redis_node: RedisNode, tmp_path: Path
 ) -> Iterator[Deployment]:
     """This test's instance on its own Redis (its queue service's: where the locks are); a short
-    Redis timeout, so a stall fails fast."""
+    Redis timeout, so a stall fails fast. Every commit confirms its lock first
+    (``lock_confirm_age_ms`` 0), so Redis's death shows at the commit: by default a lock granted
+    moments ago commits on its lease alone, which the dispatcher checks, and is applied."""
     base = stack.deployment(
-        instance=f"t{unique}", redis_url=redis_node.url, lock_ttl_ms=15_000, redis_timeout_ms=500
+        instance=f"t{unique}",
+        redis_url=redis_node.url,
+        lock_ttl_ms=15_000,
+        redis_timeout_ms=500,
+        lock_confirm_age_ms=0,
     )
     with serving(secure_instance(base), tmp_path / "queue-store") as secured:
         yield secured
