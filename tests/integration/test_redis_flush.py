@@ -42,6 +42,18 @@ INIT, TGT, CON = "//t/Initiator", "//t/Target", "//t/Contract"
 Q = "TargetQueue"
 
 
+@pytest.fixture
+def settings(settings: Deployment) -> Deployment:
+    """The instance's settings with every commit confirming its lock first
+    (``lock_confirm_age_ms`` 0): these tests take a lock from under its holder within moments of
+    its grant (a flush, an expiry forced in Redis), which the SDK's default, committing a lock
+    granted less than 2.5 s ago on its lease alone, would not notice. Then the holder's commit is
+    applied and the new holder's refused: exactly once still, the other way round. A holder
+    that really stalls has its lock expire only after ``lock_ttl_ms`` without renewal, long past
+    that age, and confirms before it commits."""
+    return settings.model_copy(update={"lock_confirm_age_ms": 0})
+
+
 def _flushall(settings: Deployment) -> None:
     r = redis_client(settings.as_principal(ADMIN))  # FLUSHALL is the admin's alone
     try:
