@@ -200,7 +200,10 @@ class QueueClientSettings(KsbSettings):
     renewal period by default: such a lock has most of the service's `lock_ttl_ms` (six renewal
     periods) left, and the dispatcher refuses a stale holder's commit by its fencing token
     whatever the client believes. The round trip took as long as the RECEIVE itself in a
-    receiver's wall time (docs/benchmarks.md, 2026-11-28)."""
+    receiver's wall time (docs/benchmarks.md, 2026-11-28). The price: a lock Redis loses
+    (a flush, a restart without its data) less than this long after its grant is not noticed by
+    its holder, whose commit is then applied on its lease and the next holder's refused (exactly
+    once either way)."""
     login_reuse_ms: int = Field(1_000, ge=0)
     """How long the login read from `kafka_password_file` is reused for the queue service's
     calls before the file is read again (a rotated password is taken within this); 0: read on
