@@ -62,6 +62,11 @@ retry blocked the loop past its poll interval, the member lost its shard, got it
 blocked again, and the shard stood still for the rest of the run (chaos harness, seed 1454).
 A refused transaction written again (`write_again`) is aborted under this limit too."""
 
+REPORTS_WAIT_S = 1.0
+"""How long a failed transaction waits for the delivery reports that say why, when Kafka's
+answer was only that the transaction had already failed (``_STATE``): a reason, and the record
+it names, come in a report still queued (`services.dispatcher.recovery`)."""
+
 WRITE_AGAIN_ATTEMPTS = 2
 """How often a refused transaction is written again before its shards are rebuilt instead. A
 write-again was seen to fail with OUT_OF_ORDER_SEQUENCE_NUMBER ("skipped sequence numbers,

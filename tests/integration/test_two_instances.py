@@ -19,6 +19,7 @@ from confluent_kafka import Producer
 from devtools.deployment import Deployment, secure_instance
 from devtools.queue_services import ThreadQueueService, with_queues
 from ksb.catalog.model import Catalog, parse_catalog
+from ksb.errors import QueueDisabled
 from ksb.names import Names
 from ksb.runtime.catalog_store import apply_catalog
 from ksb.runtime.kafka import client_security
@@ -35,6 +36,7 @@ from tests.integration.conftest import BASIC_CATALOG, ThreadDispatcher
 from tests.integration.support import (
     check_exactly_once_in_order,
     endpoints,
+    queue_receipts,
     read_topic,
     receive_all,
     wait_endpoint,
@@ -557,8 +559,13 @@ def test_local_messages_wait_in_the_transmission_queue_while_the_target_queue_is
     assert {r["status"] for r in rows} == {"QUEUE_DISABLED"}
     assert all("'TargetQueue'" in r["last_failure"] for r in rows)
     assert {r["to_instance"] for r in rows} == {solo.settings.instance}
-    with solo.client.transaction() as tx:
-        assert tx.receive("TargetQueue", waitfor_ms=300) == []  # nothing reached the queue
+    # RECEIVE on a disabled queue fails, as SQL Server's does (error 9617)
+    tx = solo.client.transaction()
+    with pytest.raises(QueueDisabled):
+        tx.receive("TargetQueue", waitfor_ms=300)
+    tx.rollback()
+    # and nothing reached the queue
+    assert not [m for m, _ in queue_receipts(solo.settings, "TargetQueue").values() if m]
     # For the sender nothing failed: its SENDs were accepted, the dialog goes on.
     assert endpoints(solo.settings)[handles[0]].state.name == "CONVERSING"
     apply_catalog(solo.settings, parse_catalog(_with_target_queue(BASIC_CATALOG, "ON")))
