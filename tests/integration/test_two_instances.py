@@ -40,6 +40,7 @@ from tests.integration.support import (
     read_topic,
     receive_all,
     wait_endpoint,
+    wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -549,6 +550,19 @@ def _with_target_queue(catalog: dict[str, Any], status: str) -> dict[str, Any]:
     return {**catalog, "queues": queues}
 
 
+def _enabled(inst: Instance) -> bool:
+    """Whether RECEIVE on the target queue is no longer refused (the queue service reads a
+    new catalog on its own time); what it received is given back."""
+    tx = inst.client.transaction()
+    try:
+        tx.receive("TargetQueue", waitfor_ms=0)
+    except QueueDisabled:
+        return False
+    finally:
+        tx.rollback()
+    return True
+
+
 def test_local_messages_wait_in_the_transmission_queue_while_the_target_queue_is_disabled(
     solo: Instance,
 ) -> None:
@@ -572,6 +586,7 @@ def test_local_messages_wait_in_the_transmission_queue_while_the_target_queue_is
     # Sent after the queue came back, but behind the held ones of its conversation.
     solo.client.send(handles[0], "//t/Request", json.dumps({"conv": 0, "n": 5}))
     solo.client.flush()
+    wait_for("the queue service to take the queue's STATUS ON", lambda: _enabled(solo), 30)
     got = receive_all(solo.client, "TargetQueue", 21, timeout_s=60)
     bodies = [json.loads(m.message_body) for m in got]
     assert [b["n"] for b in bodies if b["conv"] == 0] == [0, 1, 2, 3, 4, 5]
