@@ -29,12 +29,12 @@ from ksb.wire.protocol import (
     DeadLetterRequest,
     EndRequest,
     FenceRequest,
-    InboundMessage,
     QueueMessage,
     ReplayRequest,
     SendRequest,
     TimerRequest,
 )
+from tests.unit.test_engine_remote import _from_a
 
 CATALOG: dict[str, Any] = {
     "message_types": [{"name": "Req"}],
@@ -68,20 +68,7 @@ SAMPLES: dict[str, AnyRequest] = {
     "dead_letter": DeadLetterRequest(message=MESSAGE, reason="r"),
     "fence": FenceRequest(queue="TQ", group="g", below=1),
     "replay": ReplayRequest(queue="TQ", message_id=MESSAGE.message_id, offset=0),
-    "inbound": InboundMessage(
-        message_id="m",
-        conversation_id="c",
-        from_instance="a",
-        to_instance="u",
-        from_service="Init",
-        to_service="Tgt",
-        contract="C",
-        message_type="Req",
-        from_initiator=True,
-        seq=0,
-        priority=5,
-        enqueued_ms=0,
-    ),
+    "inbound": _from_a(0, "Req", "{}", to_instance="u"),
 }
 """One request of every kind the dispatcher applies (fragments are joined into ``inbound``
 before they are checked, and relayed records are checked where they were first read)."""
